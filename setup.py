@@ -1,0 +1,40 @@
+"""Packaging for ampinit.
+
+Dependencies are declared here (not only in pyproject.toml) because the CI script and the README install
+with ``pip install -e .[test]`` and the issue that founded the project asks for a setup.py.  torch is a
+lower bound only: CI installs ``torch==2.13.0`` (the CPU wheel) *before* this package, so pip never has to
+pick a torch build itself.
+"""
+
+import re
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+_HERE = Path(__file__).parent
+_VERSION = re.search(
+    r'^__version__ = "([^"]+)"', (_HERE / "ampinit" / "_version.py").read_text(), re.MULTILINE
+).group(1)  # type: ignore[union-attr]
+
+setup(
+    name="ampinit",
+    version=_VERSION,
+    description="Automatic mixed precision for PyTorch with the NVIDIA Apex amp API (O0-O5), no compilation needed",
+    long_description=(_HERE / "README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    license="BSD-3-Clause",
+    python_requires=">=3.9",
+    packages=find_packages(include=["ampinit", "ampinit.*"]),
+    package_data={"ampinit": ["py.typed"]},
+    install_requires=["torch>=2.4", "packaging"],
+    extras_require={
+        "test": ["pytest>=7", "hypothesis>=6"],
+        "dev": ["mypy>=1.8", "ruff>=0.4"],
+    },
+    entry_points={"console_scripts": ["ampinit=ampinit.cli:main"]},
+    classifiers=[
+        "Programming Language :: Python :: 3",
+        "Intended Audience :: Science/Research",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    ],
+)
