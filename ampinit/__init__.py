@@ -1,5 +1,47 @@
-"""ampinit: automatic mixed precision for PyTorch with the NVIDIA Apex ``amp`` API."""
+"""ampinit: automatic mixed precision for PyTorch with the NVIDIA Apex ``amp`` API.
 
+    from ampinit import amp            # or: import ampinit as amp
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O2")
+    with amp.scale_loss(loss, optimizer) as scaled_loss:
+        scaled_loss.backward()
+    optimizer.step()
+"""
+
+from ampinit._initialize import (
+    current_session,
+    deinitialize,
+    disable_casts,
+    initialize,
+    load_state_dict,
+    master_params,
+    scale_loss,
+    session_of,
+    state_dict,
+    stats,
+    step_was_skipped,
+)
+from ampinit._loss_scale import DynamicLossScale
+from ampinit._opt_levels import Properties
+from ampinit._scaler import LossScaleAtMinimumError
+from ampinit._session import AmpSession, AmpStats
 from ampinit._version import __version__
 
-__all__ = ["__version__"]
+__all__ = [
+    "AmpSession",
+    "AmpStats",
+    "DynamicLossScale",
+    "LossScaleAtMinimumError",
+    "Properties",
+    "__version__",
+    "current_session",
+    "deinitialize",
+    "disable_casts",
+    "initialize",
+    "load_state_dict",
+    "master_params",
+    "scale_loss",
+    "session_of",
+    "state_dict",
+    "stats",
+    "step_was_skipped",
+]

@@ -1,0 +1,5 @@
+import sys
+
+from ampinit.cli import main
+
+sys.exit(main())

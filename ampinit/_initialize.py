@@ -1,0 +1,305 @@
+"""``initialize`` and the module-level functions that act on a session (orchestration layer)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from ampinit import _registry
+from ampinit._loss_scale import DynamicLossScale
+from ampinit._opt_levels import LEVELS, resolve, unknown_level_message
+from ampinit._session import AmpSession, AmpStats
+from ampinit._types import HALF_DTYPES
+
+_PARALLEL_WRAPPERS: tuple[type, ...] = (nn.DataParallel, nn.parallel.DistributedDataParallel)
+_NOT_INITIALIZED = (
+    "Invoked 'with amp.scale_loss`, but internal Amp state has not been initialized.  "
+    "model, optimizer = amp.initialize(model, optimizer, opt_level=...) must be called before `with amp.scale_loss`."
+)
+
+
+def initialize(
+    models: Any,
+    optimizers: Any = None,
+    enabled: bool = True,
+    opt_level: str = "O1",
+    cast_model_type: torch.dtype | bool | None = None,
+    patch_torch_functions: bool | str | None = None,
+    keep_batchnorm_fp32: bool | str | None = None,
+    master_weights: bool | str | None = None,
+    loss_scale: float | str | DynamicLossScale | None = None,
+    cast_model_outputs: torch.dtype | None = None,
+    num_losses: int = 1,
+    verbosity: int = 1,
+    min_loss_scale: float | None = None,
+    max_loss_scale: float = 2.0**24,
+    *,
+    patch_torch_functions_type: torch.dtype | None = None,
+) -> Any:
+    """Prepare models and optimizers for mixed-precision training at ``opt_level``.
+
+    Apex's signature, defaults and return shape: give a model (or a list of models) and optionally an optimizer
+    (or a list), get back the same shape: ``model``, ``(model, optimizer)``, ``([m1, m2], [o1, o2])``...
+
+    Args:
+        models: the ``nn.Module`` (or list) to prepare. Pass it *before* wrapping it in DistributedDataParallel.
+        optimizers: the optimizer (or list) that trains them; required for training.
+        enabled: ``False`` returns everything untouched and makes ``scale_loss`` a pass-through.
+        opt_level: ``"O0"`` (fp32) ... ``"O5"`` (bf16 model, fp32 masters); see docs/opt-levels.md.
+        cast_model_type, patch_torch_functions, keep_batchnorm_fp32, master_weights, loss_scale: overrides of
+            the level's properties (``None`` keeps the level's value). Apex's strings are accepted: ``"True"``,
+            ``"False"``, ``"128.0"``, ``"dynamic"``. ``loss_scale`` also takes a :class:`DynamicLossScale`.
+        cast_model_outputs: dtype for the model's floating outputs (default: fp32 when the model is cast).
+        num_losses: how many losses (``loss_id`` values) get their own loss scaler.
+        verbosity: 0 silences ampinit's log messages, 1 logs the option table and overflows.
+        min_loss_scale, max_loss_scale: floor and ceiling of the dynamic loss scale.
+        patch_torch_functions_type: the O1/O4 cast dtype (``torch.float16`` or ``torch.bfloat16``).
+
+    Returns:
+        The models and optimizers, in the shape they were given. Optimizers are the same objects; with master
+        weights their param groups now hold fp32 masters.
+    """
+    _check_number("num_losses", num_losses, minimum=1, integer=True)
+    _check_number("verbosity", verbosity, minimum=0, integer=True)
+    model_list, models_were_list = _as_list(models, nn.Module, "models must be either a single model or a list of models.")
+    optimizer_list, optimizers_were_list = _as_optimizer_list(optimizers)
+
+    if not enabled:
+        properties = resolve("O0" if opt_level not in LEVELS else opt_level, {"enabled": False})
+    else:
+        if opt_level not in LEVELS:
+            raise RuntimeError(unknown_level_message(opt_level))
+        properties = resolve(
+            opt_level,
+            {
+                "enabled": enabled,
+                "cast_model_type": cast_model_type,
+                "patch_torch_functions": patch_torch_functions,
+                "patch_torch_functions_type": patch_torch_functions_type,
+                "keep_batchnorm_fp32": keep_batchnorm_fp32,
+                "master_weights": master_weights,
+                "loss_scale": loss_scale,
+            },
+        )
+        _check_loss_scale_bounds(properties.loss_scale, min_loss_scale, max_loss_scale)
+        if cast_model_outputs is not None and not isinstance(cast_model_outputs, torch.dtype):
+            raise TypeError(f"cast_model_outputs must be a torch.dtype or None, got {cast_model_outputs!r}")
+        _check_models(model_list)
+        _check_optimizers(optimizer_list)
+
+    _check_ownership(model_list, optimizer_list)
+    AmpSession(
+        model_list,
+        optimizer_list,
+        properties,
+        num_losses=num_losses,
+        cast_model_outputs=cast_model_outputs,
+        min_loss_scale=min_loss_scale,
+        max_loss_scale=max_loss_scale,
+        verbosity=verbosity,
+    )
+    return _same_shape(models, optimizers, model_list, optimizer_list, models_were_list, optimizers_were_list)
+
+
+# -- argument checks --------------------------------------------------------------------------------------------
+def _as_list(value: Any, kind: type, message: str) -> tuple[list[Any], bool]:
+    if isinstance(value, kind):
+        return [value], False
+    if isinstance(value, list) and all(isinstance(v, kind) for v in value):
+        return list(value), True
+    raise TypeError(message)
+
+
+def _as_optimizer_list(optimizers: Any) -> tuple[list[torch.optim.Optimizer], bool]:
+    if optimizers is None:
+        return [], False
+    optimizer_list, were_list = _as_list(
+        optimizers,
+        torch.optim.Optimizer,
+        "optimizers must be either a single optimizer or a list of optimizers.",
+    )
+    seen: set[int] = set()
+    for opt in optimizer_list:
+        if id(opt) in seen:
+            raise RuntimeError("A given optimizer should only be passed through amp.initialize once.")
+        seen.add(id(opt))
+    return optimizer_list, were_list
+
+
+def _check_number(name: str, value: Any, *, minimum: float, integer: bool) -> None:
+    kinds = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds) or value < minimum:
+        kind = "an int" if integer else "a number"
+        raise ValueError(f"{name} must be {kind} >= {minimum}, got {value!r}")
+
+
+def _check_loss_scale_bounds(setting: Any, min_loss_scale: float | None, max_loss_scale: float) -> None:
+    if min_loss_scale is not None:
+        _check_number("min_loss_scale", min_loss_scale, minimum=0, integer=False)
+    _check_number("max_loss_scale", max_loss_scale, minimum=0, integer=False)
+    if isinstance(setting, DynamicLossScale) and (min_loss_scale is not None or max_loss_scale != 2.0**24):
+        raise ValueError(
+            "With loss_scale=DynamicLossScale(...), set min_scale and max_scale on the DynamicLossScale, "
+            f"not min_loss_scale={min_loss_scale!r} / max_loss_scale={max_loss_scale!r} on initialize()."
+        )
+    if min_loss_scale and min_loss_scale > max_loss_scale:
+        raise ValueError(f"min_loss_scale ({min_loss_scale!r}) must not exceed max_loss_scale ({max_loss_scale!r})")
+
+
+def _check_models(models: list[nn.Module]) -> None:
+    for model in models:
+        if isinstance(model, _PARALLEL_WRAPPERS):
+            raise RuntimeError(
+                f"Incoming model is an instance of {type(model)}. Parallel wrappers should only be applied to the "
+                "model(s) AFTER \nthe model(s) have been returned from amp.initialize."
+            )
+        for kind, named in (("param", model.named_parameters()), ("buffer", model.named_buffers())):
+            for name, tensor in named:
+                if tensor.dtype in HALF_DTYPES:
+                    raise RuntimeError(
+                        f"Found {kind} {name} with type {tensor.type()}, expected torch.FloatTensor.\n"
+                        "When using amp.initialize, you do not need to call .half() on your model\n"
+                        "before passing it, no matter what optimization level you choose."
+                    )
+
+
+def _check_optimizers(optimizers: list[torch.optim.Optimizer]) -> None:
+    for opt in optimizers:
+        for group in opt.param_groups:
+            for param in group["params"]:
+                if param.dtype not in (torch.float32, *HALF_DTYPES):
+                    raise TypeError(
+                        "Optimizer's parameters must be float32, float16 or bfloat16 tensors. "
+                        f"Received {param.type()}"
+                    )
+
+
+def _check_ownership(models: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> None:
+    for obj in (*models, *optimizers):
+        owner = _registry.owner_of(obj)
+        if owner is not None and not owner.closed:
+            kind = "model" if isinstance(obj, nn.Module) else "optimizer"
+            raise RuntimeError(
+                f"This {kind} ({type(obj).__name__}) already belongs to a live amp session ({owner!r}). "
+                "Call ampinit.deinitialize() (or session.close()) before initializing it again."
+            )
+
+
+def _same_shape(
+    models: Any,
+    optimizers: Any,
+    model_list: list[nn.Module],
+    optimizer_list: list[torch.optim.Optimizer],
+    models_were_list: bool,
+    optimizers_were_list: bool,
+) -> Any:
+    out_models: Any = model_list if models_were_list else model_list[0]
+    if optimizers is None:
+        return out_models
+    out_optimizers: Any = optimizer_list if optimizers_were_list else optimizer_list[0]
+    return out_models, out_optimizers
+
+
+# -- module-level functions (Apex's global API) --------------------------------------------------------------------
+def current_session() -> AmpSession | None:
+    """The most recent open session (the one module-level functions act on), or ``None``."""
+    return _registry.current()
+
+
+def session_of(obj: nn.Module | torch.optim.Optimizer) -> AmpSession | None:
+    """The open session that owns ``obj`` (a model or an optimizer), or ``None``."""
+    return _registry.owner_of(obj)
+
+
+def _require_session(what: str) -> AmpSession:
+    session = _registry.current()
+    if session is None:
+        raise RuntimeError(f"{what} needs an amp session: call ampinit.initialize(model, optimizer, ...) first.")
+    return session
+
+
+def scale_loss(
+    loss: torch.Tensor,
+    optimizers: Any,
+    loss_id: int = 0,
+    model: nn.Module | None = None,
+    delay_unscale: bool = False,
+    delay_overflow_check: bool = False,
+) -> contextlib.AbstractContextManager[torch.Tensor]:
+    """Context manager yielding ``loss`` times the loss scale; call ``backward()`` on what it yields.
+
+    On exit the gradients of ``optimizers``' parameters are unscaled (into fp32 master grads with master
+    weights) and checked for inf/NaN; an overflow makes the next ``optimizer.step()`` a skipped step and
+    backs the dynamic scale off.
+
+    Args:
+        loss: the loss tensor.
+        optimizers: the optimizer (or list) whose parameters receive this backward's gradients.
+        loss_id: which loss scaler to use, in ``[0, num_losses)``.
+        model: unused, reserved (Apex's signature).
+        delay_unscale: leave the gradients scaled, to accumulate several backward passes; the last block
+            before ``step()`` must not set it.
+        delay_overflow_check: decide the skip and the scale update at ``optimizer.step()`` instead of here.
+    """
+    session = _session_for_optimizers(optimizers)
+    return session.scale_loss(loss, optimizers, loss_id, model, delay_unscale, delay_overflow_check)
+
+
+def _session_for_optimizers(optimizers: Any) -> AmpSession:
+    opts = optimizers if isinstance(optimizers, (list, tuple)) else [optimizers]
+    owners = {id(s): s for s in (_registry.owner_of(o) for o in opts) if s is not None}
+    if len(owners) > 1:
+        raise RuntimeError("scale_loss was given optimizers from different amp sessions; use one block per session.")
+    if owners:
+        return next(iter(owners.values()))
+    session = _registry.current()
+    if session is None:
+        raise RuntimeError(_NOT_INITIALIZED)
+    return session
+
+
+def disable_casts() -> contextlib.AbstractContextManager[None]:
+    """A region where the O1/O4 cast policy does not apply; restored on exit, also when the body raises."""
+    return _require_session("disable_casts()").disable_casts()
+
+
+def state_dict(destination: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The loss scalers' state in Apex's format (``{'loss_scaler0': {'loss_scale': ..., 'unskipped': ...}}``)."""
+    return _require_session("amp.state_dict()").state_dict(destination)
+
+
+def load_state_dict(state_dict: dict[str, Any]) -> None:
+    """Restore :func:`state_dict` output (also Apex's) into the current session's loss scalers."""
+    _require_session("amp.load_state_dict()").load_state_dict(state_dict)
+
+
+def master_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+    """The parameters ``optimizer`` updates: the fp32 masters with master weights, else the model's own.
+
+    ``torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), max_norm)`` therefore clips the unscaled
+    gradients the step will use.
+    """
+    for group in optimizer.param_groups:
+        yield from group["params"]
+
+
+def deinitialize() -> None:
+    """Close the most recent session (see :meth:`AmpSession.close`); a no-op when there is none."""
+    session = _registry.current()
+    if session is not None:
+        session.close()
+
+
+def stats() -> AmpStats:
+    """Counters of the current session: steps, skipped steps, the last step's fate, scales per loss."""
+    return _require_session("amp.stats()").stats()
+
+
+def step_was_skipped(optimizer: torch.optim.Optimizer | None = None) -> bool:
+    """Whether the last ``optimizer.step()`` (of ``optimizer``, or of any) skipped because of inf/NaN grads."""
+    session = _registry.owner_of(optimizer) if optimizer is not None else None
+    return (session or _require_session("amp.step_was_skipped()")).step_was_skipped(optimizer)

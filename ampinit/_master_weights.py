@@ -1,0 +1,200 @@
+"""How gradients reach an optimizer's parameters under amp: fp32 master weights and scaled-grad bookkeeping.
+
+One :class:`OptimizerGrads` per optimizer. With master weights, every half-precision parameter in the
+optimizer's param groups is replaced by an fp32 *master* copy; the model keeps the half tensor. A backward then
+runs in three moves, each a constant number of multi-tensor kernels per (device, dtype) group:
+
+1. ``prepare_backward`` (entering ``scale_loss``): half model grads are dropped (their values already live,
+   unscaled, in the master grads) and grads of parameters the optimizer updates directly are stashed;
+2. ``post_backward`` (leaving ``scale_loss``): new half grads go to fp32 master grads, times ``1/scale``,
+   with an inf/NaN check into the scaler's device flag; stashed grads are added back;
+3. ``after_step``: the updated masters are copied into the half model weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from ampinit import _multi_tensor
+from ampinit._scaler import LossScaler
+from ampinit._types import HALF_DTYPES
+
+
+class OptimizerGrads:
+    """The amp-side state of one optimizer."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, master_weights: bool) -> None:
+        self.optimizer = optimizer
+        self.master_weights = master_weights
+        # id(model param) -> (model param, master), and id(master) -> model param.
+        self._master_of: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._model_of: dict[int, torch.Tensor] = {}
+        self._grad_buffers: dict[int, torch.Tensor] = {}
+        self._stash: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.has_scaled_grads = False  # Apex's ``params_have_scaled_gradients`` (delay_unscale)
+        self.unscaled_since_step = False
+
+    # -- masters --------------------------------------------------------------------------------------------
+    def create_masters(self, fp32_values: dict[int, torch.Tensor] | None = None) -> None:
+        """Replace every trainable half parameter in the param groups by an fp32 master.
+
+        ``fp32_values`` gives, by parameter id, the full-precision value a parameter had before its model was
+        cast, so that masters start exact rather than as upcast half values.
+        """
+        for group in self.optimizer.param_groups:
+            self._replace_in_group(group, fp32_values or {})
+        self._recast_state()
+
+    def _replace_in_group(self, group: dict[str, Any], fp32_values: dict[int, torch.Tensor]) -> None:
+        params = group["params"]
+        for index, param in enumerate(params):
+            if id(param) in self._master_of or not param.requires_grad or param.dtype not in HALF_DTYPES:
+                continue
+            source = fp32_values.get(id(param), param)
+            master = torch.nn.Parameter(source.detach().clone().float(), requires_grad=True)
+            params[index] = master
+            self._master_of[id(param)] = (param, master)
+            self._model_of[id(master)] = param
+            if param in self.optimizer.state:
+                self.optimizer.state[master] = self.optimizer.state.pop(param)
+
+    def _recast_state(self) -> None:
+        # torch's load_state_dict casts floating state to each parameter's dtype: fp32 for the masters.
+        if self.optimizer.state:
+            self.optimizer.load_state_dict(self.optimizer.state_dict())
+
+    def add_param_group(self, group: dict[str, Any]) -> None:
+        """Give a param group added after initialize its masters (the group is already in ``param_groups``)."""
+        if self.master_weights:
+            self._replace_in_group(group, {})
+
+    def master_for(self, param: torch.Tensor) -> torch.Tensor | None:
+        pair = self._master_of.get(id(param))
+        return None if pair is None else pair[1]
+
+    def pairs(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return iter(self._master_of.values())
+
+    def direct_params(self) -> list[torch.Tensor]:
+        """Parameters whose own ``.grad`` the optimizer reads (no separate master)."""
+        return [p for group in self.optimizer.param_groups for p in group["params"] if id(p) not in self._model_of]
+
+    def restore_model_params(self) -> None:
+        """Undo :meth:`create_masters`: the model parameters go back into the param groups, with their state."""
+        for group in self.optimizer.param_groups:
+            params = group["params"]
+            for index, master in enumerate(params):
+                model_param = self._model_of.get(id(master))
+                if model_param is None:
+                    continue
+                params[index] = model_param
+                if master in self.optimizer.state:
+                    self.optimizer.state[model_param] = self.optimizer.state.pop(master)
+        self._master_of.clear()
+        self._model_of.clear()
+        self._grad_buffers.clear()
+
+    # -- one backward -----------------------------------------------------------------------------------------
+    def prepare_backward(self) -> None:
+        for model_param, _ in self.pairs():
+            model_param.grad = None
+        self._stash = []
+        for param in self.direct_params():
+            if param.grad is not None:
+                self._stash.append((param, param.grad))
+                param.grad = None
+
+    def abort_backward(self) -> None:
+        """Forget a backward that raised: grads are as they were before ``prepare_backward``."""
+        for model_param, _ in self.pairs():
+            model_param.grad = None
+        for param in self.direct_params():
+            param.grad = None
+        for param, grad in self._stash:
+            param.grad = grad
+        self._stash = []
+        self.has_scaled_grads = False
+
+    def post_backward(self, scaler: LossScaler) -> None:
+        """Unscale this backward's grads into the optimizer's parameters and check them for inf/NaN."""
+        fresh: list[torch.Tensor] = []
+        copy_dst: list[torch.Tensor] = []
+        copy_src: list[torch.Tensor] = []
+        acc_dst: list[torch.Tensor] = []
+        acc_src: list[torch.Tensor] = []
+        for model_param, master in self.pairs():
+            if model_param.grad is None:
+                continue
+            if master.grad is None:
+                master.grad = self._grad_buffer(master)
+                copy_dst.append(master.grad)
+                copy_src.append(model_param.grad)
+            else:
+                acc_dst.append(master.grad)
+                acc_src.append(model_param.grad)
+        _multi_tensor.copy_(copy_dst, copy_src)
+        fresh.extend(copy_dst)
+        if acc_dst:
+            # Master grads already hold unscaled values from an earlier backward. Bringing them to the current
+            # scale, adding the new scaled grads and unscaling the sum is exact for power-of-two scales (what
+            # dynamic scaling produces) and needs no temporary fp32 copy of the new grads.
+            _multi_tensor.mul_(acc_dst, scaler.scale_tensor)
+            _multi_tensor.add_(acc_dst, acc_src)
+            fresh.extend(acc_dst)
+        fresh.extend(p.grad for p in self.direct_params() if p.grad is not None)
+        scaler.unscale_(fresh)
+        self._merge_stash()
+        self.has_scaled_grads = False
+        self.unscaled_since_step = True
+
+    def _merge_stash(self) -> None:
+        acc_dst: list[torch.Tensor] = []
+        acc_src: list[torch.Tensor] = []
+        for param, grad in self._stash:
+            if param.grad is None:
+                param.grad = grad
+            else:
+                acc_dst.append(param.grad)
+                acc_src.append(grad)
+        _multi_tensor.add_(acc_dst, acc_src)
+        self._stash = []
+
+    def _grad_buffer(self, master: torch.Tensor) -> torch.Tensor:
+        # Allocated once per master and reused every step: the fp32 grad storage is the price of masters, and
+        # reallocating it each step would add one allocation per parameter to every iteration.
+        buffer = self._grad_buffers.get(id(master))
+        if buffer is None:
+            buffer = self._grad_buffers[id(master)] = torch.empty_like(master)
+        return buffer
+
+    # -- around the step --------------------------------------------------------------------------------------
+    def untransferred_grads(self) -> bool:
+        """Whether half model grads exist that never went through ``scale_loss`` to their masters."""
+        return not self.unscaled_since_step and any(p.grad is not None for p, _ in self.pairs())
+
+    def after_step(self, stepped: bool) -> None:
+        """Copy updated masters into the model (if the step ran) and release the master grads (as Apex does)."""
+        pairs = list(self.pairs())
+        if stepped and pairs:
+            _multi_tensor.copy_([p for p, _ in pairs], [m for _, m in pairs])
+        for _, master in pairs:
+            master.grad = None
+        self.unscaled_since_step = False
+
+    def zero_model_grads(self, set_to_none: bool) -> None:
+        """The half model grads, which the optimizer's own ``zero_grad`` cannot see."""
+        grads = [p.grad for p, _ in self.pairs() if p.grad is not None]
+        if set_to_none:
+            for model_param, _ in self.pairs():
+                model_param.grad = None
+        elif grads:
+            torch._foreach_zero_(grads)
+
+
+def params_of(optimizers: Iterable[torch.optim.Optimizer]) -> Iterator[torch.Tensor]:
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            yield from group["params"]

@@ -1,0 +1,156 @@
+"""One loss scaler: the scale, its growth and hysteresis trackers, and the overflow flag, all on the device.
+
+The scaler keeps its state in 0-d tensors created on the device of the first loss it scales, and updates them
+with tensor ops, so deciding a new scale needs no host synchronisation (the same idea as
+``torch.amp.GradScaler``). Apex's rules are kept: the scale starts at ``min(init_scale, max_scale)``, halves on
+overflow (never below ``min_scale``) and doubles after ``growth_interval`` clean unscale steps (never above
+``max_scale``); counting is per unscale step (per ``scale_loss`` exit), not per iteration.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ampinit import _multi_tensor
+from ampinit._loss_scale import DynamicLossScale
+
+
+class LossScaleAtMinimumError(FloatingPointError):
+    """Raised when a step overflows although the dynamic loss scale is already at its floor."""
+
+
+class LossScaler:
+    """The scaling state of one loss (one ``loss_id``)."""
+
+    def __init__(self, setting: float | DynamicLossScale, loss_id: int = 0) -> None:
+        self.loss_id = loss_id
+        self.config: DynamicLossScale | None = setting if isinstance(setting, DynamicLossScale) else None
+        self._host_scale = self.config.first_scale if self.config is not None else float(setting)
+        self._host_unskipped = 0
+        self._host_hysteresis = self.config.hysteresis if self.config is not None else 1
+        self._scale: torch.Tensor | None = None
+        self._unskipped: torch.Tensor | None = None
+        self._hysteresis_left: torch.Tensor | None = None
+        self._found_inf: torch.Tensor | None = None
+        self._inv_scale: torch.Tensor | None = None
+
+    # -- state ---------------------------------------------------------------------------------------------
+    @property
+    def dynamic(self) -> bool:
+        return self.config is not None
+
+    @property
+    def device(self) -> torch.device | None:
+        return None if self._scale is None else self._scale.device
+
+    def materialize(self, device: torch.device) -> None:
+        """Create the device tensors (once), from the host values set at construction or by ``load_state_dict``."""
+        if self._scale is not None:
+            return
+        self._scale = torch.tensor(self._host_scale, dtype=torch.float32, device=device)
+        self._unskipped = torch.tensor(self._host_unskipped, dtype=torch.int32, device=device)
+        self._hysteresis_left = torch.tensor(self._host_hysteresis, dtype=torch.int32, device=device)
+        self._found_inf = torch.zeros(1, dtype=torch.float32, device=device)
+        self._refresh_inv_scale()
+
+    def _refresh_inv_scale(self) -> None:
+        assert self._scale is not None
+        # Reciprocal in float64, as GradScaler does: float32 division can round differently across backends.
+        self._inv_scale = self._scale.double().reciprocal().float()
+
+    @property
+    def scale_tensor(self) -> torch.Tensor:
+        assert self._scale is not None, "materialize() first"
+        return self._scale
+
+    @property
+    def inv_scale(self) -> torch.Tensor:
+        assert self._inv_scale is not None, "materialize() first"
+        return self._inv_scale
+
+    @property
+    def found_inf(self) -> torch.Tensor:
+        assert self._found_inf is not None, "materialize() first"
+        return self._found_inf
+
+    def loss_scale(self) -> float:
+        """The current scale as a Python float (a host sync when the scale lives on an accelerator)."""
+        return self._host_scale if self._scale is None else float(self._scale.item())
+
+    def unskipped(self) -> int:
+        """Clean unscale steps since the scale last changed (Apex's ``_unskipped``)."""
+        return self._host_unskipped if self._unskipped is None else int(self._unskipped.item())
+
+    def hysteresis_left(self) -> int:
+        return self._host_hysteresis if self._hysteresis_left is None else int(self._hysteresis_left.item())
+
+    # -- one unscale step ----------------------------------------------------------------------------------
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss.float() * scale``: the tensor to call ``backward()`` on."""
+        self.materialize(loss.device)
+        return loss.float() * self.scale_tensor.to(loss.device, non_blocking=True)
+
+    def clear_overflow(self) -> None:
+        self.found_inf.zero_()
+
+    def unscale_(self, grads: list[torch.Tensor]) -> None:
+        """Unscale ``grads`` in place and raise the overflow flag if any is inf/NaN."""
+        if grads:
+            _multi_tensor.unscale_and_check_(grads, self.found_inf, self.inv_scale)
+
+    def update(self) -> None:
+        """Fold this step's overflow flag into the scale, on device (no host sync)."""
+        assert self._scale is not None and self._unskipped is not None and self._hysteresis_left is not None
+        found = self.found_inf[0] > 0
+        zero = torch.zeros_like(self._unskipped)
+        if self.config is None:
+            self._unskipped.copy_(torch.where(found, zero, self._unskipped + 1))
+            return
+        cfg = self.config
+        if cfg.hysteresis == 1:
+            back_off = found
+        else:
+            left = torch.where(found, self._hysteresis_left - 1, torch.full_like(self._hysteresis_left, cfg.hysteresis))
+            self._hysteresis_left.copy_(left.clamp(min=0))
+            back_off = found & (left <= 0)
+        shrunk = self._scale * cfg.backoff_factor
+        if cfg.min_scale is not None:
+            shrunk = shrunk.clamp(min=cfg.min_scale)
+        new_scale = torch.where(back_off, shrunk, self._scale)
+        unskipped = torch.where(found, zero, self._unskipped + 1)
+        grow = unskipped >= cfg.growth_interval
+        new_scale = torch.where(grow, (new_scale * cfg.growth_factor).clamp(max=cfg.max_scale), new_scale)
+        self._unskipped.copy_(torch.where(grow, zero, unskipped))
+        self._scale.copy_(new_scale)
+        self._refresh_inv_scale()
+
+    def at_minimum(self) -> bool:
+        """Whether the scale sits at its floor (host sync)."""
+        return self.config is not None and self.config.min_scale is not None and self.loss_scale() <= self.config.min_scale
+
+    # -- checkpoints ---------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Apex's per-scaler entry; the hysteresis count is added only when hysteresis is in use."""
+        state: dict[str, Any] = {"loss_scale": self.loss_scale(), "unskipped": self.unskipped()}
+        if self.config is not None and self.config.hysteresis > 1:
+            state["hysteresis_left"] = self.hysteresis_left()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        try:
+            scale = float(state["loss_scale"])
+            unskipped = int(state["unskipped"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(
+                f"A loss-scaler entry needs 'loss_scale' (a number) and 'unskipped' (an int), got {state!r}"
+            ) from err
+        self._host_scale, self._host_unskipped = scale, unskipped
+        self._host_hysteresis = int(state.get("hysteresis_left", self.config.hysteresis if self.config else 1))
+        if self._scale is not None:
+            self._scale.fill_(scale)
+            assert self._unskipped is not None and self._hysteresis_left is not None
+            self._unskipped.fill_(unskipped)
+            self._hysteresis_left.fill_(self._host_hysteresis)
+            self._refresh_inv_scale()

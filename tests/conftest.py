@@ -1,0 +1,70 @@
+"""Shared fixtures. Every test runs under a leak check: autocast state, the default dtype and amp sessions
+must be as the test found them, so a test that forgets ``close()`` (or code that fails to restore state on
+an error) fails loudly instead of contaminating the next test."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import nn
+
+from ampinit import _registry
+
+DEVICE_TYPES = ("cpu",)
+
+
+def _global_state() -> tuple[object, ...]:
+    autocast = tuple(
+        (d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in DEVICE_TYPES
+    )
+    return (autocast, torch.get_default_dtype(), torch.is_grad_enabled())
+
+
+@pytest.fixture(autouse=True)
+def no_leaks() -> Iterator[None]:
+    before = _global_state()
+    sessions_before = _registry.live_sessions()
+    yield
+    leaked = [s for s in _registry.live_sessions() if s not in sessions_before]
+    for session in reversed(leaked):
+        session.close()
+    after = _global_state()
+    assert not leaked, f"test left amp sessions open: {leaked}"
+    assert after == before, f"test leaked global torch state: {before} -> {after}"
+
+
+class SmallNet(nn.Module):
+    """Linear -> BatchNorm -> GELU -> Linear -> LayerNorm -> Linear: one of each kind of layer amp treats."""
+
+    def __init__(self, d_in: int = 8, width: int = 16, d_out: int = 4) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, width)
+        self.bn = nn.BatchNorm1d(width)
+        self.fc2 = nn.Linear(width, width)
+        self.ln = nn.LayerNorm(width)
+        self.head = nn.Linear(width, d_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = nn.functional.gelu(self.bn(self.fc1(x)))
+        return self.head(self.ln(self.fc2(h)))
+
+
+def make_problem(seed: int = 0, n: int = 64, d_in: int = 8, d_out: int = 4) -> tuple[SmallNet, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    model = SmallNet(d_in, 16, d_out)
+    x = torch.randn(n, d_in, generator=gen)
+    y = torch.randn(n, d_out, generator=gen)
+    return model, x, y
+
+
+@pytest.fixture
+def session_cleanup() -> Iterator[None]:
+    """For tests that expect sessions to be left open on purpose and close them through the module API."""
+    yield
+    while _registry.current() is not None:
+        current = _registry.current()
+        assert current is not None
+        current.close()

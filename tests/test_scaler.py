@@ -1,0 +1,132 @@
+"""The device-side loss scaler against plain host re-implementations of Apex's and Megatron/Apex-kernel rules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from ampinit import DynamicLossScale
+from ampinit._scaler import LossScaler
+
+
+class ApexReference:
+    """apex/amp/scaler.py's update_scale, written out plainly (scale_factor hard-coded to 2 as in Apex)."""
+
+    def __init__(self, max_scale: float, min_scale: float | None, window: int) -> None:
+        self.scale = min(max_scale, 2.0**16)
+        self.unskipped = 0
+        self.max, self.min, self.window = max_scale, min_scale, window
+
+    def update(self, overflow: bool) -> None:
+        if overflow:
+            self.scale = max(self.min, self.scale / 2.0) if self.min else self.scale / 2.0
+            self.unskipped = 0
+        else:
+            self.unskipped += 1
+        if self.unskipped == self.window:
+            self.scale = min(self.max, self.scale * 2.0)
+            self.unskipped = 0
+
+
+def run(scaler: LossScaler, overflows: list[bool]) -> list[tuple[float, int]]:
+    scaler.materialize(torch.device("cpu"))
+    trace = []
+    for overflow in overflows:
+        scaler.clear_overflow()
+        if overflow:
+            scaler.found_inf.fill_(1.0)
+        scaler.update()
+        trace.append((scaler.loss_scale(), scaler.unskipped()))
+    return trace
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    overflows=st.lists(st.booleans(), min_size=1, max_size=40),
+    window=st.integers(1, 5),
+    min_scale=st.sampled_from([None, 1.0, 4096.0]),
+    max_scale=st.sampled_from([2.0**24, 2.0**17, 2.0**10]),
+)
+def test_dynamic_scaling_matches_apex(overflows: list[bool], window: int, min_scale: float | None, max_scale: float) -> None:
+    assume(min_scale is None or min_scale <= max_scale)
+    ref = ApexReference(max_scale, min_scale, window)
+    expected = []
+    for overflow in overflows:
+        ref.update(overflow)
+        expected.append((ref.scale, ref.unskipped))
+    config = DynamicLossScale(growth_interval=window, min_scale=min_scale, max_scale=max_scale)
+    assert run(LossScaler(config), overflows) == expected
+
+
+@settings(max_examples=40, deadline=None)
+@given(overflows=st.lists(st.booleans(), min_size=1, max_size=30), hysteresis=st.integers(1, 4))
+def test_hysteresis_backs_off_at_the_nth_overflow_in_a_row(overflows: list[bool], hysteresis: int) -> None:
+    # Apex's update_scale_hysteresis kernel: the tracker counts down on overflow, backs off at <= 0 and is
+    # reset by a clean step; growth as usual.
+    scale, growth, left, expected = 2.0**16, 0, hysteresis, []
+    for overflow in overflows:
+        if overflow:
+            growth = 0
+            left -= 1
+            if left <= 0:
+                scale *= 0.5
+        else:
+            left = hysteresis
+            growth += 1
+            if growth == 3:
+                scale, growth = scale * 2.0, 0
+        expected.append(scale)
+    config = DynamicLossScale(growth_interval=3, hysteresis=hysteresis)
+    assert [s for s, _ in run(LossScaler(config), overflows)] == expected
+
+
+def test_static_scale_never_changes_and_counts_clean_steps() -> None:
+    trace = run(LossScaler(128.0), [False, True, False, False])
+    assert [s for s, _ in trace] == [128.0] * 4
+    assert [u for _, u in trace] == [1, 0, 1, 2]  # Apex counts _unskipped for static scalers too
+
+
+def test_growth_respects_custom_factors() -> None:
+    config = DynamicLossScale(init_scale=100.0, growth_factor=3.0, backoff_factor=0.25, growth_interval=2)
+    trace = run(LossScaler(config), [False, False, True])
+    assert [s for s, _ in trace] == [100.0, 300.0, 75.0]
+
+
+def test_state_dict_round_trip_before_and_after_materialize() -> None:
+    a = LossScaler(DynamicLossScale(growth_interval=10, hysteresis=3))
+    run(a, [False, True, False])
+    state = a.state_dict()
+    assert state == {"loss_scale": 65536.0, "unskipped": 1, "hysteresis_left": 3}
+    b = LossScaler(DynamicLossScale(growth_interval=10, hysteresis=3))
+    b.load_state_dict(state)  # not yet on a device
+    assert b.state_dict() == state
+    c = LossScaler(DynamicLossScale(growth_interval=10, hysteresis=3))
+    run(c, [True, True])
+    c.load_state_dict(state)  # already materialized
+    assert c.state_dict() == state
+    # Continuing gives the same trace as the original.
+    assert run(b, [False, True]) == run(a, [False, True])
+
+
+def test_apex_format_has_only_apex_keys_without_hysteresis() -> None:
+    assert set(LossScaler(DynamicLossScale()).state_dict()) == {"loss_scale", "unskipped"}
+
+
+@pytest.mark.parametrize("bad", [{}, {"loss_scale": "x", "unskipped": 0}, {"loss_scale": 1.0}])
+def test_bad_scaler_entry(bad: dict[str, object]) -> None:
+    with pytest.raises(ValueError, match="needs 'loss_scale'"):
+        LossScaler(DynamicLossScale()).load_state_dict(bad)
+
+
+def test_unscale_uses_reciprocal_and_flags_non_finite() -> None:
+    scaler = LossScaler(DynamicLossScale(init_scale=4.0))
+    scaler.materialize(torch.device("cpu"))
+    grads = [torch.tensor([4.0, 8.0]), torch.tensor([2.0], dtype=torch.bfloat16)]
+    scaler.clear_overflow()
+    scaler.unscale_(grads)
+    assert grads[0].tolist() == [1.0, 2.0] and grads[1].item() == 0.5
+    assert scaler.found_inf.item() == 0.0
+    scaler.unscale_([torch.tensor([float("nan")])])
+    assert scaler.found_inf.item() == 1.0
