@@ -1,0 +1,393 @@
+"""Apex's ``multi_tensor_applier`` and ``amp_C`` kernels, written on PyTorch's foreach and fused kernels.
+
+Every op takes Apex's leading ``(chunk_size, noop_flag, tensor_lists)`` arguments followed by Apex's own.
+``chunk_size`` is accepted and ignored: torch's kernels choose their own chunking. ``noop_flag`` is an int32
+tensor of shape [1]; ops set it to 1 where Apex's kernels do and never clear it, and the ops that Apex makes
+exit early when it is set (``multi_tensor_sgd``) skip their update on the device, without a host sync.
+
+Differences from Apex's harness: tensors in one list may mix dtypes (each op runs once per device and
+dtype combination), an empty ``tensor_lists[0]`` is a no-op instead of an error, and the tensors need not be
+on CUDA. ``amp_C`` below is a namespace with the ops under Apex's names, for ``import amp_C`` aliasing.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import torch
+from torch import Tensor
+
+from ampinit.optimizers._tensor_lists import flag_if, fp32_copies, group_indices, pick, total_norm
+from ampinit.optimizers.fused_adagrad import adagrad_multi_tensor
+from ampinit.optimizers.fused_adam import adam_multi_tensor
+from ampinit.optimizers.fused_lamb import lamb_multi_tensor
+from ampinit.optimizers.fused_novograd import novograd_multi_tensor
+from ampinit.optimizers.fused_sgd import sgd_multi_tensor
+
+__all__ = [
+    "MultiTensorApply",
+    "amp_C",
+    "multi_tensor_adagrad",
+    "multi_tensor_adam",
+    "multi_tensor_applier",
+    "multi_tensor_axpby",
+    "multi_tensor_l2norm",
+    "multi_tensor_l2norm_scale",
+    "multi_tensor_lamb",
+    "multi_tensor_novograd",
+    "multi_tensor_scale",
+    "multi_tensor_sgd",
+    "multi_tensor_unscale_l2norm",
+]
+
+R = TypeVar("R")
+TensorLists = Sequence[Sequence[Tensor]]
+
+
+class MultiTensorApply:
+    """Calls ``op(chunk_size, noop_flag, tensor_lists, *args)``, as Apex's applier does. Always available."""
+
+    available = True
+    warned = False
+
+    def __init__(self, chunk_size: int) -> None:
+        self.chunk_size = chunk_size
+
+    def check_avail(self) -> None:
+        """Apex raises here when its extension is missing; these ops need no extension."""
+
+    def __call__(
+        self, op: Callable[..., R], noop_flag_buffer: Tensor, tensor_lists: TensorLists, *args: Any
+    ) -> R:
+        return op(self.chunk_size, noop_flag_buffer, tensor_lists, *args)
+
+
+multi_tensor_applier = MultiTensorApply(2048 * 32)
+
+
+def _check_lists(name: str, tensor_lists: TensorLists, depths: tuple[int, ...]) -> bool:
+    """Validate Apex's list-shape rules; return False when there is nothing to do."""
+    if len(tensor_lists) not in depths:
+        raise ValueError(
+            f"{name} takes {' or '.join(map(str, depths))} tensor lists, got {len(tensor_lists)!r}"
+        )
+    lengths = [len(tensors) for tensors in tensor_lists]
+    if len(set(lengths)) != 1:
+        raise ValueError(f"{name}: every tensor list must have the same length, got lengths {lengths!r}")
+    for tensors in tensor_lists[1:]:
+        for i, (first, other) in enumerate(zip(tensor_lists[0], tensors)):
+            if first.numel() != other.numel():
+                raise ValueError(
+                    f"{name}: tensor {i} has {first.numel()} elements in the first list "
+                    f"and {other.numel()} in another"
+                )
+    return lengths[0] > 0
+
+
+def _exact_copy(src: torch.dtype, dst: torch.dtype) -> bool:
+    return src == dst or dst in (torch.float32, torch.float64)
+
+
+def _scale_into(inputs: Sequence[Tensor], outputs: Sequence[Tensor], scale: float) -> list[Tensor]:
+    """``outputs = inputs * scale`` in float32 math; returns per-device flags of non-finite *inputs*."""
+    flags = []
+    for (device, (src_dtype, dst_dtype)), indices in group_indices([inputs, outputs]).items():
+        src, dst = pick(inputs, indices), pick(outputs, indices)
+        found = torch.zeros(1, dtype=torch.float32, device=device)
+        # The amp kernel checks the values before multiplying, which is Apex's rule, so the copy it works on
+        # must hold the inputs exactly: the output itself when it can, else a float32 copy.
+        if _exact_copy(src_dtype, dst_dtype):
+            pairs = [(d, s) for s, d in zip(src, dst) if s is not d]
+            if pairs:
+                torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
+            work = dst
+        else:
+            work = fp32_copies(src)
+        scale_t = torch.full((1,), scale, dtype=torch.float32, device=device)
+        torch._amp_foreach_non_finite_check_and_unscale_(work, found, scale_t)
+        if work is not dst:
+            torch._foreach_copy_(dst, work)
+        flags.append(found)
+    return flags
+
+
+def multi_tensor_scale(chunk_size: int, noop_flag: Tensor, tensor_lists: TensorLists, scale: float) -> None:
+    """``out = in * scale`` for lists ``[in, out]``; flags any non-finite input. Never exits early."""
+    if not _check_lists("multi_tensor_scale", tensor_lists, (2,)):
+        return
+    for found in _scale_into(tensor_lists[0], tensor_lists[1], scale):
+        flag_if(noop_flag, found)
+
+
+def multi_tensor_axpby(
+    chunk_size: int, noop_flag: Tensor, tensor_lists: TensorLists, a: float, b: float, arg_to_check: int
+) -> None:
+    """``out = a*x + b*y`` for lists ``[x, y, out]``; flags non-finite x (0), y (1) or either (-1)."""
+    if arg_to_check not in (-1, 0, 1):
+        raise ValueError(f"Invalid arg_to_check: {arg_to_check!r}. Allowed values: -1 (both), 0 (x), 1 (y)")
+    if not _check_lists("multi_tensor_axpby", tensor_lists, (3,)):
+        return
+    for (device, _), indices in group_indices(tensor_lists).items():
+        x, y = fp32_copies(pick(tensor_lists[0], indices)), fp32_copies(pick(tensor_lists[1], indices))
+        found = torch.zeros(1, dtype=torch.float32, device=device)
+        for work, factor, checked in ((x, a, arg_to_check in (-1, 0)), (y, b, arg_to_check in (-1, 1))):
+            if checked:
+                factor_t = torch.full((1,), factor, dtype=torch.float32, device=device)
+                torch._amp_foreach_non_finite_check_and_unscale_(work, found, factor_t)
+            else:
+                torch._foreach_mul_(work, factor)
+        torch._foreach_add_(x, y)
+        torch._foreach_copy_(pick(tensor_lists[2], indices), x)
+        flag_if(noop_flag, found)
+
+
+def _norms(tensors: Sequence[Tensor]) -> list[Tensor]:
+    """Float32 L2 norm of each tensor, in input order."""
+    norms: list[Tensor] = [torch.empty(0)] * len(tensors)
+    for indices in group_indices([tensors]).values():
+        for i, norm in zip(indices, torch._foreach_norm(pick(tensors, indices), 2, dtype=torch.float32)):
+            norms[i] = norm
+    return norms
+
+
+def _norm_result(
+    noop_flag: Tensor, norms: list[Tensor], device: torch.device, per_tensor: bool | None
+) -> tuple[Tensor, Tensor]:
+    total = total_norm(norms, device)
+    flag_if(noop_flag, ~torch.isfinite(total))
+    if per_tensor and norms:
+        return total, torch.stack([n.to(device) for n in norms])
+    return total, torch.empty(0, dtype=torch.float32, device=device)
+
+
+def multi_tensor_l2norm(
+    chunk_size: int, noop_flag: Tensor, tensor_lists: TensorLists, per_tensor: bool | None = False
+) -> tuple[Tensor, Tensor]:
+    """``(norm, per_tensor_norms)`` of list ``[t]``: shape [1] float32, and shape [n] (or [0] unless
+    ``per_tensor``). Flags a non-finite norm."""
+    device = noop_flag.device
+    if not _check_lists("multi_tensor_l2norm", tensor_lists, (1,)):
+        return _norm_result(noop_flag, [], device, per_tensor)
+    return _norm_result(noop_flag, _norms(tensor_lists[0]), tensor_lists[0][0].device, per_tensor)
+
+
+def multi_tensor_l2norm_scale(
+    chunk_size: int,
+    noop_flag: Tensor,
+    tensor_lists: TensorLists,
+    scale: float,
+    per_tensor: bool | None = False,
+) -> tuple[Tensor, Tensor]:
+    """Norm of ``in`` (as :func:`multi_tensor_l2norm`) and ``out = in * scale`` for lists ``[in, out]``."""
+    if not _check_lists("multi_tensor_l2norm_scale", tensor_lists, (2,)):
+        return _norm_result(noop_flag, [], noop_flag.device, per_tensor)
+    result = _norm_result(noop_flag, _norms(tensor_lists[0]), tensor_lists[0][0].device, per_tensor)
+    _scale_into(tensor_lists[0], tensor_lists[1], scale)
+    return result
+
+
+def multi_tensor_unscale_l2norm(
+    chunk_size: int,
+    noop_flag: Tensor,
+    tensor_lists: TensorLists,
+    inv_scale: Tensor,
+    per_tensor: bool | None = False,
+) -> tuple[Tensor, Tensor]:
+    """Norm of ``t * inv_scale`` for list ``[t]``, leaving ``t`` untouched. Flags a non-finite norm.
+
+    Computed as ``norm(t) * |inv_scale|`` to avoid a scaled copy of every tensor; this differs from Apex
+    only by rounding, and if ``sum(t**2)`` overflows float32 while ``sum((t*inv_scale)**2)`` does not.
+    """
+    if not _check_lists("multi_tensor_unscale_l2norm", tensor_lists, (1,)):
+        return _norm_result(noop_flag, [], noop_flag.device, per_tensor)
+    device = tensor_lists[0][0].device
+    factor = inv_scale.to(device=device, dtype=torch.float32).reshape(()).abs()
+    norms = [n.to(device) * factor for n in _norms(tensor_lists[0])]
+    return _norm_result(noop_flag, norms, device, per_tensor)
+
+
+def multi_tensor_adam(
+    chunk_size: int,
+    noop_flag: Tensor,
+    tensor_lists: TensorLists,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    epsilon: float,
+    step: int,
+    mode: int,
+    bias_correction: int,
+    weight_decay: float,
+) -> None:
+    """Adam on lists ``[g, p, m, v]``; ``mode`` 0 is L2 weight decay, 1 is AdamW. Ignores the flag."""
+    if not _check_lists("multi_tensor_adam", tensor_lists, (4,)):
+        return
+    g, p, m, v = tensor_lists
+    adam_multi_tensor(
+        p,
+        g,
+        m,
+        v,
+        step=torch.tensor(float(step), device=p[0].device),
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        eps=epsilon,
+        weight_decay=weight_decay,
+        adam_w_mode=mode == 1,
+        bias_correction=bias_correction == 1,
+    )
+
+
+def multi_tensor_sgd(
+    chunk_size: int,
+    noop_flag: Tensor,
+    tensor_lists: TensorLists,
+    weight_decay: float,
+    momentum: float,
+    dampening: float,
+    lr: float,
+    nesterov: bool,
+    first_run: bool,
+    wd_after_momentum: bool,
+    scale: float = 1.0,
+) -> None:
+    """SGD on ``[g, p, m]`` or ``[g, p, m, p_out]`` (``p_out`` receives the updated ``p`` in its own dtype).
+
+    Gradients are multiplied by ``scale`` first (without modifying them). Nothing changes if the flag is set.
+    """
+    if not _check_lists("multi_tensor_sgd", tensor_lists, (3, 4)):
+        return
+    g, p, m = tensor_lists[:3]
+    if scale != 1.0:
+        g = fp32_copies(g)
+        torch._foreach_mul_(g, scale)
+    sgd_multi_tensor(
+        p,
+        g,
+        m,
+        lr=lr,
+        momentum=momentum,
+        dampening=dampening,
+        weight_decay=weight_decay,
+        nesterov=nesterov,
+        wd_after_momentum=wd_after_momentum,
+        first_run=first_run,
+        found_inf=noop_flag.reshape(()).ne(0).to(torch.float32),
+        model_params=tensor_lists[3] if len(tensor_lists) == 4 else None,
+    )
+
+
+def multi_tensor_adagrad(
+    chunk_size: int,
+    noop_flag: Tensor,
+    tensor_lists: TensorLists,
+    lr: float,
+    epsilon: float,
+    mode: int,
+    weight_decay: float,
+) -> None:
+    """Adagrad on lists ``[g, p, h]``; ``mode`` 0 is L2 weight decay, 1 is decoupled."""
+    if not _check_lists("multi_tensor_adagrad", tensor_lists, (3,)):
+        return
+    g, p, h = tensor_lists
+    adagrad_multi_tensor(p, g, h, lr=lr, eps=epsilon, weight_decay=weight_decay, adagrad_w_mode=mode == 1)
+
+
+def multi_tensor_lamb(
+    chunk_size: int,
+    noop_flag: Tensor,
+    tensor_lists: TensorLists,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    epsilon: float,
+    step: int,
+    bias_correction: int,
+    weight_decay: float,
+    grad_averaging: int,
+    mode: int,
+    global_grad_norm: Tensor,
+    max_grad_norm: float,
+    use_nvlamb: bool | None = None,
+) -> None:
+    """LAMB on lists ``[g, p, m, v]``. As in Apex, ``g`` is overwritten with the update, and the flag is set
+    when the parameter norms or the update norms are non-finite."""
+    if not _check_lists("multi_tensor_lamb", tensor_lists, (4,)):
+        return
+    g, p, m, v = tensor_lists
+    multi_tensor_l2norm(chunk_size, noop_flag, [p])
+    updates = lamb_multi_tensor(
+        p,
+        g,
+        m,
+        v,
+        step=torch.tensor(float(step), device=p[0].device),
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        eps=epsilon,
+        weight_decay=weight_decay,
+        bias_correction=bias_correction == 1,
+        grad_averaging=grad_averaging == 1,
+        adam_w_mode=mode == 1,
+        global_grad_norm=global_grad_norm,
+        max_grad_norm=max_grad_norm,
+        use_nvlamb=bool(use_nvlamb),
+    )
+    torch._foreach_copy_(list(g), updates)
+    multi_tensor_l2norm(chunk_size, noop_flag, [g])
+
+
+def multi_tensor_novograd(
+    chunk_size: int,
+    noop_flag: Tensor,
+    tensor_lists: TensorLists,
+    grad_norms: Tensor,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    epsilon: float,
+    step: int,
+    bias_correction: int,
+    weight_decay: float,
+    grad_averaging: int,
+    mode: int,
+    norm_type: int,
+) -> None:
+    """NovoGrad on lists ``[g, p, m]``; ``grad_norms`` (one float32 per tensor) is blended in place."""
+    if not _check_lists("multi_tensor_novograd", tensor_lists, (3,)):
+        return
+    g, p, m = tensor_lists
+    novograd_multi_tensor(
+        p,
+        g,
+        m,
+        grad_norms,
+        step=torch.tensor(float(step), device=grad_norms.device),
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        eps=epsilon,
+        weight_decay=weight_decay,
+        bias_correction=bias_correction == 1,
+        grad_averaging=grad_averaging == 1,
+        moment_mode=mode,
+        norm_type=norm_type,
+    )
+
+
+amp_C = types.SimpleNamespace(
+    multi_tensor_scale=multi_tensor_scale,
+    multi_tensor_axpby=multi_tensor_axpby,
+    multi_tensor_l2norm=multi_tensor_l2norm,
+    multi_tensor_l2norm_scale=multi_tensor_l2norm_scale,
+    multi_tensor_unscale_l2norm=multi_tensor_unscale_l2norm,
+    multi_tensor_adam=multi_tensor_adam,
+    multi_tensor_sgd=multi_tensor_sgd,
+    multi_tensor_adagrad=multi_tensor_adagrad,
+    multi_tensor_lamb=multi_tensor_lamb,
+    multi_tensor_novograd=multi_tensor_novograd,
+)

@@ -1,0 +1,228 @@
+"""FusedAdam: Apex's Adam/AdamW on torch's fused Adam kernels."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from ampinit.optimizers._base import (
+    FusedOptimizer,
+    Implementation,
+    ParamsT,
+    advance_step,
+    check_hyperparameters,
+    group_step,
+)
+from ampinit.optimizers._tensor_lists import fp32_work, group_indices, pick, write_back
+
+_DEPRECATED_STEP_ARGS = (
+    "FusedAdam has been updated.  Simply initialize it identically to torch.optim.Adam, "
+    "and call step() with no arguments."
+)
+
+
+def adam_multi_tensor(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
+    *,
+    step: Tensor,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    adam_w_mode: bool,
+    bias_correction: bool,
+    grad_scale: Tensor | None = None,
+    found_inf: Tensor | None = None,
+    masters: Sequence[Tensor] | None = None,
+) -> None:
+    """One Adam update of every tensor, with ``torch._fused_adam_``/``torch._fused_adamw_``.
+
+    ``step`` is the 0-d step number of this update. ``found_inf`` (0-d float, exactly 0 or 1) skips the
+    update inside the kernel. Lists whose dtypes all match run in place; otherwise (half parameters with
+    float32 moments) the kernel runs on float32 work copies that are rounded back once. ``masters``, if given,
+    are float32 copies of ``params`` that the update runs on instead.
+    When ``grad_scale`` is given, the gradients are left unscaled in place, as torch's fused kernels do.
+    """
+    kernel = torch._fused_adamw_ if adam_w_mode else torch._fused_adam_
+    lists = [params, grads, exp_avgs, exp_avg_sqs] + ([masters] if masters is not None else [])
+    for (device, dtypes), indices in group_indices(lists).items():
+        p, g, m, v = (pick(t, indices) for t in lists[:4])
+        skip = None if found_inf is None else found_inf.to(device).bool()
+        if masters is None and len(set(dtypes)) == 1:
+            wp, wg, wm, wv = p, g, m, v
+        else:
+            wp = pick(masters, indices) if masters is not None else fp32_work(p)
+            wg, wm, wv = fp32_work(g), fp32_work(m), fp32_work(v)
+        # 1 - beta**inf == 1 exactly, which turns the kernel's bias corrections into no-ops.
+        this_step = step.to(device) if bias_correction else torch.tensor(float("inf"), device=device)
+        kernel(
+            wp,
+            wg,
+            wm,
+            wv,
+            [],
+            [this_step] * len(wp),
+            lr=lr,
+            beta1=beta1,
+            beta2=beta2,
+            weight_decay=weight_decay,
+            eps=eps,
+            amsgrad=False,
+            maximize=False,
+            grad_scale=None if grad_scale is None else grad_scale.to(device),
+            found_inf=None if found_inf is None else found_inf.to(device),
+        )
+        write_back(p, wp, skip)
+        write_back(m, wm, skip)
+        write_back(v, wv, skip)
+        if grad_scale is not None:
+            write_back(g, wg, skip)
+
+
+def adam_single_tensor(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
+    *,
+    step: Tensor,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    adam_w_mode: bool,
+    bias_correction: bool,
+    grad_scale: Tensor | None = None,
+    found_inf: Tensor | None = None,
+    masters: Sequence[Tensor] | None = None,
+) -> None:
+    """The same update as :func:`adam_multi_tensor`, one tensor at a time in plain torch (the reference)."""
+    for i, (param, grad, exp_avg, exp_avg_sq) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs)):
+        device = param.device
+        target = masters[i] if masters is not None else param
+        p = target.float()
+        g = grad.float()
+        if grad_scale is not None:
+            g = g / grad_scale.to(device)
+        if not adam_w_mode and weight_decay != 0:
+            g = g + weight_decay * p
+        m = beta1 * exp_avg + (1 - beta1) * g
+        v = beta2 * exp_avg_sq + (1 - beta2) * g * g
+        t = step.to(device)
+        m_hat = m / (1 - beta1**t) if bias_correction else m
+        v_hat = v / (1 - beta2**t) if bias_correction else v
+        update = m_hat / (v_hat.sqrt() + eps)
+        if adam_w_mode and weight_decay != 0:
+            update = update + weight_decay * p
+        skip = None if found_inf is None else found_inf.to(device).bool()
+        write_back([target, exp_avg, exp_avg_sq], [p - lr * update, m, v], skip)
+        if masters is not None:
+            write_back([param], [target], skip)
+
+
+class FusedAdam(FusedOptimizer):
+    """Adam and AdamW with Apex's ``FusedAdam`` signature and defaults.
+
+    ``adam_w_mode=True`` (the default) decouples weight decay as AdamW does; ``False`` adds it to the
+    gradient (L2, as ``torch.optim.Adam``). ``bias_correction=False`` drops Adam's bias corrections.
+    State per parameter: ``exp_avg`` and ``exp_avg_sq`` (float32); the step counter is per group in
+    ``group['step']``, a 0-d float32 tensor. ``capturable`` is accepted for Apex compatibility (every step is
+    free of host syncs anyway); ``master_weights=True`` (with ``capturable``) keeps a float32 copy of each
+    half parameter in ``state['master_param']`` (saved with the state, unlike Apex) and updates that copy.
+    ``implementation`` selects torch's fused kernels (``"multi_tensor"``) or the per-tensor reference.
+    """
+
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: float = 1e-3,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        adam_w_mode: bool = True,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        set_grad_none: bool = True,
+        capturable: bool = False,
+        master_weights: bool = False,
+        *,
+        implementation: Implementation = "multi_tensor",
+    ) -> None:
+        if amsgrad:
+            raise RuntimeError("FusedAdam does not support the AMSGrad variant.")
+        if master_weights and not capturable:
+            raise RuntimeError("Master weights is currently only supported with the capturable version.")
+        check_hyperparameters(lr=lr, eps=eps, betas=betas, weight_decay=weight_decay)
+        defaults = dict(
+            lr=lr, bias_correction=bias_correction, betas=betas, eps=eps, weight_decay=weight_decay
+        )
+        super().__init__(params, defaults, set_grad_none=set_grad_none, implementation=implementation)
+        self.adam_w_mode = 1 if adam_w_mode else 0
+        self.capturable = capturable
+        self.master_weights = master_weights
+
+    @torch.no_grad()
+    def step(  # type: ignore[override]
+        self,
+        closure: Callable[[], float] | None = None,
+        grads: object = None,
+        output_params: object = None,
+        scale: object = None,
+        grad_norms: object = None,
+    ) -> float | None:
+        """One Adam step over every group. The extra arguments exist only to reject Apex's removed API.
+
+        There is deliberately no ``grad_scaler`` argument: GradScaler would then use its deprecated
+        calling convention instead of the ``grad_scale``/``found_inf`` attributes.
+        """
+        if any(arg is not None for arg in (grads, output_params, scale, grad_norms)):
+            raise RuntimeError(_DEPRECATED_STEP_ARGS)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        update = adam_multi_tensor if self.implementation == "multi_tensor" else adam_single_tensor
+        for group in self.param_groups:
+            device = group["params"][0].device
+            scaling = self._amp_scaling(device)
+            step = group_step(group, device)
+            params = self._params_with_grads(group)
+            states = [self._state_for(p) for p in params]
+            beta1, beta2 = group["betas"]
+            update(
+                params,
+                [p.grad for p in params],  # type: ignore[misc]
+                [s["exp_avg"] for s in states],
+                [s["exp_avg_sq"] for s in states],
+                step=step + 1,
+                lr=group["lr"],
+                beta1=beta1,
+                beta2=beta2,
+                eps=group["eps"],
+                weight_decay=group["weight_decay"],
+                adam_w_mode=bool(self.adam_w_mode),
+                bias_correction=bool(group["bias_correction"]),
+                grad_scale=scaling.grad_scale,
+                found_inf=scaling.found_inf,
+                masters=[s.get("master_param", p) for s, p in zip(states, params)]
+                if self.master_weights
+                else None,
+            )
+            advance_step(step, scaling)
+        return loss
+
+    def _state_for(self, param: Tensor) -> dict[str, Tensor]:
+        state: dict[str, Tensor] = self.state[param]
+        if not state:
+            state["exp_avg"] = torch.zeros_like(param, dtype=torch.float32)
+            state["exp_avg_sq"] = torch.zeros_like(param, dtype=torch.float32)
+        if self.master_weights and param.dtype != torch.float32 and "master_param" not in state:
+            state["master_param"] = param.detach().to(torch.float32, copy=True)
+        return state

@@ -1,0 +1,253 @@
+"""FusedLAMB: Apex's LAMB (per-layer trust ratio on Adam updates, global grad clipping) on foreach ops."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ampinit.optimizers._base import (
+    FusedOptimizer,
+    Implementation,
+    ParamsT,
+    advance_step,
+    check_hyperparameters,
+    group_step,
+)
+from ampinit.optimizers._tensor_lists import (
+    fp32_copies,
+    fp32_work,
+    group_indices,
+    pick,
+    total_norm,
+    write_back,
+)
+
+
+def lamb_multi_tensor(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
+    *,
+    step: Tensor,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    bias_correction: bool,
+    grad_averaging: bool,
+    adam_w_mode: bool,
+    global_grad_norm: Tensor,
+    max_grad_norm: float,
+    use_nvlamb: bool,
+    grad_scale: Tensor | None = None,
+    found_inf: Tensor | None = None,
+) -> list[Tensor]:
+    """One LAMB update of every tensor (Apex's ``multi_tensor_lamb`` math) with foreach ops.
+
+    Gradients are divided by ``grad_scale`` and then by ``global_grad_norm / max_grad_norm`` when the
+    (unscaled) global norm exceeds ``max_grad_norm``. Each tensor moves by its Adam-style update times
+    ``lr * ||p|| / ||update||`` when ``use_nvlamb`` or ``weight_decay != 0`` and both norms are nonzero, else
+    by ``lr``. Gradients are not modified. Returns the float32 updates before the trust ratio, in input order
+    (Apex's kernel leaves them in the gradients). When ``found_inf`` is given the math runs on private copies
+    that are committed only if the step is not skipped.
+    """
+    updates: list[Tensor] = [torch.empty(0)] * len(params)
+    beta3 = 1 - beta1 if grad_averaging else 1.0
+    for (device, _), indices in group_indices([params, grads, exp_avgs, exp_avg_sqs]).items():
+        p, m, v = pick(params, indices), pick(exp_avgs, indices), pick(exp_avg_sqs, indices)
+        skip = None if found_inf is None else found_inf.to(device).bool()
+        wp, wm, wv = (fp32_work(t, private=skip is not None) for t in (p, m, v))
+        g = fp32_copies(pick(grads, indices))
+        if grad_scale is not None:
+            torch._foreach_div_(g, grad_scale.to(device))
+        norm = global_grad_norm.to(device=device, dtype=torch.float32).reshape(())
+        torch._foreach_div_(g, torch.where(norm > max_grad_norm, norm / max_grad_norm, torch.ones_like(norm)))
+        if not adam_w_mode and weight_decay != 0:
+            torch._foreach_add_(g, wp, alpha=weight_decay)
+        torch._foreach_mul_(wm, beta1)
+        torch._foreach_add_(wm, g, alpha=beta3)
+        torch._foreach_mul_(wv, beta2)
+        torch._foreach_addcmul_(wv, g, g, value=1 - beta2)
+        one = torch.ones((), device=device)
+        t = step.to(device)
+        denom = torch._foreach_div(wv, 1 - beta2**t if bias_correction else one)
+        torch._foreach_sqrt_(denom)
+        torch._foreach_add_(denom, eps)
+        update = torch._foreach_div(wm, 1 - beta1**t if bias_correction else one)
+        torch._foreach_div_(update, denom)
+        if adam_w_mode and weight_decay != 0:
+            torch._foreach_add_(update, wp, alpha=weight_decay)
+        if use_nvlamb or weight_decay != 0:
+            p_norm = torch.stack(torch._foreach_norm(wp))
+            u_norm = torch.stack(torch._foreach_norm(update))
+            ratio = torch.where((p_norm != 0) & (u_norm != 0), lr * p_norm / u_norm, lr)
+            torch._foreach_sub_(wp, torch._foreach_mul(update, list(ratio.unbind())))
+        else:
+            torch._foreach_add_(wp, update, alpha=-lr)
+        write_back(p, wp, skip)
+        write_back(m, wm, skip)
+        write_back(v, wv, skip)
+        for i, u in zip(indices, update):
+            updates[i] = u
+    return updates
+
+
+def lamb_single_tensor(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
+    *,
+    step: Tensor,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    bias_correction: bool,
+    grad_averaging: bool,
+    adam_w_mode: bool,
+    global_grad_norm: Tensor,
+    max_grad_norm: float,
+    use_nvlamb: bool,
+    grad_scale: Tensor | None = None,
+    found_inf: Tensor | None = None,
+) -> list[Tensor]:
+    """The same update as :func:`lamb_multi_tensor`, one tensor at a time in plain torch (the reference)."""
+    updates = []
+    beta3 = 1 - beta1 if grad_averaging else 1.0
+    for param, grad, exp_avg, exp_avg_sq in zip(params, grads, exp_avgs, exp_avg_sqs):
+        device = param.device
+        p = param.float()
+        g = grad.float()
+        if grad_scale is not None:
+            g = g / grad_scale.to(device)
+        norm = global_grad_norm.to(device).reshape(())
+        g = g / torch.where(norm > max_grad_norm, norm / max_grad_norm, 1.0)
+        if not adam_w_mode:
+            g = g + weight_decay * p
+        m = beta1 * exp_avg + beta3 * g
+        v = beta2 * exp_avg_sq + (1 - beta2) * g * g
+        t = step.to(device)
+        m_hat = m / (1 - beta1**t) if bias_correction else m
+        v_hat = v / (1 - beta2**t) if bias_correction else v
+        update = m_hat / (v_hat.sqrt() + eps)
+        if adam_w_mode:
+            update = update + weight_decay * p
+        ratio: Tensor | float = lr
+        if use_nvlamb or weight_decay != 0:
+            p_norm, u_norm = p.norm(), update.norm()
+            ratio = torch.where((p_norm != 0) & (u_norm != 0), lr * p_norm / u_norm, lr)
+        skip = None if found_inf is None else found_inf.to(device).bool()
+        write_back([param, exp_avg, exp_avg_sq], [p - ratio * update, m, v], skip)
+        updates.append(update)
+    return updates
+
+
+def global_grad_norm(grads: Sequence[Tensor], device: torch.device) -> Tensor:
+    """L2 norm (shape [1], float32, on ``device``) of all ``grads`` together."""
+    norms: list[Tensor] = []
+    for indices in group_indices([grads]).values():
+        norms.extend(torch._foreach_norm(pick(grads, indices), 2, dtype=torch.float32))
+    return total_norm(norms, device)
+
+
+class FusedLAMB(FusedOptimizer):
+    """LAMB with Apex's ``FusedLAMB`` signature and defaults.
+
+    The gradients of all groups are clipped together against ``max_grad_norm`` (taken from the
+    constructor's defaults, as Apex does). ``adam_w_mode`` decouples weight decay; ``grad_averaging`` scales
+    the gradient by ``1 - beta1`` in the first moment; ``use_nvlamb`` applies the trust ratio to parameters
+    without weight decay too. State per parameter: ``exp_avg``, ``exp_avg_sq`` (float32, where Apex keeps the
+    parameter dtype); step counter per group in ``group['step']``. Unlike Apex, the gradients are left as
+    they were (Apex overwrites them with the update).
+    """
+
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: float = 1e-3,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0.01,
+        amsgrad: bool = False,
+        adam_w_mode: bool = True,
+        grad_averaging: bool = True,
+        set_grad_none: bool = True,
+        max_grad_norm: float = 1.0,
+        use_nvlamb: bool = False,
+        *,
+        implementation: Implementation = "multi_tensor",
+    ) -> None:
+        if amsgrad:
+            raise RuntimeError("FusedLAMB does not support the AMSGrad variant.")
+        check_hyperparameters(lr=lr, eps=eps, betas=betas, weight_decay=weight_decay)
+        if not max_grad_norm >= 0.0:
+            raise ValueError(f"Invalid max_grad_norm value: {max_grad_norm!r}")
+        defaults = dict(
+            lr=lr,
+            bias_correction=bias_correction,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            grad_averaging=grad_averaging,
+            max_grad_norm=max_grad_norm,
+        )
+        super().__init__(params, defaults, set_grad_none=set_grad_none, implementation=implementation)
+        self.adam_w_mode = 1 if adam_w_mode else 0
+        self.use_nvlamb = use_nvlamb
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """One LAMB step over every group."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        groups = [(group, self._params_with_grads(group)) for group in self.param_groups]
+        device = self.param_groups[0]["params"][0].device
+        grad_norm = global_grad_norm([p.grad for _, params in groups for p in params], device)  # type: ignore[misc]
+        scale = self._amp_scaling(device).grad_scale
+        if scale is not None:
+            grad_norm = grad_norm / scale
+        for group, params in groups:
+            self._step_group(group, params, grad_norm)
+        return loss
+
+    def _step_group(self, group: dict[str, Any], params: list[Tensor], grad_norm: Tensor) -> None:
+        device = group["params"][0].device
+        scaling = self._amp_scaling(device)
+        step = group_step(group, device)
+        for p in params:
+            if not self.state[p]:
+                self.state[p]["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
+                self.state[p]["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+        beta1, beta2 = group["betas"]
+        update = lamb_multi_tensor if self.implementation == "multi_tensor" else lamb_single_tensor
+        update(
+            params,
+            [p.grad for p in params],  # type: ignore[misc]
+            [self.state[p]["exp_avg"] for p in params],
+            [self.state[p]["exp_avg_sq"] for p in params],
+            step=step + 1,
+            lr=group["lr"],
+            beta1=beta1,
+            beta2=beta2,
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+            bias_correction=bool(group["bias_correction"]),
+            grad_averaging=bool(group["grad_averaging"]),
+            adam_w_mode=bool(self.adam_w_mode),
+            global_grad_norm=grad_norm,
+            max_grad_norm=self.defaults["max_grad_norm"],
+            use_nvlamb=self.use_nvlamb,
+            grad_scale=scaling.grad_scale,
+            found_inf=scaling.found_inf,
+        )
+        advance_step(step, scaling)

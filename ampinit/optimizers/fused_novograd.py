@@ -1,0 +1,260 @@
+"""FusedNovoGrad: Apex's NovoGrad (per-layer gradient-norm second moment) on foreach ops."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ampinit.optimizers._base import (
+    FusedOptimizer,
+    Implementation,
+    ParamsT,
+    advance_step,
+    check_hyperparameters,
+    group_step,
+)
+from ampinit.optimizers._tensor_lists import fp32_copies, fp32_work, write_back
+
+# Apex keeps one norm tensor per dtype in group['exp_avg_sq']: [fp16, fp32]. bf16 is ampinit's third slot.
+NORM_SLOTS = (torch.float16, torch.float32, torch.bfloat16)
+# A negative stored norm means "no norm seen yet": the first real step then stores the gradient's norm.
+UNSET_NORM = -1.0
+
+
+def layer_norms(grads: Sequence[Tensor], norm_type: int) -> Tensor:
+    """Per-tensor norms (L2 for ``norm_type`` 2, max-abs for 0) of float32 ``grads`` as one 1-D tensor."""
+    if norm_type == 2:
+        return torch.stack(torch._foreach_norm(list(grads), 2))
+    # The infinity norm of an empty tensor is undefined in torch; Apex's kernel reports 0 for it.
+    nonempty = [g if g.numel() else g.new_zeros(1) for g in grads]
+    return torch.stack(torch._foreach_norm(nonempty, float("inf")))
+
+
+def blend_norms(old: Tensor, new: Tensor, beta2: float, norm_type: int) -> Tensor:
+    """Running per-layer norm: ``sqrt(b2*old^2 + (1-b2)*new^2)`` (L2) or ``b2*old + (1-b2)*new`` (inf)."""
+    if norm_type == 2:
+        blended = (beta2 * old * old + (1 - beta2) * new * new).sqrt()
+    else:
+        blended = beta2 * old + (1 - beta2) * new
+    return torch.where(old < 0, new, blended)
+
+
+def novograd_multi_tensor(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    grad_norms: Tensor,
+    *,
+    step: Tensor,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    bias_correction: bool,
+    grad_averaging: bool,
+    moment_mode: int,
+    norm_type: int,
+    grad_scale: Tensor | None = None,
+    found_inf: Tensor | None = None,
+) -> None:
+    """One NovoGrad update (Apex's ``multi_tensor_novograd`` math) of tensors on ``grad_norms.device``.
+
+    ``grad_norms`` (float32, one entry per tensor) is blended with this step's norms in place.
+    ``moment_mode`` 0 normalises the gradient and adds weight decay before the momentum (the paper);
+    1 applies both to the update after it.
+    """
+    device = grad_norms.device
+    skip = None if found_inf is None else found_inf.to(device).bool()
+    wp, wm = fp32_work(params, private=skip is not None), fp32_work(exp_avgs, private=skip is not None)
+    g = fp32_copies(grads)
+    if grad_scale is not None:
+        torch._foreach_div_(g, grad_scale.to(device))
+    norms = blend_norms(grad_norms, layer_norms(g, norm_type), beta2, norm_type)
+    t = step.to(device)
+    one = torch.ones((), device=device)
+    bias1 = 1 - beta1**t if bias_correction else one
+    bias2 = (1 - beta2**t).sqrt() if bias_correction else one
+    denoms = list((norms / bias2 + eps).unbind())
+    beta3 = 1 - beta1 if grad_averaging else 1.0
+    if moment_mode == 0:
+        torch._foreach_div_(g, denoms)
+        torch._foreach_add_(g, wp, alpha=weight_decay)
+        torch._foreach_mul_(wm, beta1)
+        torch._foreach_add_(wm, g, alpha=beta3)
+        torch._foreach_add_(wp, torch._foreach_div(wm, bias1), alpha=-lr)
+    else:
+        torch._foreach_mul_(wm, beta1)
+        torch._foreach_add_(wm, g, alpha=beta3)
+        update = torch._foreach_div(wm, bias1)
+        torch._foreach_div_(update, denoms)
+        torch._foreach_add_(update, wp, alpha=weight_decay)
+        torch._foreach_add_(wp, update, alpha=-lr)
+    write_back(params, wp, skip)
+    write_back(exp_avgs, wm, skip)
+    write_back([grad_norms], [norms], skip)
+
+
+def novograd_single_tensor(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    grad_norms: Tensor,
+    *,
+    step: Tensor,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    bias_correction: bool,
+    grad_averaging: bool,
+    moment_mode: int,
+    norm_type: int,
+    grad_scale: Tensor | None = None,
+    found_inf: Tensor | None = None,
+) -> None:
+    """The update of :func:`novograd_multi_tensor`, one tensor at a time in plain torch (the reference)."""
+    device = grad_norms.device
+    skip = None if found_inf is None else found_inf.to(device).bool()
+    t = step.to(device)
+    beta3 = 1 - beta1 if grad_averaging else 1.0
+    new_norms = []
+    for i, (param, grad, exp_avg) in enumerate(zip(params, grads, exp_avgs)):
+        p = param.float()
+        g = grad.float()
+        if grad_scale is not None:
+            g = g / grad_scale.to(device)
+        if g.numel() == 0:
+            layer = torch.zeros((), device=device)
+        else:
+            layer = g.norm() if norm_type == 2 else g.abs().max()
+        norm = blend_norms(grad_norms[i], layer, beta2, norm_type)
+        new_norms.append(norm)
+        denom = (norm / (1 - beta2**t).sqrt() if bias_correction else norm) + eps
+        m_correction = 1 - beta1**t if bias_correction else 1.0
+        if moment_mode == 0:
+            m = beta1 * exp_avg + beta3 * (g / denom + weight_decay * p)
+            update = m / m_correction
+        else:
+            m = beta1 * exp_avg + beta3 * g
+            update = m / m_correction / denom + weight_decay * p
+        write_back([param, exp_avg], [p - lr * update, m], skip)
+    if new_norms:
+        write_back([grad_norms], [torch.stack(new_norms)], skip)
+
+
+class FusedNovoGrad(FusedOptimizer):
+    """NovoGrad with Apex's ``FusedNovoGrad`` signature and defaults.
+
+    The second moment is one number per parameter tensor (its gradient norm, L2 for ``norm_type=2`` or
+    max-abs for ``norm_type=0``), kept per group as Apex keeps it: ``group['exp_avg_sq']`` is
+    ``[fp16_norms, fp32_norms]`` (plus ``bf16_norms`` when the group has bf16 parameters), in the order of
+    the group's parameters that have gradients. ``init_zero=False`` starts the running norm at the first
+    step's norm, ``True`` at 0. ``reg_inside_moment`` selects Apex's moment mode 0. State per parameter:
+    ``exp_avg`` (float32). All parameters of one dtype in a group must be on one device, as in Apex.
+    """
+
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: float = 1e-3,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        reg_inside_moment: bool = False,
+        grad_averaging: bool = True,
+        norm_type: int = 2,
+        init_zero: bool = False,
+        set_grad_none: bool = True,
+        *,
+        implementation: Implementation = "multi_tensor",
+    ) -> None:
+        if amsgrad:
+            raise RuntimeError("FusedNovoGrad does not support the AMSGrad variant.")
+        check_hyperparameters(lr=lr, eps=eps, betas=betas, weight_decay=weight_decay)
+        if norm_type not in (0, 2):
+            raise ValueError(
+                f"Invalid norm_type: {norm_type!r}. FusedNovoGrad supports 2 (L2) and 0 (infinity)"
+            )
+        defaults = dict(
+            lr=lr,
+            bias_correction=bias_correction,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            grad_averaging=grad_averaging,
+            norm_type=norm_type,
+            init_zero=init_zero,
+        )
+        super().__init__(params, defaults, set_grad_none=set_grad_none, implementation=implementation)
+        self.moment_mode = 0 if reg_inside_moment else 1
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """One NovoGrad step over every group."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            self._step_group(group, self._params_with_grads(group))
+        return loss
+
+    def _step_group(self, group: dict[str, Any], params: list[Tensor]) -> None:
+        device = group["params"][0].device
+        scaling = self._amp_scaling(device)
+        step = group_step(group, device)
+        slots = [[p for p in params if p.dtype == dtype] for dtype in NORM_SLOTS]
+        norms = self._slot_norms(group, slots)
+        beta1, beta2 = group["betas"]
+        update = novograd_multi_tensor if self.implementation == "multi_tensor" else novograd_single_tensor
+        for slot, slot_norms in zip(slots, norms):
+            if not slot:
+                continue
+            for p in slot:
+                if not self.state[p]:
+                    self.state[p]["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
+            update(
+                slot,
+                [p.grad for p in slot],  # type: ignore[misc]
+                [self.state[p]["exp_avg"] for p in slot],
+                slot_norms,
+                step=step + 1,
+                lr=group["lr"],
+                beta1=beta1,
+                beta2=beta2,
+                eps=group["eps"],
+                weight_decay=group["weight_decay"],
+                bias_correction=bool(group["bias_correction"]),
+                grad_averaging=bool(group["grad_averaging"]),
+                moment_mode=self.moment_mode,
+                norm_type=group["norm_type"],
+                grad_scale=scaling.grad_scale,
+                found_inf=scaling.found_inf,
+            )
+        advance_step(step, scaling)
+
+    @staticmethod
+    def _slot_norms(group: dict[str, Any], slots: list[list[Tensor]]) -> list[Tensor]:
+        """The group's per-dtype norm tensors, created on first use and checked against the parameters."""
+        initial = 0.0 if group["init_zero"] else UNSET_NORM
+        norms: list[Tensor] = list(group.get("exp_avg_sq", []))
+        had_bf16_slot = len(norms) > 2
+        for i, slot in enumerate(slots):
+            if i >= len(norms):
+                device = slot[0].device if slot else group["params"][0].device
+                norms.append(torch.full((len(slot),), initial, dtype=torch.float32, device=device))
+            elif norms[i].numel() != len(slot):
+                raise RuntimeError(
+                    f"FusedNovoGrad keeps one norm per parameter with a gradient; this group had "
+                    f"{norms[i].numel()} {NORM_SLOTS[i]} such parameters and now has {len(slot)}"
+                )
+        # Keep Apex's two-entry layout unless bf16 parameters need the third slot.
+        group["exp_avg_sq"] = norms if slots[2] or had_bf16_slot else norms[:2]
+        return norms

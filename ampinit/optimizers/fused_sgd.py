@@ -1,0 +1,235 @@
+"""FusedSGD: Apex's SGD (momentum, dampening, Nesterov, weight decay after momentum) on torch's fused SGD."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim.optimizer import _RequiredParameter, required
+
+from ampinit.optimizers._base import FusedOptimizer, Implementation, ParamsT
+from ampinit.optimizers._tensor_lists import fp32_copies, fp32_work, group_indices, pick, write_back
+
+
+def sgd_multi_tensor(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    momentum_buffers: Sequence[Tensor],
+    *,
+    lr: float,
+    momentum: float,
+    dampening: float,
+    weight_decay: float,
+    nesterov: bool,
+    wd_after_momentum: bool,
+    first_run: bool,
+    grad_scale: Tensor | None = None,
+    found_inf: Tensor | None = None,
+    model_params: Sequence[Tensor] | None = None,
+) -> None:
+    """One SGD update of every tensor, Apex's ``multi_tensor_sgd`` math.
+
+    ``momentum_buffers`` may be empty when ``momentum == 0``. ``first_run`` makes the buffers start at the
+    gradient. ``model_params``, if given, receive a copy of the updated ``params`` in their own dtype (Apex's
+    fp32-master to fp16-model form). torch's fused kernel does the work unless weight decay must be applied
+    after momentum, which it cannot do; that case runs on foreach ops.
+    """
+    lists: list[Sequence[Tensor]] = [params, grads]
+    if momentum != 0:
+        lists.append(momentum_buffers)
+    if model_params is not None:
+        lists.append(model_params)
+    decay_after = wd_after_momentum and weight_decay != 0
+    for (device, dtypes), indices in group_indices(lists).items():
+        p, g = pick(params, indices), pick(grads, indices)
+        m = pick(momentum_buffers, indices) if momentum != 0 else []
+        skip = None if found_inf is None else found_inf.to(device).bool()
+        gs = None if grad_scale is None else grad_scale.to(device)
+        if decay_after:
+            wp, wm = fp32_work(p, private=skip is not None), fp32_work(m, private=skip is not None)
+            _sgd_foreach(
+                wp, fp32_copies(g), wm, lr, momentum, dampening, weight_decay, nesterov, first_run, gs
+            )
+        else:
+            direct = model_params is None and len(set(dtypes)) == 1
+            wp, wg, wm = (p, g, m) if direct else (fp32_work(p), fp32_work(g), fp32_work(m))
+            torch._fused_sgd_(
+                wp,
+                wg,
+                wm,
+                weight_decay=weight_decay,
+                momentum=momentum,
+                lr=lr,
+                dampening=dampening,
+                nesterov=nesterov,
+                maximize=False,
+                is_first_step=first_run,
+                grad_scale=gs,
+                found_inf=None if found_inf is None else found_inf.to(device),
+            )
+            if gs is not None:
+                write_back(g, wg, skip)
+        write_back(p, wp, skip)
+        write_back(m, wm, skip)
+        if model_params is not None:
+            write_back(pick(model_params, indices), wp, skip)
+
+
+def _sgd_foreach(
+    p: list[Tensor],
+    g: list[Tensor],
+    m: list[Tensor],
+    lr: float,
+    momentum: float,
+    dampening: float,
+    weight_decay: float,
+    nesterov: bool,
+    first_run: bool,
+    grad_scale: Tensor | None,
+) -> None:
+    """SGD with weight decay added after momentum, in place on float32 ``p``, ``m`` and a private ``g``."""
+    if grad_scale is not None:
+        torch._foreach_div_(g, grad_scale)
+    direction: Sequence[Tensor] = g
+    if momentum != 0:
+        if first_run:
+            torch._foreach_copy_(m, g)
+        else:
+            torch._foreach_mul_(m, momentum)
+            torch._foreach_add_(m, g, alpha=1 - dampening)
+        direction = torch._foreach_add(g, m, alpha=momentum) if nesterov else m
+    torch._foreach_add_(p, torch._foreach_add(list(direction), p, alpha=weight_decay), alpha=-lr)
+
+
+def sgd_single_tensor(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    momentum_buffers: Sequence[Tensor],
+    *,
+    lr: float,
+    momentum: float,
+    dampening: float,
+    weight_decay: float,
+    nesterov: bool,
+    wd_after_momentum: bool,
+    first_run: bool,
+    grad_scale: Tensor | None = None,
+    found_inf: Tensor | None = None,
+    model_params: Sequence[Tensor] | None = None,
+) -> None:
+    """The same update as :func:`sgd_multi_tensor`, one tensor at a time in plain torch (the reference)."""
+    for i, (param, grad) in enumerate(zip(params, grads)):
+        device = param.device
+        p = param.float()
+        g = grad.float()
+        if grad_scale is not None:
+            g = g / grad_scale.to(device)
+        if weight_decay != 0 and not wd_after_momentum:
+            g = g + weight_decay * p
+        targets, values = [param], []
+        if momentum != 0:
+            buf = momentum_buffers[i]
+            m = g if first_run else momentum * buf + (1 - dampening) * g
+            g = g + momentum * m if nesterov else m
+            targets.append(buf)
+            values.append(m)
+        if weight_decay != 0 and wd_after_momentum:
+            g = g + weight_decay * p
+        new_p = p - lr * g
+        if model_params is not None:
+            targets.append(model_params[i])
+            values.append(new_p)
+        skip = None if found_inf is None else found_inf.to(device).bool()
+        write_back(targets, [new_p, *values], skip)
+
+
+class FusedSGD(FusedOptimizer):
+    """SGD with Apex's ``FusedSGD`` signature and defaults.
+
+    Momentum follows torch/Apex (``buf = momentum*buf + (1-dampening)*grad``, starting at the gradient).
+    ``wd_after_momentum=True`` adds the weight decay to the update after momentum instead of to the gradient.
+    State per parameter: ``momentum_buffer`` (float32). Buffers are created as zeros, never as torch's
+    uninitialised ``empty_like``, so a skipped first step cannot leave garbage behind.
+    ``materialize_master_grads`` is accepted and stored for amp; the optimizer's math does not depend on it.
+    """
+
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: float | _RequiredParameter = required,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+        wd_after_momentum: bool = False,
+        materialize_master_grads: bool = True,
+        set_grad_none: bool = False,
+        *,
+        implementation: Implementation = "multi_tensor",
+    ) -> None:
+        if not isinstance(lr, _RequiredParameter) and lr < 0.0:
+            raise ValueError(f"Invalid learning rate: {lr!r}")
+        if momentum < 0.0:
+            raise ValueError(f"Invalid momentum value: {momentum!r}")
+        if weight_decay < 0.0:
+            raise ValueError(f"Invalid weight_decay value: {weight_decay!r}")
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+        defaults = dict(
+            lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov
+        )
+        super().__init__(params, defaults, set_grad_none=set_grad_none, implementation=implementation)
+        self.wd_after_momentum = wd_after_momentum
+        self.materialize_master_grads = materialize_master_grads
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """One SGD step over every group."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params = self._params_with_grads(group)
+            if params:
+                self._step_group(group, params)
+        return loss
+
+    def _step_group(self, group: dict[str, Any], params: list[Tensor]) -> None:
+        scaling = self._amp_scaling(params[0].device)
+        momentum, dampening = group["momentum"], group["dampening"]
+        fresh = [momentum != 0 and "momentum_buffer" not in self.state[p] for p in params]
+        # With zero dampening a zero buffer gives exactly the first-run result (0*momentum + 1*grad), so new
+        # and old buffers share one launch and a skipped first step keeps them at zero. With dampening the
+        # first run differs; knowing whether it really happened then costs one host sync, once per buffer.
+        if dampening != 0 and any(fresh) and scaling.skip is not None and bool(scaling.skip):
+            return
+        for p, new in zip(params, fresh):
+            if new:
+                self.state[p]["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
+        update = sgd_multi_tensor if self.implementation == "multi_tensor" else sgd_single_tensor
+        batches = [(False, list(params))]
+        if dampening != 0 and any(fresh):
+            batches = [
+                (True, [p for p, n in zip(params, fresh) if n]),
+                (False, [p for p, n in zip(params, fresh) if not n]),
+            ]
+        for first_run, batch in batches:
+            if not batch:
+                continue
+            update(
+                batch,
+                [p.grad for p in batch],  # type: ignore[misc]
+                [self.state[p]["momentum_buffer"] for p in batch] if momentum != 0 else [],
+                lr=group["lr"],
+                momentum=momentum,
+                dampening=dampening,
+                weight_decay=group["weight_decay"],
+                nesterov=group["nesterov"],
+                wd_after_momentum=self.wd_after_momentum,
+                first_run=first_run,
+                grad_scale=scaling.grad_scale,
+                found_inf=scaling.found_inf,
+            )
