@@ -67,6 +67,7 @@ def initialize(
     _check_number("verbosity", verbosity, minimum=0, integer=True)
     model_list, models_were_list = _as_list(models, nn.Module, "models must be either a single model or a list of models.")
     optimizer_list, optimizers_were_list = _as_optimizer_list(optimizers)
+    _check_ownership(model_list, optimizer_list)
 
     if not enabled:
         properties = resolve("O0" if opt_level not in LEVELS else opt_level, {"enabled": False})
@@ -91,7 +92,6 @@ def initialize(
         _check_models(model_list)
         _check_optimizers(optimizer_list)
 
-    _check_ownership(model_list, optimizer_list)
     AmpSession(
         model_list,
         optimizer_list,

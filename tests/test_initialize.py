@@ -1,0 +1,265 @@
+"""initialize(): return shapes, argument errors, sessions, and complete undo."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from torch import nn
+
+import ampinit
+from ampinit import amp
+from tests.conftest import SmallNet, make_problem
+
+LEVELS = ["O0", "O1", "O2", "O3", "O4", "O5"]
+
+
+def sgd(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def test_public_surface_is_pinned() -> None:
+    assert sorted(ampinit.__all__) == sorted([
+        "AmpSession", "AmpStats", "DynamicLossScale", "LossScaleAtMinimumError", "Properties", "__version__",
+        "current_session", "deinitialize", "disable_casts", "initialize", "load_state_dict", "master_params",
+        "scale_loss", "session_of", "state_dict", "stats", "step_was_skipped",
+    ])
+    for name in amp.__all__:
+        assert getattr(amp, name) is getattr(ampinit, name)
+
+
+class TestReturnShape:
+    """Apex's contract: what goes in as a single object or a list comes back the same way."""
+
+    def test_model_only(self) -> None:
+        model = SmallNet()
+        assert amp.initialize(model, opt_level="O2", verbosity=0) is model
+        amp.deinitialize()
+
+    def test_model_and_optimizer(self) -> None:
+        model = SmallNet()
+        opt = sgd(model)
+        assert amp.initialize(model, opt, opt_level="O2", verbosity=0) == (model, opt)
+        amp.deinitialize()
+
+    def test_lists(self) -> None:
+        a, b = SmallNet(), SmallNet()
+        oa, ob = sgd(a), sgd(b)
+        models, opts = amp.initialize([a, b], [oa, ob], opt_level="O1", verbosity=0)
+        assert models == [a, b] and opts == [oa, ob]
+        amp.deinitialize()
+
+    def test_model_list_single_optimizer(self) -> None:
+        a, b = SmallNet(), SmallNet()
+        opt = torch.optim.SGD([*a.parameters(), *b.parameters()], lr=0.1)
+        models, out_opt = amp.initialize([a, b], opt, opt_level="O0", verbosity=0)
+        assert models == [a, b] and out_opt is opt
+        amp.deinitialize()
+
+    def test_single_model_optimizer_list(self) -> None:
+        model = SmallNet()
+        opt = sgd(model)
+        out_model, opts = amp.initialize(model, [opt], opt_level="O0", verbosity=0)
+        assert out_model is model and opts == [opt]
+        amp.deinitialize()
+
+    def test_model_list_without_optimizers(self) -> None:
+        a, b = SmallNet(), SmallNet()
+        assert amp.initialize([a, b], opt_level="O3", verbosity=0) == [a, b]
+        amp.deinitialize()
+
+
+class TestErrors:
+    def test_scale_loss_before_initialize(self) -> None:
+        model = SmallNet()
+        with pytest.raises(RuntimeError, match=re.escape("internal Amp state has not been initialized")):
+            with amp.scale_loss(model(torch.randn(4, 8)).sum(), sgd(model)):
+                pass
+
+    @pytest.mark.parametrize("wrapper", [nn.DataParallel])
+    def test_parallel_wrapper_is_refused(self, wrapper: type) -> None:
+        wrapped = wrapper(SmallNet())
+        with pytest.raises(RuntimeError, match=re.escape("Parallel wrappers should only be applied to the model(s) AFTER")):
+            amp.initialize(wrapped, opt_level="O1", verbosity=0)
+
+    def test_same_optimizer_twice(self) -> None:
+        model = SmallNet()
+        opt = sgd(model)
+        with pytest.raises(RuntimeError, match=re.escape("A given optimizer should only be passed through amp.initialize once.")):
+            amp.initialize(model, [opt, opt], opt_level="O1", verbosity=0)
+
+    def test_bad_types(self) -> None:
+        with pytest.raises(TypeError, match=re.escape("models must be either a single model or a list of models.")):
+            amp.initialize("model", opt_level="O1")
+        with pytest.raises(TypeError, match=re.escape("optimizers must be either a single optimizer or a list of optimizers.")):
+            amp.initialize(SmallNet(), "opt", opt_level="O1")
+
+    @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+    def test_half_model_is_refused(self, dtype: torch.dtype) -> None:
+        model = SmallNet().to(dtype)
+        with pytest.raises(RuntimeError, match=re.escape("you do not need to call .half() on your model")):
+            amp.initialize(model, opt_level="O2", verbosity=0)
+
+    def test_non_float_optimizer_params_are_refused(self) -> None:
+        model = SmallNet()
+        opt = torch.optim.SGD([torch.zeros(3, dtype=torch.float64, requires_grad=True)], lr=0.1)
+        with pytest.raises(TypeError, match=re.escape("Received torch.DoubleTensor")):
+            amp.initialize(model, opt, opt_level="O2", verbosity=0)
+
+    def test_cpu_params_are_fine(self) -> None:
+        model = SmallNet()
+        amp.initialize(model, sgd(model), opt_level="O2", verbosity=0)
+        amp.deinitialize()
+
+    def test_loss_id_out_of_range(self) -> None:
+        model, x, y = make_problem()
+        opt = sgd(model)
+        amp.initialize(model, opt, opt_level="O1", num_losses=2, verbosity=0)
+        with pytest.raises(IndexError, match=re.escape("loss_id=2 is out of range: initialize() was called with num_losses=2")):
+            with amp.scale_loss(model(x).float().sum(), opt, loss_id=2):
+                pass
+        amp.deinitialize()
+
+    @pytest.mark.parametrize("bad", [0, -1, 1.5, True])
+    def test_bad_num_losses(self, bad: object) -> None:
+        with pytest.raises(ValueError, match=re.escape(f"num_losses must be an int >= 1, got {bad!r}")):
+            amp.initialize(SmallNet(), num_losses=bad)  # type: ignore[arg-type]
+
+    def test_dynamic_config_with_initialize_bounds_is_ambiguous(self) -> None:
+        with pytest.raises(ValueError, match="set min_scale and max_scale on the DynamicLossScale"):
+            amp.initialize(SmallNet(), opt_level="O2", loss_scale=ampinit.DynamicLossScale(), min_loss_scale=1.0)
+
+    def test_model_in_live_session_is_refused(self) -> None:
+        model = SmallNet()
+        amp.initialize(model, opt_level="O2", verbosity=0)
+        with pytest.raises(RuntimeError, match="already belongs to a live amp session"):
+            amp.initialize(model, opt_level="O2", verbosity=0)
+        amp.deinitialize()
+        amp.initialize(model, opt_level="O2", verbosity=0)  # fine once the first session is closed
+        amp.deinitialize()
+
+    def test_optimizer_not_passed_to_initialize(self) -> None:
+        model, x, _ = make_problem()
+        amp.initialize(model, sgd(model), opt_level="O2", verbosity=0)
+        stranger = sgd(model)
+        with pytest.raises(RuntimeError, match="was not passed to amp.initialize"):
+            with amp.scale_loss(model(x).sum(), stranger):
+                pass
+        amp.deinitialize()
+
+    def test_closure_on_skipped_step(self) -> None:
+        model, x, y = make_problem()
+        opt = sgd(model)
+        amp.initialize(model, opt, opt_level="O1", verbosity=0)
+        with amp.scale_loss((model(x).float() - y).pow(2).mean(), opt) as scaled:
+            scaled.backward()
+            model.fc1.weight.grad[0, 0] = float("inf")
+        with pytest.raises(RuntimeError, match=re.escape("Currently, Amp does not support closure use with optimizers.")):
+            opt.step(lambda: 0.0)
+        amp.deinitialize()
+
+    def test_failed_initialize_changes_nothing(self) -> None:
+        # The second model is half: the check fails before anything is applied to the first.
+        good, bad = SmallNet(), SmallNet().half()
+        opt = sgd(good)
+        before = {k: v.clone() for k, v in good.state_dict().items()}
+        with pytest.raises(RuntimeError):
+            amp.initialize([good, bad], opt, opt_level="O2", verbosity=0)
+        assert all(p.dtype == torch.float32 for p in good.parameters())
+        assert not good._forward_pre_hooks and "step" not in vars(opt)
+        for k, v in good.state_dict().items():
+            assert torch.equal(v, before[k])
+        assert ampinit.current_session() is None
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_close_restores_everything(level: str) -> None:
+    model, x, y = make_problem()
+    opt = sgd(model)  # momentum state exercises the state hand-over; Adam's eps underflows in pure fp16 (O3)
+    params_before = list(model.parameters())
+    hooks_before = (dict(model._forward_pre_hooks), dict(model._forward_hooks), dict(model._state_dict_hooks))
+    amp.initialize(model, opt, opt_level=level, verbosity=0)
+    for _ in range(2):
+        opt.zero_grad()
+        with amp.scale_loss((model(x).float() - y).pow(2).mean(), opt) as scaled:
+            scaled.backward()
+        opt.step()
+    trained = {k: v.clone() for k, v in model.state_dict().items()}
+    session = ampinit.current_session()
+    assert session is not None
+    session.close()
+    session.close()  # idempotent
+    assert ampinit.current_session() is None
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert all(b.dtype == torch.float32 for b in model.buffers() if b.is_floating_point())
+    assert (dict(model._forward_pre_hooks), dict(model._forward_hooks), dict(model._state_dict_hooks)) == hooks_before
+    assert not {"step", "zero_grad", "add_param_group"} & set(vars(opt))
+    assert list(opt.param_groups[0]["params"]) == params_before  # masters handed back
+    assert all(p in opt.state for p in params_before)
+    assert not torch.is_autocast_enabled("cpu")
+    # No precision is lost: the fp32 weights equal what the session's model.state_dict() reported.
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, trained[k]), k
+    # The optimizer still trains the restored model in plain fp32.
+    opt.zero_grad()
+    (model(x) - y).pow(2).mean().backward()
+    opt.step()
+
+
+def test_sessions_on_distinct_models_coexist() -> None:
+    a, x, y = make_problem(0)
+    b, _, _ = make_problem(1)
+    oa, ob = sgd(a), sgd(b)
+    amp.initialize(a, oa, opt_level="O2", verbosity=0)
+    first = ampinit.current_session()
+    amp.initialize(b, ob, opt_level="O3", loss_scale=128.0, verbosity=0)
+    second = ampinit.current_session()
+    assert first is not None and second is not None and first is not second
+    assert ampinit.session_of(oa) is first and ampinit.session_of(b) is second
+    for model, opt in ((a, oa), (b, ob)):
+        with amp.scale_loss((model(x).float() - y).pow(2).mean(), opt) as scaled:
+            scaled.backward()
+        opt.step()
+    assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 128.0  # module-level: the most recent session
+    assert first.state_dict()["loss_scaler0"]["loss_scale"] == 65536.0
+    second.close()
+    assert ampinit.current_session() is first
+    first.close()
+
+
+def test_disabled_is_a_passthrough() -> None:
+    model, x, y = make_problem()
+    opt = sgd(model)
+    out = amp.initialize(model, opt, enabled=False, opt_level="O2")
+    assert out == (model, opt)
+    loss = (model(x) - y).pow(2).mean()
+    with amp.scale_loss(loss, opt) as scaled:
+        assert scaled is loss
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert amp.state_dict() == {}
+    amp.deinitialize()
+
+
+def test_session_as_context_manager() -> None:
+    model = SmallNet()
+    amp.initialize(model, opt_level="O4", verbosity=0)
+    session = ampinit.current_session()
+    assert session is not None and torch.is_autocast_enabled("cpu")
+    with session:
+        pass
+    assert session.closed and not torch.is_autocast_enabled("cpu")
+
+
+def test_option_table_is_logged(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("INFO", logger="ampinit"):
+        amp.initialize(SmallNet(), opt_level="O2", loss_scale="128.0")
+    text = caplog.text
+    assert "Selected optimization level O2:  FP16 training with FP32 batchnorm and FP32 master weights." in text
+    assert re.search(r"loss_scale\s+: 128.0", text)
+    amp.deinitialize()
+    caplog.clear()
+    with caplog.at_level("INFO", logger="ampinit"):
+        amp.initialize(SmallNet(), opt_level="O2", verbosity=0)
+    assert caplog.text == ""
+    amp.deinitialize()
