@@ -53,7 +53,9 @@ def sgd_multi_tensor(
                 wp, fp32_copies(g), wm, lr, momentum, dampening, weight_decay, nesterov, first_run, gs
             )
         else:
-            direct = model_params is None and len(set(dtypes)) == 1
+            # torch 2.13's CPU _fused_sgd_ miscomputes float16/bfloat16 tensors of 16+ elements, so only
+            # float32 runs in place; everything else goes through float32 work copies.
+            direct = model_params is None and set(dtypes) == {torch.float32}
             wp, wg, wm = (p, g, m) if direct else (fp32_work(p), fp32_work(g), fp32_work(m))
             torch._fused_sgd_(
                 wp,
