@@ -263,3 +263,14 @@ def test_option_table_is_logged(caplog: pytest.LogCaptureFixture) -> None:
         amp.initialize(SmallNet(), opt_level="O2", verbosity=0)
     assert caplog.text == ""
     amp.deinitialize()
+
+
+def test_ddp_wrapped_model_is_refused() -> None:
+    # A DDP instance needs a process group to construct; the refusal only looks at the type, so a bare
+    # instance is enough to pin the message.
+    ddp = nn.parallel.DistributedDataParallel.__new__(nn.parallel.DistributedDataParallel)
+    with pytest.raises(RuntimeError, match=re.escape(
+        "Incoming model is an instance of <class 'torch.nn.parallel.distributed.DistributedDataParallel'>. "
+        "Parallel wrappers should only be applied to the model(s) AFTER \nthe model(s) have been returned from amp.initialize."
+    )):
+        amp.initialize(ddp, opt_level="O2", verbosity=0)

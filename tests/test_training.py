@@ -593,3 +593,33 @@ def test_load_state_dict_follows_apex_key_rules() -> None:
         "Skipping loss_scaler[2], since num_losses was set to 2",
     ]
     amp.deinitialize()
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O5"])
+def test_resume_in_fresh_process_is_bitwise(level: str, tmp_path: pytest.TempPathFactory) -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    base = str(tmp_path) + "/run"
+    for mode in ("first", "resume"):
+        subprocess.run([sys.executable, "-m", "tests._resume_script", level, mode, base], cwd=root, check=True, timeout=120)
+    uninterrupted = torch.load(base + ".first", weights_only=True)
+    resumed = torch.load(base + ".resume", weights_only=True)
+    assert resumed["amp"] == uninterrupted["amp"]
+    for key, value in uninterrupted["model"].items():
+        assert torch.equal(resumed["model"][key], value), key
+
+
+def test_verbosity_zero_silences_overflow_messages(caplog: pytest.LogCaptureFixture) -> None:
+    model, x, y = make_problem()
+    opt = torch.optim.SGD(model.parameters(), 0.1)
+    amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    with caplog.at_level(logging.DEBUG, logger="ampinit"):
+        with amp.scale_loss(mse(model(x), y), opt) as scaled:
+            scaled.backward()
+            model.fc1.bias.grad[0] = float("inf")
+        opt.step()
+    assert amp.step_was_skipped() and caplog.records == []
+    amp.deinitialize()
