@@ -1,10 +1,10 @@
 """ampinit: automatic mixed precision for PyTorch with the NVIDIA Apex ``amp`` API.
 
-    from ampinit import amp            # or: import ampinit as amp
-    model, optimizer = amp.initialize(model, optimizer, opt_level="O2")
-    with amp.scale_loss(loss, optimizer) as scaled_loss:
-        scaled_loss.backward()
-    optimizer.step()
+from ampinit import amp            # or: import ampinit as amp
+model, optimizer = amp.initialize(model, optimizer, opt_level="O2")
+with amp.scale_loss(loss, optimizer) as scaled_loss:
+    scaled_loss.backward()
+optimizer.step()
 """
 
 from ampinit._initialize import (

@@ -65,7 +65,9 @@ def initialize(
     """
     _check_number("num_losses", num_losses, minimum=1, integer=True)
     _check_number("verbosity", verbosity, minimum=0, integer=True)
-    model_list, models_were_list = _as_list(models, nn.Module, "models must be either a single model or a list of models.")
+    model_list, models_were_list = _as_list(
+        models, nn.Module, "models must be either a single model or a list of models."
+    )
     optimizer_list, optimizers_were_list = _as_optimizer_list(optimizers)
     _check_ownership(model_list, optimizer_list)
 
@@ -173,8 +175,7 @@ def _check_optimizers(optimizers: list[torch.optim.Optimizer]) -> None:
             for param in group["params"]:
                 if param.dtype not in (torch.float32, *HALF_DTYPES):
                     raise TypeError(
-                        "Optimizer's parameters must be float32, float16 or bfloat16 tensors. "
-                        f"Received {param.type()}"
+                        f"Optimizer's parameters must be float32, float16 or bfloat16 tensors. Received {param.type()}"
                     )
 
 

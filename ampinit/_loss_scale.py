@@ -62,4 +62,3 @@ class DynamicLossScale:
     def first_scale(self) -> float:
         """The scale training starts with: ``init_scale`` capped at ``max_scale`` (Apex's rule)."""
         return min(self.init_scale, self.max_scale)
-

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -35,7 +35,7 @@ def cast_floating(value: Any, dtype: torch.dtype) -> Any:
     if isinstance(value, Mapping):
         items = {k: cast_floating(v, dtype) for k, v in value.items()}
         try:
-            return type(value)(items)
+            return cast(Any, type(value))(items)
         except TypeError:
             return items
     return value
@@ -85,7 +85,9 @@ class ModelCast:
             self._handles.append(self.model.register_forward_pre_hook(self._cast_inputs, with_kwargs=True))
             for module in self.model.modules():
                 self._handles.append(_register_state_dict_post_hook(module, self._state_dict_to_original_dtype))
-                self._handles.append(module.register_load_state_dict_pre_hook(self._load_into_masters))
+                self._handles.append(
+                    module.register_load_state_dict_pre_hook(self._load_into_masters)  # type: ignore[no-untyped-call]
+                )
         if self.output_dtype is not None:
             self._handles.append(self.model.register_forward_hook(self._cast_outputs))
 
@@ -190,8 +192,7 @@ class ModelCast:
 def _register_state_dict_post_hook(module: nn.Module, hook: Callable[..., None]) -> RemovableHandle:
     register = getattr(module, "register_state_dict_post_hook", None)
     if register is None:  # torch < 2.5 has only the private spelling
-        return module._register_state_dict_hook(hook)
+        return cast(RemovableHandle, module._register_state_dict_hook(hook))  # type: ignore[no-untyped-call]
     # torch tags public hooks with an attribute, which a bound method cannot take: hand it a partial.
     handle: RemovableHandle = register(functools.partial(hook))
     return handle
-

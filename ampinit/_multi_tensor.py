@@ -20,7 +20,9 @@ _HAS_UNSCALE_KERNEL = hasattr(torch, "_amp_foreach_non_finite_check_and_unscale_
 _HAS_FOREACH_COPY = hasattr(torch, "_foreach_copy_")
 
 
-def group_by_device_and_dtype(*lists: Sequence[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[TensorList]]:
+def group_by_device_and_dtype(
+    *lists: Sequence[torch.Tensor],
+) -> dict[tuple[torch.device, torch.dtype], list[TensorList]]:
     """Split parallel tensor lists into groups that one kernel can take, keyed by the first list's tensors."""
     groups: dict[tuple[torch.device, torch.dtype], list[TensorList]] = defaultdict(lambda: [[] for _ in lists])
     for items in zip(*lists):
@@ -51,7 +53,7 @@ def _unscale_and_check_reference(grads: TensorList, found_inf: torch.Tensor, inv
     """The plain-torch meaning of the fused kernel above (also its fallback)."""
     norms = torch._foreach_norm(grads, ord=float("inf")) if grads else []
     if norms:
-        found_inf.add_(torch.stack(norms).float().isfinite().logical_not().any()).clamp_(max=1.0)
+        found_inf.add_(torch.stack(list(norms)).float().isfinite().logical_not().any()).clamp_(max=1.0)
     torch._foreach_mul_(grads, inv_scale)
 
 

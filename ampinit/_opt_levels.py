@@ -15,7 +15,7 @@ from typing import Any, Literal, Union
 import torch
 
 from ampinit._loss_scale import DynamicLossScale
-from ampinit._types import HALF_DTYPES, MODEL_DTYPES, OPT_LEVELS, OptLevel
+from ampinit._types import HALF_DTYPES, MODEL_DTYPES, OptLevel
 
 LossScaleSetting = Union[float, Literal["dynamic"], DynamicLossScale]
 
@@ -159,7 +159,7 @@ def resolve(opt_level: object, overrides: Mapping[str, Any]) -> Properties:
     """
     if opt_level not in LEVELS:
         raise RuntimeError(unknown_level_message(opt_level))
-    level: OptLevel = opt_level  # type: ignore[assignment]
+    level: OptLevel = opt_level
     unexpected = set(overrides) - set(OVERRIDE_ORDER)
     if unexpected:
         raise ValueError(f"Tried to set unexpected option(s) {sorted(unexpected)}; allowed: {list(OVERRIDE_ORDER)}")
@@ -250,9 +250,11 @@ def _check_master_weights(level: OptLevel, value: object) -> bool:
 
 def _check_loss_scale(level: OptLevel, value: object) -> LossScaleSetting:
     if value == "dynamic" or isinstance(value, DynamicLossScale):
-        return value  # type: ignore[return-value]
+        return value
     if isinstance(value, bool):
-        raise TypeError(f"loss_scale must be a number, a numeric string, 'dynamic' or a DynamicLossScale, got {value!r}")
+        raise TypeError(
+            f"loss_scale must be a number, a numeric string, 'dynamic' or a DynamicLossScale, got {value!r}"
+        )
     try:
         scale = float(value)  # type: ignore[arg-type]
     except (TypeError, ValueError):

@@ -26,8 +26,12 @@ class LossScaler:
 
     def __init__(self, setting: float | DynamicLossScale, loss_id: int = 0) -> None:
         self.loss_id = loss_id
-        self.config: DynamicLossScale | None = setting if isinstance(setting, DynamicLossScale) else None
-        self._host_scale = self.config.first_scale if self.config is not None else float(setting)
+        self.config: DynamicLossScale | None = None
+        if isinstance(setting, DynamicLossScale):
+            self.config = setting
+            self._host_scale = setting.first_scale
+        else:
+            self._host_scale = float(setting)
         self._host_unskipped = 0
         self._host_hysteresis = self.config.hysteresis if self.config is not None else 1
         self._scale: torch.Tensor | None = None
@@ -128,7 +132,9 @@ class LossScaler:
 
     def at_minimum(self) -> bool:
         """Whether the scale sits at its floor (host sync)."""
-        return self.config is not None and self.config.min_scale is not None and self.loss_scale() <= self.config.min_scale
+        return (
+            self.config is not None and self.config.min_scale is not None and self.loss_scale() <= self.config.min_scale
+        )
 
     # -- checkpoints ---------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -76,7 +76,9 @@ class AmpSession:
         self.num_losses = num_losses
         self.verbosity = verbosity
         self.closed = False
-        self.scalers = [LossScaler(_scale_setting(properties, min_loss_scale, max_loss_scale), i) for i in range(num_losses)]
+        self.scalers = [
+            LossScaler(_scale_setting(properties, min_loss_scale, max_loss_scale), i) for i in range(num_losses)
+        ]
         self._grads: dict[int, OptimizerGrads] = {}
         self._model_casts: list[ModelCast] = []
         self._cast_policy: CastPolicy | None = None
@@ -350,7 +352,13 @@ class AmpSession:
         logger.info("Gradient overflow.  Skipping step, loss scaler %d %s%s", scaler.loss_id, change, suffix)
 
     # -- optimizer.step -------------------------------------------------------------------------------------
-    def _step(self, opt: torch.optim.Optimizer, original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _step(
+        self,
+        opt: torch.optim.Optimizer,
+        original: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
         grads = self._grads[id(opt)]
         closure = kwargs.get("closure", args[0] if args else None)
         if grads.has_scaled_grads:
@@ -455,7 +463,9 @@ class AmpSession:
         )
 
 
-def _scale_setting(properties: Properties, min_loss_scale: float | None, max_loss_scale: float) -> float | DynamicLossScale:
+def _scale_setting(
+    properties: Properties, min_loss_scale: float | None, max_loss_scale: float
+) -> float | DynamicLossScale:
     setting = properties.loss_scale
     if isinstance(setting, DynamicLossScale):
         return setting

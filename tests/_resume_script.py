@@ -22,7 +22,10 @@ def main(level: str, mode: str, path: str) -> None:
     steps = {"first": 3, "resume": 4}[mode]
     for i in range(steps + (4 if mode == "first" else 0)):
         if mode == "first" and i == steps:
-            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "amp": amp.state_dict()}, path + ".ckpt")
+            torch.save(
+                {"model": model.state_dict(), "optimizer": opt.state_dict(), "amp": amp.state_dict()},
+                path + ".ckpt",
+            )
         opt.zero_grad()
         loss = (model(x).float() - y).pow(2).mean()
         with amp.scale_loss(loss, opt) as scaled:

@@ -16,9 +16,7 @@ DEVICE_TYPES = ("cpu",)
 
 
 def _global_state() -> tuple[object, ...]:
-    autocast = tuple(
-        (d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in DEVICE_TYPES
-    )
+    autocast = tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in DEVICE_TYPES)
     return (autocast, torch.get_default_dtype(), torch.is_grad_enabled())
 
 
@@ -51,7 +49,9 @@ class SmallNet(nn.Module):
         return self.head(self.ln(self.fc2(h)))
 
 
-def make_problem(seed: int = 0, n: int = 64, d_in: int = 8, d_out: int = 4) -> tuple[SmallNet, torch.Tensor, torch.Tensor]:
+def make_problem(
+    seed: int = 0, n: int = 64, d_in: int = 8, d_out: int = 4
+) -> tuple[SmallNet, torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     model = SmallNet(d_in, 16, d_out)

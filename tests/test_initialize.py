@@ -20,11 +20,27 @@ def sgd(model: nn.Module) -> torch.optim.Optimizer:
 
 
 def test_public_surface_is_pinned() -> None:
-    assert sorted(ampinit.__all__) == sorted([
-        "AmpSession", "AmpStats", "DynamicLossScale", "LossScaleAtMinimumError", "Properties", "__version__",
-        "current_session", "deinitialize", "disable_casts", "initialize", "load_state_dict", "master_params",
-        "scale_loss", "session_of", "state_dict", "stats", "step_was_skipped",
-    ])
+    assert sorted(ampinit.__all__) == sorted(
+        [
+            "AmpSession",
+            "AmpStats",
+            "DynamicLossScale",
+            "LossScaleAtMinimumError",
+            "Properties",
+            "__version__",
+            "current_session",
+            "deinitialize",
+            "disable_casts",
+            "initialize",
+            "load_state_dict",
+            "master_params",
+            "scale_loss",
+            "session_of",
+            "state_dict",
+            "stats",
+            "step_was_skipped",
+        ]
+    )
     for name in amp.__all__:
         assert getattr(amp, name) is getattr(ampinit, name)
 
@@ -80,19 +96,27 @@ class TestErrors:
     @pytest.mark.parametrize("wrapper", [nn.DataParallel])
     def test_parallel_wrapper_is_refused(self, wrapper: type) -> None:
         wrapped = wrapper(SmallNet())
-        with pytest.raises(RuntimeError, match=re.escape("Parallel wrappers should only be applied to the model(s) AFTER")):
+        with pytest.raises(
+            RuntimeError, match=re.escape("Parallel wrappers should only be applied to the model(s) AFTER")
+        ):
             amp.initialize(wrapped, opt_level="O1", verbosity=0)
 
     def test_same_optimizer_twice(self) -> None:
         model = SmallNet()
         opt = sgd(model)
-        with pytest.raises(RuntimeError, match=re.escape("A given optimizer should only be passed through amp.initialize once.")):
+        with pytest.raises(
+            RuntimeError,
+            match=re.escape("A given optimizer should only be passed through amp.initialize once."),
+        ):
             amp.initialize(model, [opt, opt], opt_level="O1", verbosity=0)
 
     def test_bad_types(self) -> None:
         with pytest.raises(TypeError, match=re.escape("models must be either a single model or a list of models.")):
             amp.initialize("model", opt_level="O1")
-        with pytest.raises(TypeError, match=re.escape("optimizers must be either a single optimizer or a list of optimizers.")):
+        with pytest.raises(
+            TypeError,
+            match=re.escape("optimizers must be either a single optimizer or a list of optimizers."),
+        ):
             amp.initialize(SmallNet(), "opt", opt_level="O1")
 
     @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -113,12 +137,17 @@ class TestErrors:
         amp.deinitialize()
 
     def test_loss_id_out_of_range(self) -> None:
-        model, x, y = make_problem()
+        model, x, _ = make_problem()
         opt = sgd(model)
         amp.initialize(model, opt, opt_level="O1", num_losses=2, verbosity=0)
-        with pytest.raises(IndexError, match=re.escape("loss_id=2 is out of range: initialize() was called with num_losses=2")):
-            with amp.scale_loss(model(x).float().sum(), opt, loss_id=2):
-                pass
+        with (
+            pytest.raises(
+                IndexError,
+                match=re.escape("loss_id=2 is out of range: initialize() was called with num_losses=2"),
+            ),
+            amp.scale_loss(model(x).float().sum(), opt, loss_id=2),
+        ):
+            pass
         amp.deinitialize()
 
     @pytest.mark.parametrize("bad", [0, -1, 1.5, True])
@@ -143,7 +172,7 @@ class TestErrors:
         model, x, _ = make_problem()
         amp.initialize(model, sgd(model), opt_level="O2", verbosity=0)
         stranger = sgd(model)
-        with pytest.raises(RuntimeError, match="was not passed to amp.initialize"):
+        with pytest.raises(RuntimeError, match=re.escape("was not passed to amp.initialize")):
             with amp.scale_loss(model(x).sum(), stranger):
                 pass
         amp.deinitialize()
@@ -155,7 +184,9 @@ class TestErrors:
         with amp.scale_loss((model(x).float() - y).pow(2).mean(), opt) as scaled:
             scaled.backward()
             model.fc1.weight.grad[0, 0] = float("inf")
-        with pytest.raises(RuntimeError, match=re.escape("Currently, Amp does not support closure use with optimizers.")):
+        with pytest.raises(
+            RuntimeError, match=re.escape("Currently, Amp does not support closure use with optimizers.")
+        ):
             opt.step(lambda: 0.0)
         amp.deinitialize()
 
@@ -193,7 +224,11 @@ def test_close_restores_everything(level: str) -> None:
     assert ampinit.current_session() is None
     assert all(p.dtype == torch.float32 for p in model.parameters())
     assert all(b.dtype == torch.float32 for b in model.buffers() if b.is_floating_point())
-    assert (dict(model._forward_pre_hooks), dict(model._forward_hooks), dict(model._state_dict_hooks)) == hooks_before
+    assert (
+        dict(model._forward_pre_hooks),
+        dict(model._forward_hooks),
+        dict(model._state_dict_hooks),
+    ) == hooks_before
     assert not {"step", "zero_grad", "add_param_group"} & set(vars(opt))
     assert list(opt.param_groups[0]["params"]) == params_before  # masters handed back
     assert all(p in opt.state for p in params_before)
@@ -269,8 +304,12 @@ def test_ddp_wrapped_model_is_refused() -> None:
     # A DDP instance needs a process group to construct; the refusal only looks at the type, so a bare
     # instance is enough to pin the message.
     ddp = nn.parallel.DistributedDataParallel.__new__(nn.parallel.DistributedDataParallel)
-    with pytest.raises(RuntimeError, match=re.escape(
-        "Incoming model is an instance of <class 'torch.nn.parallel.distributed.DistributedDataParallel'>. "
-        "Parallel wrappers should only be applied to the model(s) AFTER \nthe model(s) have been returned from amp.initialize."
-    )):
+    with pytest.raises(
+        RuntimeError,
+        match=re.escape(
+            "Incoming model is an instance of <class 'torch.nn.parallel.distributed.DistributedDataParallel'>. "
+            "Parallel wrappers should only be applied to the model(s) AFTER \n"
+            "the model(s) have been returned from amp.initialize."
+        ),
+    ):
         amp.initialize(ddp, opt_level="O2", verbosity=0)

@@ -12,18 +12,49 @@ from ampinit._opt_levels import LEVELS, describe, resolve
 
 # Apex's table (shared/reference/apex-amp.md §2) and ROCm apex's O4/O5 (apex/amp/frontend.py).
 APEX_TABLE = {
-    "O0": dict(cast_model_type=torch.float32, patch_torch_functions=False, keep_batchnorm_fp32=None,
-               master_weights=False, loss_scale=1.0),
-    "O1": dict(cast_model_type=None, patch_torch_functions=True, keep_batchnorm_fp32=None,
-               master_weights=None, loss_scale="dynamic"),
-    "O2": dict(cast_model_type=torch.float16, patch_torch_functions=False, keep_batchnorm_fp32=True,
-               master_weights=True, loss_scale="dynamic"),
-    "O3": dict(cast_model_type=torch.float16, patch_torch_functions=False, keep_batchnorm_fp32=False,
-               master_weights=False, loss_scale=1.0),
-    "O4": dict(cast_model_type=None, patch_torch_functions=True, patch_torch_functions_type=torch.bfloat16,
-               keep_batchnorm_fp32=None, master_weights=None, loss_scale=1.0),
-    "O5": dict(cast_model_type=torch.bfloat16, patch_torch_functions=None, keep_batchnorm_fp32=True,
-               master_weights=True, loss_scale=1.0),
+    "O0": dict(
+        cast_model_type=torch.float32,
+        patch_torch_functions=False,
+        keep_batchnorm_fp32=None,
+        master_weights=False,
+        loss_scale=1.0,
+    ),
+    "O1": dict(
+        cast_model_type=None,
+        patch_torch_functions=True,
+        keep_batchnorm_fp32=None,
+        master_weights=None,
+        loss_scale="dynamic",
+    ),
+    "O2": dict(
+        cast_model_type=torch.float16,
+        patch_torch_functions=False,
+        keep_batchnorm_fp32=True,
+        master_weights=True,
+        loss_scale="dynamic",
+    ),
+    "O3": dict(
+        cast_model_type=torch.float16,
+        patch_torch_functions=False,
+        keep_batchnorm_fp32=False,
+        master_weights=False,
+        loss_scale=1.0,
+    ),
+    "O4": dict(
+        cast_model_type=None,
+        patch_torch_functions=True,
+        patch_torch_functions_type=torch.bfloat16,
+        keep_batchnorm_fp32=None,
+        master_weights=None,
+        loss_scale=1.0,
+    ),
+    "O5": dict(
+        cast_model_type=torch.bfloat16,
+        patch_torch_functions=None,
+        keep_batchnorm_fp32=True,
+        master_weights=True,
+        loss_scale=1.0,
+    ),
 }
 APEX_BRIEFS = {
     "O0": "O0:  Pure FP32 training.\n",
@@ -48,7 +79,9 @@ def test_briefs_match_apex(level: str) -> None:
 
 @pytest.mark.parametrize("bad", ["01", "o1", "O6", 1, None])
 def test_unknown_level_names_the_letter_o(bad: object) -> None:
-    with pytest.raises(RuntimeError, match=re.escape(f"Unexpected optimization level {bad}. Options are 'O0', 'O1'")) as info:
+    with pytest.raises(
+        RuntimeError, match=re.escape(f"Unexpected optimization level {bad}. Options are 'O0', 'O1'")
+    ) as info:
         resolve(bad, {})
     assert "the prefix O is the letter O, not the number zero." in str(info.value)
 
@@ -56,17 +89,30 @@ def test_unknown_level_names_the_letter_o(bad: object) -> None:
 @pytest.mark.parametrize(
     ("level", "overrides", "message"),
     [
-        ("O1", {"cast_model_type": torch.float16},
-         "O1 inserts casts around Torch functions rather than model weights, so with O1, the model weights themselves "
-         "should remain FP32. If you wish to cast the model to a different type, use opt_level='O2' or 'O3'. "
-         "cast_model_type was torch.float16"),
-        ("O2", {"patch_torch_functions": True},
-         "Currently, patch_torch_functions=True should only be set by selecting opt_level='O1'."),
-        ("O1", {"keep_batchnorm_fp32": True},
-         "With opt_level O1, batchnorm functions are automatically patched to run in FP32, so keep_batchnorm_fp32 "
-         "should be None. keep_batchnorm_fp32 was True"),
-        ("O1", {"master_weights": True},
-         "It doesn't make sense to use master_weights with O1. With O1, your model weights themselves should be FP32."),
+        (
+            "O1",
+            {"cast_model_type": torch.float16},
+            "O1 inserts casts around Torch functions rather than model weights, so with O1, the model weights "
+            "themselves should remain FP32. If you wish to cast the model to a different type, "
+            "use opt_level='O2' or 'O3'. cast_model_type was torch.float16",
+        ),
+        (
+            "O2",
+            {"patch_torch_functions": True},
+            "Currently, patch_torch_functions=True should only be set by selecting opt_level='O1'.",
+        ),
+        (
+            "O1",
+            {"keep_batchnorm_fp32": True},
+            "With opt_level O1, batchnorm functions are automatically patched to run in FP32, so keep_batchnorm_fp32 "
+            "should be None. keep_batchnorm_fp32 was True",
+        ),
+        (
+            "O1",
+            {"master_weights": True},
+            "It doesn't make sense to use master_weights with O1. "
+            "With O1, your model weights themselves should be FP32.",
+        ),
     ],
 )
 def test_override_violations_raise_apex_messages(level: str, overrides: dict[str, object], message: str) -> None:
@@ -153,8 +199,16 @@ def test_short_circuit_rule_matches_apex() -> None:
 def test_describe_lists_every_option_in_apex_order() -> None:
     lines = describe(resolve("O1", {}))
     names = [line.split(":")[0].strip() for line in lines]
-    assert names == ["enabled", "opt_level", "cast_model_type", "patch_torch_functions", "patch_torch_functions_type",
-                     "keep_batchnorm_fp32", "master_weights", "loss_scale"]
+    assert names == [
+        "enabled",
+        "opt_level",
+        "cast_model_type",
+        "patch_torch_functions",
+        "patch_torch_functions_type",
+        "keep_batchnorm_fp32",
+        "master_weights",
+        "loss_scale",
+    ]
 
 
 @pytest.mark.parametrize(

@@ -49,7 +49,9 @@ def run(scaler: LossScaler, overflows: list[bool]) -> list[tuple[float, int]]:
     min_scale=st.sampled_from([None, 1.0, 4096.0]),
     max_scale=st.sampled_from([2.0**24, 2.0**17, 2.0**10]),
 )
-def test_dynamic_scaling_matches_apex(overflows: list[bool], window: int, min_scale: float | None, max_scale: float) -> None:
+def test_dynamic_scaling_matches_apex(
+    overflows: list[bool], window: int, min_scale: float | None, max_scale: float
+) -> None:
     assume(min_scale is None or min_scale <= max_scale)
     ref = ApexReference(max_scale, min_scale, window)
     expected = []

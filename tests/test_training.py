@@ -18,14 +18,22 @@ from ampinit import amp
 from tests.conftest import SmallNet, make_problem
 
 LEVELS = ["O0", "O1", "O2", "O3", "O4", "O5"]
-HALF = {"O1": torch.float16, "O2": torch.float16, "O3": torch.float16, "O4": torch.bfloat16, "O5": torch.bfloat16}
+HALF = {
+    "O1": torch.float16,
+    "O2": torch.float16,
+    "O3": torch.float16,
+    "O4": torch.bfloat16,
+    "O5": torch.bfloat16,
+}
 
 
 def mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return (out.float() - y).pow(2).mean()
 
 
-def amp_train(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, steps: int) -> list[float]:
+def amp_train(
+    model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, steps: int
+) -> list[float]:
     losses = []
     for _ in range(steps):
         opt.zero_grad()
@@ -92,7 +100,7 @@ def reference_master_training(
     masters = [p.detach().clone().requires_grad_() for p in model.parameters()]
     for module in model.modules():
         if not isinstance(module, nn.BatchNorm1d):
-            for name, p in module.named_parameters(recurse=False):
+            for p in module.parameters(recurse=False):
                 p.data = p.data.to(dtype)
             for name, b in module.named_buffers(recurse=False):
                 setattr(module, name, b.to(dtype))
@@ -196,7 +204,7 @@ def test_cast_model_outputs_and_structured_io() -> None:
 
 
 def test_loading_fp32_state_dict_into_half_model_sets_masters() -> None:
-    model, x, _ = make_problem()
+    model, _, _ = make_problem()
     checkpoint = params_of(SmallNet())
     opt = torch.optim.SGD(model.parameters(), 0.1)
     amp.initialize(model, opt, opt_level="O2", verbosity=0)
@@ -310,7 +318,13 @@ def test_overflow_skips_step_bitwise_and_backs_off(level: str) -> None:
 def test_overflow_log_matches_apex_and_is_rate_limited(caplog: pytest.LogCaptureFixture) -> None:
     model, x, y = make_problem()
     opt = torch.optim.SGD(model.parameters(), 0.1)
-    amp.initialize(model, opt, opt_level="O2", loss_scale=ampinit.DynamicLossScale(init_scale=2.0**30, max_scale=2.0**40), verbosity=1)
+    amp.initialize(
+        model,
+        opt,
+        opt_level="O2",
+        loss_scale=ampinit.DynamicLossScale(init_scale=2.0**30, max_scale=2.0**40),
+        verbosity=1,
+    )
     with caplog.at_level(logging.INFO, logger="ampinit"):
         for _ in range(20):
             opt.zero_grad()
@@ -352,10 +366,12 @@ def test_raise_at_min_scale() -> None:
         assert amp.stats().loss_scales == (expected_scale,)
         if expected_scale == 2.0:
             break
-    with pytest.raises(ampinit.LossScaleAtMinimumError, match=re.escape("already at its minimum loss scale 2.0")):
-        with amp.scale_loss(mse(model(x), y), opt) as scaled:
-            scaled.backward()
-            model.fc1.weight.grad[0, 0] = float("inf")
+    with (
+        pytest.raises(ampinit.LossScaleAtMinimumError, match=re.escape("already at its minimum loss scale 2.0")),
+        amp.scale_loss(mse(model(x), y), opt) as scaled,
+    ):
+        scaled.backward()
+        model.fc1.weight.grad[0, 0] = float("inf")
     amp.deinitialize()
 
 
@@ -413,7 +429,10 @@ def test_per_loss_scalers_follow_apex_trace() -> None:
 
 def test_gan_style_models_optimizers_and_losses() -> None:
     torch.manual_seed(0)
-    gen, disc = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4)), nn.Sequential(nn.Linear(4, 8), nn.LeakyReLU(), nn.Linear(8, 1))
+    gen, disc = (
+        nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4)),
+        nn.Sequential(nn.Linear(4, 8), nn.LeakyReLU(), nn.Linear(8, 1)),
+    )
     opt_g, opt_d = torch.optim.Adam(gen.parameters(), 1e-3), torch.optim.Adam(disc.parameters(), 1e-3)
     [gen, disc], [opt_g, opt_d] = amp.initialize([gen, disc], [opt_g, opt_d], opt_level="O2", num_losses=3, verbosity=0)
     bce = nn.BCEWithLogitsLoss()
@@ -490,11 +509,10 @@ def test_exception_in_scale_loss_leaves_grads_as_before(level: str, where: str) 
     out = model(x)
     if where == "backward":
         out.register_hook(explode)
-    with pytest.raises(Boom):
-        with amp.scale_loss(mse(out, y), opt) as scaled:
-            if where == "body":
-                raise Boom
-            scaled.backward()
+    with pytest.raises(Boom), amp.scale_loss(mse(out, y), opt) as scaled:
+        if where == "body":
+            raise Boom
+        scaled.backward()
     assert not torch.is_autocast_enabled("cpu") or level == "O1"
     for p, g in zip(amp.master_params(opt), grads_before):
         assert torch.equal(p.grad, g)
@@ -523,9 +541,8 @@ def test_o1_scope_forward_loss_step_and_threads() -> None:
         assert (x @ w).dtype == torch.float32
         assert model(x).dtype == torch.float32
     assert (x @ w).dtype == torch.bfloat16
-    with pytest.raises(ZeroDivisionError):
-        with amp.disable_casts():
-            raise ZeroDivisionError
+    with pytest.raises(ZeroDivisionError), amp.disable_casts():
+        raise ZeroDivisionError
     assert (x @ w).dtype == torch.bfloat16
 
     def other_thread() -> None:
@@ -546,7 +563,13 @@ def test_o1_scope_forward_loss_step_and_threads() -> None:
 def build(level: str) -> tuple[nn.Module, torch.optim.Optimizer]:
     model, _, _ = make_problem(seed=3)
     opt = torch.optim.AdamW(model.parameters(), 1e-2, eps=1e-4)  # eps=1e-8 underflows in pure fp16 (O3)
-    amp.initialize(model, opt, opt_level=level, verbosity=0, loss_scale=ampinit.DynamicLossScale(growth_interval=2) if level in ("O1", "O2") else None)
+    amp.initialize(
+        model,
+        opt,
+        opt_level=level,
+        verbosity=0,
+        loss_scale=ampinit.DynamicLossScale(growth_interval=2) if level in ("O1", "O2") else None,
+    )
     return model, opt
 
 
@@ -578,13 +601,23 @@ def test_checkpoint_resume_is_bitwise(level: str) -> None:
 def test_load_state_dict_follows_apex_key_rules() -> None:
     model = SmallNet()
     amp.initialize(model, opt_level="O1", num_losses=2, verbosity=0)
-    amp.load_state_dict({"loss_scaler7": {"loss_scale": 8.0, "unskipped": 3}, "loss_scaler0": {"loss_scale": 4.0, "unskipped": 1}})
+    amp.load_state_dict(
+        {
+            "loss_scaler7": {"loss_scale": 8.0, "unskipped": 3},
+            "loss_scaler0": {"loss_scale": 4.0, "unskipped": 1},
+        }
+    )
     # Position decides, not the number in the key.
-    assert amp.state_dict() == {"loss_scaler0": {"loss_scale": 8.0, "unskipped": 3}, "loss_scaler1": {"loss_scale": 4.0, "unskipped": 1}}
+    assert amp.state_dict() == {
+        "loss_scaler0": {"loss_scale": 8.0, "unskipped": 3},
+        "loss_scaler1": {"loss_scale": 4.0, "unskipped": 1},
+    }
     with pytest.warns(UserWarning, match=re.escape("state_dict contains 1 entries, while 2 loss_scalers are used")):
         amp.load_state_dict({"loss_scaler0": {"loss_scale": 2.0, "unskipped": 0}})
-    with pytest.raises(RuntimeError, match=re.escape('Unexpected key(s) in state_dict: "model", "step". ')), \
-            pytest.warns(UserWarning, match="3 entries"):
+    with (
+        pytest.raises(RuntimeError, match=re.escape('Unexpected key(s) in state_dict: "model", "step". ')),
+        pytest.warns(UserWarning, match="3 entries"),
+    ):
         amp.load_state_dict({"loss_scaler0": {"loss_scale": 2.0, "unskipped": 0}, "model": {}, "step": 1})
     with pytest.warns(UserWarning) as record:
         amp.load_state_dict({f"loss_scaler{i}": {"loss_scale": 1.0, "unskipped": 0} for i in range(3)})
@@ -604,7 +637,12 @@ def test_resume_in_fresh_process_is_bitwise(level: str, tmp_path: pytest.TempPat
     root = Path(__file__).resolve().parent.parent
     base = str(tmp_path) + "/run"
     for mode in ("first", "resume"):
-        subprocess.run([sys.executable, "-m", "tests._resume_script", level, mode, base], cwd=root, check=True, timeout=120)
+        subprocess.run(
+            [sys.executable, "-m", "tests._resume_script", level, mode, base],
+            cwd=root,
+            check=True,
+            timeout=120,
+        )
     uninterrupted = torch.load(base + ".first", weights_only=True)
     resumed = torch.load(base + ".resume", weights_only=True)
     assert resumed["amp"] == uninterrupted["amp"]
