@@ -58,9 +58,7 @@ class MultiTensorApply:
     def check_avail(self) -> None:
         """Apex raises here when its extension is missing; these ops need no extension."""
 
-    def __call__(
-        self, op: Callable[..., R], noop_flag_buffer: Tensor, tensor_lists: TensorLists, *args: Any
-    ) -> R:
+    def __call__(self, op: Callable[..., R], noop_flag_buffer: Tensor, tensor_lists: TensorLists, *args: Any) -> R:
         return op(self.chunk_size, noop_flag_buffer, tensor_lists, *args)
 
 
@@ -70,9 +68,7 @@ multi_tensor_applier = MultiTensorApply(2048 * 32)
 def _check_lists(name: str, tensor_lists: TensorLists, depths: tuple[int, ...]) -> bool:
     """Validate Apex's list-shape rules; return False when there is nothing to do."""
     if len(tensor_lists) not in depths:
-        raise ValueError(
-            f"{name} takes {' or '.join(map(str, depths))} tensor lists, got {len(tensor_lists)!r}"
-        )
+        raise ValueError(f"{name} takes {' or '.join(map(str, depths))} tensor lists, got {len(tensor_lists)!r}")
     lengths = [len(tensors) for tensors in tensor_lists]
     if len(set(lengths)) != 1:
         raise ValueError(f"{name}: every tensor list must have the same length, got lengths {lengths!r}")
@@ -80,8 +76,7 @@ def _check_lists(name: str, tensor_lists: TensorLists, depths: tuple[int, ...]) 
         for i, (first, other) in enumerate(zip(tensor_lists[0], tensors)):
             if first.numel() != other.numel():
                 raise ValueError(
-                    f"{name}: tensor {i} has {first.numel()} elements in the first list "
-                    f"and {other.numel()} in another"
+                    f"{name}: tensor {i} has {first.numel()} elements in the first list and {other.numel()} in another"
                 )
     return lengths[0] > 0
 

@@ -91,9 +91,7 @@ def test_scale_flags_non_finite_inputs(position: str, bad: float) -> None:
 def test_scale_flag_is_about_inputs_and_is_never_cleared() -> None:
     inputs = [torch.tensor([3e38])]
     noop = flag()
-    mt.multi_tensor_scale(
-        0, noop, [inputs, [torch.empty(1)]], 10.0
-    )  # the output overflows, the input is finite
+    mt.multi_tensor_scale(0, noop, [inputs, [torch.empty(1)]], 10.0)  # the output overflows, the input is finite
     assert noop.item() == 0
     noop.fill_(1)
     mt.multi_tensor_scale(0, noop, [[torch.ones(2)], [torch.empty(2)]], 1.0)
@@ -114,9 +112,7 @@ def test_scale_property(values: list[float], scale: float) -> None:
     assert noop.item() == 0
 
 
-@pytest.mark.parametrize(
-    ("arg_to_check", "bad_in", "flagged"), [(0, "y", 0), (1, "y", 1), (-1, "x", 1), (1, "x", 0)]
-)
+@pytest.mark.parametrize(("arg_to_check", "bad_in", "flagged"), [(0, "y", 0), (1, "y", 1), (-1, "x", 1), (1, "x", 0)])
 def test_axpby_checks_the_requested_argument(arg_to_check: int, bad_in: str, flagged: int) -> None:
     x, y = tensors(torch.float32, seed=1), tensors(torch.float16, seed=2)
     out = [torch.empty_like(t) for t in x]
@@ -202,9 +198,7 @@ def test_adam_op(mode: int, dtype: torch.dtype) -> None:
     )
     rm, rv = [t.clone() for t in m], [t.clone() for t in v]
     expected = [adam_reference(a, b, c, d, 3, mode, 0.1) for a, b, c, d in zip(g, p, rm, rv)]
-    multi_tensor_applier(
-        amp_C.multi_tensor_adam, flag(), [g, p, m, v], 1e-2, 0.9, 0.999, 1e-8, 3, mode, 1, 0.1
-    )
+    multi_tensor_applier(amp_C.multi_tensor_adam, flag(), [g, p, m, v], 1e-2, 0.9, 0.999, 1e-8, 3, mode, 1, 0.1)
     atol = 1e-6 if dtype == torch.float32 else 2e-3
     for actual, e in zip(p, expected):
         torch.testing.assert_close(actual.float(), e, atol=atol, rtol=atol)
@@ -250,9 +244,7 @@ def test_lamb_op_writes_update_into_grads() -> None:
     p0 = [t.clone() for t in p]
     gnorm = torch.cat(g).norm().reshape(1)
     clipped = [t / gnorm for t in g]  # the global norm exceeds max_grad_norm=1
-    updates = [
-        c / (c.abs() + 1e-6) + 0.01 * q for c, q in zip(clipped, p0)
-    ]  # first step: m_hat/sqrt(v_hat) = sign
+    updates = [c / (c.abs() + 1e-6) + 0.01 * q for c, q in zip(clipped, p0)]  # first step: m_hat/sqrt(v_hat) = sign
     noop = flag()
     mt.multi_tensor_lamb(0, noop, [g, p, m, v], 1e-2, 0.9, 0.999, 1e-6, 1, 1, 0.01, 1, 1, gnorm, 1.0, False)
     for grad, u, param, q in zip(g, updates, p, p0):

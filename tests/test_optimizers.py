@@ -33,9 +33,7 @@ def make_grads(params: list[Tensor], steps: int = STEPS, seed: int = 1) -> list[
     return [[torch.randn(p.shape, generator=gen).to(p.dtype) for p in params] for _ in range(steps)]
 
 
-def run(
-    optimizer: torch.optim.Optimizer, params: list[Tensor], grads: list[list[Tensor]], after: Any = None
-) -> None:
+def run(optimizer: torch.optim.Optimizer, params: list[Tensor], grads: list[list[Tensor]], after: Any = None) -> None:
     for step_grads in grads:
         for p, g in zip(params, step_grads):
             p.grad = g.clone()
@@ -158,8 +156,7 @@ def adam_formula(p: Tensor, grads: list[Tensor], lr: float, wd: float, eps: floa
 def test_fused_adam_without_bias_correction(impl: str) -> None:
     params = make_params(torch.float32)
     expected = [
-        adam_formula(p.detach(), [gs[i] for gs in make_grads(params)], 1e-2, 0.1, 1e-8)
-        for i, p in enumerate(params)
+        adam_formula(p.detach(), [gs[i] for gs in make_grads(params)], 1e-2, 0.1, 1e-8) for i, p in enumerate(params)
     ]
     run(
         FusedAdam(params, lr=1e-2, weight_decay=0.1, bias_correction=False, implementation=impl),
@@ -187,9 +184,7 @@ def test_fused_sgd_weight_decay_after_momentum(impl: str, dtype: torch.dtype) ->
         for i, p in enumerate(params)
     ]
     run(
-        FusedSGD(
-            params, lr=0.05, momentum=0.9, weight_decay=0.1, wd_after_momentum=True, implementation=impl
-        ),
+        FusedSGD(params, lr=0.05, momentum=0.9, weight_decay=0.1, wd_after_momentum=True, implementation=impl),
         params,
         grads,
     )  # type: ignore[arg-type]
@@ -349,9 +344,7 @@ def test_fused_novograd_matches_formula(impl: str, config: dict[str, Any]) -> No
 
 FACTORIES: dict[str, Callable[[list[Tensor], str], torch.optim.Optimizer]] = {
     "adam": lambda ps, impl: FusedAdam(ps, lr=1e-2, weight_decay=0.01, implementation=impl),  # type: ignore[arg-type]
-    "adam_l2": lambda ps, impl: FusedAdam(
-        ps, lr=1e-2, weight_decay=0.01, adam_w_mode=False, implementation=impl
-    ),  # type: ignore[arg-type]
+    "adam_l2": lambda ps, impl: FusedAdam(ps, lr=1e-2, weight_decay=0.01, adam_w_mode=False, implementation=impl),  # type: ignore[arg-type]
     "sgd": lambda ps, impl: FusedSGD(ps, lr=0.05, momentum=0.9, weight_decay=0.01, implementation=impl),  # type: ignore[arg-type]
     "sgd_damp": lambda ps, impl: FusedSGD(ps, lr=0.05, momentum=0.9, dampening=0.5, implementation=impl),  # type: ignore[arg-type]
     "sgd_wd_after": lambda ps, impl: FusedSGD(
@@ -363,9 +356,7 @@ FACTORIES: dict[str, Callable[[list[Tensor], str], torch.optim.Optimizer]] = {
         implementation=impl,  # type: ignore[arg-type]
     ),
     "adagrad": lambda ps, impl: FusedAdagrad(ps, lr=0.05, implementation=impl),  # type: ignore[arg-type]
-    "adagrad_w": lambda ps, impl: FusedAdagrad(
-        ps, lr=0.05, weight_decay=0.1, adagrad_w_mode=True, implementation=impl
-    ),  # type: ignore[arg-type]
+    "adagrad_w": lambda ps, impl: FusedAdagrad(ps, lr=0.05, weight_decay=0.1, adagrad_w_mode=True, implementation=impl),  # type: ignore[arg-type]
     "lamb": lambda ps, impl: FusedLAMB(ps, lr=1e-2, implementation=impl),  # type: ignore[arg-type]
     "novograd": lambda ps, impl: FusedNovoGrad(ps, lr=1e-2, weight_decay=0.01, implementation=impl),  # type: ignore[arg-type]
 }

@@ -79,9 +79,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             for key, value in group.items():
                 if isinstance(value, Tensor):
                     group[key] = value.clone()
-                elif (
-                    key != "params" and isinstance(value, list) and any(isinstance(v, Tensor) for v in value)
-                ):
+                elif key != "params" and isinstance(value, list) and any(isinstance(v, Tensor) for v in value):
                     group[key] = [v.clone() if isinstance(v, Tensor) else v for v in value]
         saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
         params = [p for group in self.param_groups for p in group["params"]]
@@ -100,9 +98,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             if p.grad.is_sparse:
                 raise RuntimeError(f"{name} does not support sparse gradients")
             if p.dtype not in SUPPORTED_DTYPES:
-                raise TypeError(
-                    f"{name} supports float32, float16 and bfloat16 parameters, got one of {p.dtype!r}"
-                )
+                raise TypeError(f"{name} supports float32, float16 and bfloat16 parameters, got one of {p.dtype!r}")
             params.append(p)
         return params
 

@@ -160,9 +160,7 @@ class FusedAdam(FusedOptimizer):
         if master_weights and not capturable:
             raise RuntimeError("Master weights is currently only supported with the capturable version.")
         check_hyperparameters(lr=lr, eps=eps, betas=betas, weight_decay=weight_decay)
-        defaults = dict(
-            lr=lr, bias_correction=bias_correction, betas=betas, eps=eps, weight_decay=weight_decay
-        )
+        defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults, set_grad_none=set_grad_none, implementation=implementation)
         self.adam_w_mode = 1 if adam_w_mode else 0
         self.capturable = capturable
@@ -211,9 +209,7 @@ class FusedAdam(FusedOptimizer):
                 bias_correction=bool(group["bias_correction"]),
                 grad_scale=scaling.grad_scale,
                 found_inf=scaling.found_inf,
-                masters=[s.get("master_param", p) for s, p in zip(states, params)]
-                if self.master_weights
-                else None,
+                masters=[s.get("master_param", p) for s, p in zip(states, params)] if self.master_weights else None,
             )
             advance_step(step, scaling)
         return loss

@@ -128,10 +128,9 @@ def novograd_single_tensor(
         g = grad.float()
         if grad_scale is not None:
             g = g / grad_scale.to(device)
-        if g.numel() == 0:
-            layer = torch.zeros((), device=device)
-        else:
-            layer = g.norm() if norm_type == 2 else g.abs().max()
+        # max() of an empty tensor is an error; Apex's kernel reports 0 for it.
+        empty = g.numel() == 0
+        layer = g.norm() if norm_type == 2 or empty else g.abs().max()
         norm = blend_norms(grad_norms[i], layer, beta2, norm_type)
         new_norms.append(norm)
         denom = (norm / (1 - beta2**t).sqrt() if bias_correction else norm) + eps
@@ -179,9 +178,7 @@ class FusedNovoGrad(FusedOptimizer):
             raise RuntimeError("FusedNovoGrad does not support the AMSGrad variant.")
         check_hyperparameters(lr=lr, eps=eps, betas=betas, weight_decay=weight_decay)
         if norm_type not in (0, 2):
-            raise ValueError(
-                f"Invalid norm_type: {norm_type!r}. FusedNovoGrad supports 2 (L2) and 0 (infinity)"
-            )
+            raise ValueError(f"Invalid norm_type: {norm_type!r}. FusedNovoGrad supports 2 (L2) and 0 (infinity)")
         defaults = dict(
             lr=lr,
             bias_correction=bias_correction,

@@ -49,9 +49,7 @@ def sgd_multi_tensor(
         gs = None if grad_scale is None else grad_scale.to(device)
         if decay_after:
             wp, wm = fp32_work(p, private=skip is not None), fp32_work(m, private=skip is not None)
-            _sgd_foreach(
-                wp, fp32_copies(g), wm, lr, momentum, dampening, weight_decay, nesterov, first_run, gs
-            )
+            _sgd_foreach(wp, fp32_copies(g), wm, lr, momentum, dampening, weight_decay, nesterov, first_run, gs)
         else:
             # torch 2.13's CPU _fused_sgd_ miscomputes float16/bfloat16 tensors of 16+ elements, so only
             # float32 runs in place; everything else goes through float32 work copies.
@@ -179,9 +177,7 @@ class FusedSGD(FusedOptimizer):
             raise ValueError(f"Invalid weight_decay value: {weight_decay!r}")
         if nesterov and (momentum <= 0 or dampening != 0):
             raise ValueError("Nesterov momentum requires a momentum and zero dampening")
-        defaults = dict(
-            lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov
-        )
+        defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov)
         super().__init__(params, defaults, set_grad_none=set_grad_none, implementation=implementation)
         self.wd_after_momentum = wd_after_momentum
         self.materialize_master_grads = materialize_master_grads
