@@ -17,18 +17,30 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch.utils.hooks import RemovableHandle
+
+CastPolicyName = Literal["apex", "native"]
+CAST_POLICIES: tuple[CastPolicyName, ...] = ("apex", "native")
 
 
 class CastPolicy:
     """Autocast to ``dtype`` on ``device_types`` while active."""
 
-    def __init__(self, device_types: list[str], dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        device_types: list[str],
+        dtype: torch.dtype,
+        *,
+        policy: CastPolicyName = "apex",
+        allow_banned: bool = False,
+    ) -> None:
         self.device_types = sorted(set(device_types))
         self.dtype = dtype
+        self.policy = policy
+        self.allow_banned = allow_banned
         self._saved: list[tuple[str, bool, torch.dtype]] = []
         self._thread: int | None = None
         self._local = threading.local()

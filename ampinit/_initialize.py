@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from ampinit import _registry
+from ampinit._cast_policy import CAST_POLICIES, CastPolicyName
 from ampinit._loss_scale import DynamicLossScale
 from ampinit._opt_levels import LEVELS, resolve, unknown_level_message
 from ampinit._session import AmpSession, AmpStats
@@ -39,6 +40,8 @@ def initialize(
     max_loss_scale: float = 2.0**24,
     *,
     patch_torch_functions_type: torch.dtype | None = None,
+    cast_policy: CastPolicyName = "apex",
+    allow_banned: bool = False,
 ) -> Any:
     """Prepare models and optimizers for mixed-precision training at ``opt_level``.
 
@@ -58,6 +61,11 @@ def initialize(
         verbosity: 0 silences ampinit's log messages, 1 logs the option table and overflows.
         min_loss_scale, max_loss_scale: floor and ceiling of the dynamic loss scale.
         patch_torch_functions_type: the O1/O4 cast dtype (``torch.float16`` or ``torch.bfloat16``).
+        cast_policy: O1/O4 op lists: ``"apex"`` (default) gives Apex's cast semantics on every device, i.e.
+            PyTorch's autocast lists plus the Apex-list ops the device's lists lack; ``"native"`` keeps
+            PyTorch's lists only.
+        allow_banned: under O1/O4, compute ``binary_cross_entropy`` on half inputs in fp32 instead of raising
+            (Apex's ``allow_banned``).
 
     Returns:
         The models and optimizers, in the shape they were given. Optimizers are the same objects; with master
@@ -89,6 +97,8 @@ def initialize(
             },
         )
         _check_loss_scale_bounds(properties.loss_scale, min_loss_scale, max_loss_scale)
+        if cast_policy not in CAST_POLICIES:
+            raise ValueError(f"cast_policy must be one of {list(CAST_POLICIES)}, got {cast_policy!r}")
         if cast_model_outputs is not None and not isinstance(cast_model_outputs, torch.dtype):
             raise TypeError(f"cast_model_outputs must be a torch.dtype or None, got {cast_model_outputs!r}")
         _check_models(model_list)
@@ -103,6 +113,8 @@ def initialize(
         min_loss_scale=min_loss_scale,
         max_loss_scale=max_loss_scale,
         verbosity=verbosity,
+        cast_policy=cast_policy,
+        allow_banned=bool(allow_banned),
     )
     return _same_shape(models, optimizers, model_list, optimizer_list, models_were_list, optimizers_were_list)
 

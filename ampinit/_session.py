@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ampinit import _registry
-from ampinit._cast_policy import CastPolicy
+from ampinit._cast_policy import CastPolicy, CastPolicyName
 from ampinit._loss_scale import DynamicLossScale
 from ampinit._master_weights import OptimizerGrads
 from ampinit._model_cast import ModelCast, plan
@@ -69,8 +69,12 @@ class AmpSession:
         min_loss_scale: float | None = None,
         max_loss_scale: float = 2.0**24,
         verbosity: int = 1,
+        cast_policy: CastPolicyName = "apex",
+        allow_banned: bool = False,
     ) -> None:
         self.properties = properties
+        self.cast_policy_name = cast_policy
+        self.allow_banned = allow_banned
         self.models = list(models)
         self.optimizers = list(optimizers)
         self.num_losses = num_losses
@@ -138,7 +142,12 @@ class AmpSession:
             self._wrap_optimizer(opt)
 
         if props.cast_dtype is not None:
-            policy = CastPolicy(_device_types(self.models), props.cast_dtype)
+            policy = CastPolicy(
+                _device_types(self.models),
+                props.cast_dtype,
+                policy=self.cast_policy_name,
+                allow_banned=self.allow_banned,
+            )
             self._cast_policy = policy
             for model in self.models:
                 for handle in policy.install_forward_hooks(model):
