@@ -42,6 +42,7 @@ def initialize(
     patch_torch_functions_type: torch.dtype | None = None,
     cast_policy: CastPolicyName = "apex",
     allow_banned: bool = False,
+    sync_free: bool = False,
 ) -> Any:
     """Prepare models and optimizers for mixed-precision training at ``opt_level``.
 
@@ -66,6 +67,10 @@ def initialize(
             PyTorch's lists only.
         allow_banned: under O1/O4, compute ``binary_cross_entropy`` on half inputs in fp32 instead of raising
             (Apex's ``allow_banned``).
+        sync_free: never wait for the device to decide a skip: the overflow flag goes straight into optimizers
+            that can skip inside their own kernel (``torch.optim.Adam/AdamW/SGD/Adagrad(fused=True)`` and
+            ``ampinit.optimizers``); other optimizers still read it once per step. Overflows are then not
+            logged, and ``DynamicLossScale(raise_at_min=True)`` is refused.
 
     Returns:
         The models and optimizers, in the shape they were given. Optimizers are the same objects; with master
@@ -97,6 +102,8 @@ def initialize(
             },
         )
         _check_loss_scale_bounds(properties.loss_scale, min_loss_scale, max_loss_scale)
+        if sync_free and isinstance(properties.loss_scale, DynamicLossScale) and properties.loss_scale.raise_at_min:
+            raise ValueError("DynamicLossScale(raise_at_min=True) needs a host sync per step; it cannot be sync_free")
         if cast_policy not in CAST_POLICIES:
             raise ValueError(f"cast_policy must be one of {list(CAST_POLICIES)}, got {cast_policy!r}")
         if cast_model_outputs is not None and not isinstance(cast_model_outputs, torch.dtype):
@@ -115,6 +122,7 @@ def initialize(
         verbosity=verbosity,
         cast_policy=cast_policy,
         allow_banned=bool(allow_banned),
+        sync_free=bool(sync_free),
     )
     return _same_shape(models, optimizers, model_list, optimizer_list, models_were_list, optimizers_were_list)
 

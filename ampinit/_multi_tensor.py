@@ -69,9 +69,13 @@ def copy_(destinations: Sequence[torch.Tensor], sources: Sequence[torch.Tensor])
 
 
 def mul_(tensors: Sequence[torch.Tensor], factor: torch.Tensor) -> None:
-    """``t *= factor`` for each tensor, ``factor`` being a 0-d tensor (kept on device: no host sync)."""
-    for (device, _), (group,) in group_by_device_and_dtype(tensors).items():
-        torch._foreach_mul_(group, factor.to(device, non_blocking=True))
+    """``t *= factor`` for each tensor, ``factor`` being a 0-d tensor (kept on device: no host sync).
+
+    Runs on the unscale kernel with ``factor`` as its multiplier and a scratch flag: on CPU,
+    ``torch._foreach_mul_`` by a tensor takes a slow per-tensor path (about 10x the time of this kernel).
+    """
+    scratch = torch.zeros(1, dtype=torch.float32, device=factor.device)
+    unscale_and_check_(tensors, scratch, factor)
 
 
 def add_(tensors: Sequence[torch.Tensor], others: Sequence[torch.Tensor]) -> None:

@@ -71,8 +71,10 @@ class AmpSession:
         verbosity: int = 1,
         cast_policy: CastPolicyName = "apex",
         allow_banned: bool = False,
+        sync_free: bool = False,
     ) -> None:
         self.properties = properties
+        self.sync_free = sync_free
         self.cast_policy_name = cast_policy
         self.allow_banned = allow_banned
         self.models = list(models)
@@ -91,7 +93,10 @@ class AmpSession:
         self._deferred: dict[int, tuple[LossScaler, set[int]]] = {}
         self._steps = 0
         self._skipped = 0
-        self._last_skipped: dict[int, bool] = {}
+        self._last_skipped: dict[int, bool | torch.Tensor] = {}
+        # Sync-free mode keeps skip decisions and counts on the device.
+        self._skip_flags: dict[int, torch.Tensor] = {}
+        self._skipped_on_device: torch.Tensor | None = None
         self._last_step_optimizer: int | None = None
         self._overflows = 0
         if properties.enabled:
@@ -334,7 +339,21 @@ class AmpSession:
         self._decide(scaler, [id(s.optimizer) for s in states])
 
     def _decide(self, scaler: LossScaler, optimizer_ids: Sequence[int]) -> None:
-        """Read the overflow flag (the step's one host sync), update the scale, mark steps to skip."""
+        """Update the scale from this unscale step's overflow flag and mark the optimizers' next steps to skip.
+
+        By default the flag is read on the host here (the step's one sync), so the skip is a plain branch and
+        the overflow can be logged. In sync-free mode it stays on the device and reaches the optimizer's own
+        kernel (see :meth:`_step`).
+        """
+        if self.sync_free:
+            scaler.update()
+            for opt_id in optimizer_ids:
+                flag = self._skip_flags.get(opt_id)
+                if flag is None:
+                    self._skip_flags[opt_id] = scaler.found_inf.clone()
+                else:
+                    torch.maximum(flag, scaler.found_inf, out=flag)
+            return
         overflow = bool(scaler.found_inf.item())
         if overflow and scaler.config is not None and scaler.config.raise_at_min and scaler.at_minimum():
             raise LossScaleAtMinimumError(
@@ -381,6 +400,9 @@ class AmpSession:
                 del self._deferred[key]
                 self._decide(scaler, sorted(waiting))
         skip = self._skip_pending.pop(id(opt), False)
+        flag = self._skip_flags.pop(id(opt), None)
+        if flag is not None and (closure is not None or not _skips_on_device(opt)):
+            skip, flag = bool(flag.item()), None  # this optimizer cannot skip by itself: one host sync
         if (skip or grads.master_weights) and closure is not None:
             raise RuntimeError(CLOSURE_MESSAGE)
         if not skip and grads.master_weights and grads.untransferred_grads():
@@ -391,13 +413,20 @@ class AmpSession:
         result = None
         if not skip:
             with self.disable_casts():
-                result = original(*args, **kwargs)
+                result = (
+                    original(*args, **kwargs) if flag is None else _step_with_flag(opt, original, flag, args, kwargs)
+                )
+        # After a skip decided on the device the masters are unchanged, so copying them back is harmless.
         grads.after_step(stepped=not skip)
         self._clear_cast_cache()
         self._steps += 1
-        self._skipped += int(skip)
-        self._last_skipped[id(opt)] = skip
         self._last_step_optimizer = id(opt)
+        if flag is None:
+            self._skipped += int(skip)
+            self._last_skipped[id(opt)] = skip
+        else:
+            self._skipped_on_device = flag if self._skipped_on_device is None else self._skipped_on_device + flag
+            self._last_skipped[id(opt)] = flag
         return result
 
     # -- casts ------------------------------------------------------------------------------------------------
@@ -415,12 +444,14 @@ class AmpSession:
     def step_was_skipped(self, optimizer: torch.optim.Optimizer | None = None) -> bool:
         """Whether the last ``step()`` of ``optimizer`` (default: the last step of any optimizer) was skipped."""
         key = self._last_step_optimizer if optimizer is None else id(optimizer)
-        return key is not None and self._last_skipped.get(key, False)
+        skipped = False if key is None else self._last_skipped.get(key, False)
+        return bool(skipped.item()) if isinstance(skipped, torch.Tensor) else skipped
 
     def stats(self) -> AmpStats:
         return AmpStats(
             steps=self._steps,
-            skipped_steps=self._skipped,
+            skipped_steps=self._skipped
+            + (0 if self._skipped_on_device is None else int(self._skipped_on_device.item())),
             last_step_skipped=self.step_was_skipped(),
             loss_scales=tuple(s.loss_scale() for s in self.scalers),
             unskipped=tuple(s.unskipped() for s in self.scalers),
@@ -481,6 +512,38 @@ def _scale_setting(
     if setting == "dynamic":
         return DynamicLossScale(min_scale=min_loss_scale or None, max_scale=max_loss_scale)
     return float(setting)
+
+
+def _skips_on_device(opt: torch.optim.Optimizer) -> bool:
+    """Whether ``opt.step()`` can skip by itself from a device ``found_inf`` (torch's AMP-scaling protocol)."""
+    if not getattr(opt, "_step_supports_amp_scaling", False):
+        return False
+    if isinstance(opt, torch.optim.SGD):
+        # torch's fused SGD creates momentum buffers with empty_like on its first step, even when found_inf
+        # skips that step; the garbage is then used as momentum. Until every buffer exists, decide on the host.
+        return all(
+            group["momentum"] == 0 or all("momentum_buffer" in opt.state.get(p, {}) for p in group["params"])
+            for group in opt.param_groups
+        )
+    return True
+
+
+def _step_with_flag(
+    opt: torch.optim.Optimizer, original: Callable[..., Any], flag: torch.Tensor, args: tuple[Any, ...], kwargs: Any
+) -> Any:
+    """Run a step that the optimizer itself skips when ``flag`` is nonzero (grads are already unscaled)."""
+    had_scale = "grad_scale" in vars(opt)
+    saved_scale = vars(opt).get("grad_scale")
+    opt.found_inf = flag.reshape(())  # torch's fused kernels take a 0-d flag  # type: ignore[attr-defined]
+    opt.grad_scale = None  # type: ignore[attr-defined]
+    try:
+        return original(*args, **kwargs)
+    finally:
+        del opt.found_inf  # type: ignore[attr-defined]
+        if had_scale:
+            opt.grad_scale = saved_scale  # type: ignore[attr-defined]
+        else:
+            del opt.grad_scale  # type: ignore[attr-defined]
 
 
 def _device_types(models: Sequence[nn.Module]) -> list[str]:
