@@ -534,7 +534,8 @@ def _step_with_flag(
     """Run a step that the optimizer itself skips when ``flag`` is nonzero (grads are already unscaled)."""
     had_scale = "grad_scale" in vars(opt)
     saved_scale = vars(opt).get("grad_scale")
-    opt.found_inf = flag.reshape(())  # torch's fused kernels take a 0-d flag  # type: ignore[attr-defined]
+    # torch's fused kernels take a 0-d flag.
+    opt.found_inf = flag.reshape(())  # type: ignore[attr-defined]
     opt.grad_scale = None  # type: ignore[attr-defined]
     try:
         return original(*args, **kwargs)
