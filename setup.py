@@ -28,7 +28,9 @@ setup(
     package_data={"ampinit": ["py.typed"]},
     install_requires=["torch>=2.4", "packaging"],
     extras_require={
-        "test": ["pytest>=7", "hypothesis>=6"],
+        # `ampinit migrate` rewrites source with libcst; nothing else needs it.
+        "migrate": ["libcst>=1.1"],
+        "test": ["pytest>=7", "hypothesis>=6", "libcst>=1.1"],
         "dev": ["mypy>=1.8", "ruff>=0.4"],
     },
     entry_points={"console_scripts": ["ampinit=ampinit.cli:main"]},
