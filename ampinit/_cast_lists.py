@@ -1,0 +1,211 @@
+"""The O1/O4 op lists, as data: Apex's lists, the aten operators they reach, and PyTorch's CUDA lists.
+
+``cast_policy="apex"`` runs every op the way Apex's O1 did on CUDA, on every device. Apex patched Python
+functions (``torch.nn.functional.softmax``, ``torch.exp``, ``Tensor.__pow__``...); ampinit adds kernels on the
+autocast dispatch key instead, so each Apex name is mapped here to the aten operators it reaches. The CUDA
+autocast lists are included too, because ``cast_policy="apex"`` on CUDA keeps them: adding them to every other
+device gives one behaviour everywhere. :func:`plan` derives what a device still lacks from its own
+registrations, so CUDA gets only the few ops its native lists miss, and the CPU gets the rest.
+
+Policies: ``lower`` (cast floating inputs to the autocast dtype), ``fp32`` (cast them to float32),
+``promote`` (cast them to the widest floating dtype among them), ``banned`` (Apex's error on half inputs, or
+fp32 with ``allow_banned``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Literal
+
+import torch
+
+Policy = Literal["lower", "fp32", "promote", "banned"]
+
+# fmt: off
+# -- Apex's lists, verbatim (apex/amp/lists/{functional,torch,tensor}_overrides.py) ----------------------------
+APEX_FUNCTIONAL_FP16 = ("conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
+                        "conv_tbc", "linear")
+APEX_FUNCTIONAL_FP32 = (
+    "interpolate", "grid_sample", "softplus", "softmin", "log_softmax", "softmax", "gelu", "layer_norm",
+    "group_norm", "local_response_norm", "normalize", "cosine_similarity", "poisson_nll_loss",
+    "cosine_embedding_loss", "cross_entropy", "hinge_embedding_loss", "kl_div", "l1_loss", "mse_loss",
+    "margin_ranking_loss", "multilabel_margin_loss", "multilabel_soft_margin_loss", "multi_margin_loss", "nll_loss",
+    "binary_cross_entropy_with_logits", "smooth_l1_loss", "soft_margin_loss", "triplet_margin_loss", "ctc_loss",
+)
+APEX_FUNCTIONAL_BANNED = ("binary_cross_entropy",)
+# addbmm/baddbmm/bmm are appended by Apex on CUDA >= 9.1 builds, the configuration Apex's O1 was used in.
+APEX_TORCH_FP16 = ("conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
+                   "conv_tbc", "prelu", "addmm", "addmv", "addr", "matmul", "mm", "mv", "addbmm", "baddbmm", "bmm")
+APEX_TORCH_FP32 = ("acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "reciprocal", "rsqrt",
+                   "sinh", "tan", "pow", "cumprod", "cumsum", "dist", "norm", "prod", "std", "sum", "var", "renorm")
+APEX_TORCH_CASTS = ("addcdiv", "addcmul", "atan2", "cross", "bilinear", "dot", "add", "div", "mul", "eq", "equal",
+                    "ge", "gt", "le", "lt", "ne")
+APEX_TORCH_SEQUENCE_CASTS = ("cat", "stack")
+APEX_TENSOR_FP16 = ("__matmul__",)  # plus every APEX_TORCH_FP16 name that is a Tensor method
+APEX_TENSOR_FP32 = ("__ipow__", "__pow__", "__rpow__", "cpu")  # plus every APEX_TORCH_FP32 Tensor method
+APEX_TENSOR_CASTS = (
+    "__add__", "__div__", "__eq__", "__ge__", "__gt__", "__iadd__", "__idiv__", "__imul__", "__isub__",
+    "__itruediv__", "__le__", "__lt__", "__mul__", "__ne__", "__radd__", "__rdiv__", "__rmul__", "__rsub__",
+    "__rtruediv__", "__sub__", "__truediv__",
+)
+
+# Apex's banned-function message, addressed to ampinit's API instead of ``amp.init()``.
+BANNED_BCE_MESSAGE = (
+    "\namp does not work out-of-the-box with `F.binary_cross_entropy` or `torch.nn.BCELoss.` It requires that the "
+    "output of the previous function be already a FloatTensor. \n\nMost models have a Sigmoid right before "
+    "BCELoss. In that case, you can use\n    torch.nn.BCEWithLogitsLoss\nto combine Sigmoid+BCELoss into a single "
+    "layer that is compatible with amp.\nAnother option is to add\n    "
+    "ampinit.register_float_function(torch, 'sigmoid')\nbefore calling `ampinit.initialize()`.\nIf you _really_ "
+    "know what you are doing, you can disable this warning by passing allow_banned=True to "
+    "`ampinit.initialize(..., allow_banned=True)`."
+)
+# PyTorch's message for binary_cross_entropy under CUDA autocast (aten/src/ATen/autocast_mode.cpp): the behaviour
+# ampinit's kernel keeps for threads where no ampinit policy is on, since it replaces the native kernel.
+NATIVE_BCE_MESSAGE = (
+    "torch.nn.functional.binary_cross_entropy and torch.nn.BCELoss are unsafe to autocast.\n"
+    "Many models use a sigmoid layer right before the binary cross entropy layer.\n"
+    "In this case, combine the two layers using torch.nn.functional.binary_cross_entropy_with_logits\n"
+    "or torch.nn.BCEWithLogitsLoss.  binary_cross_entropy_with_logits and BCEWithLogits are\n"
+    "safe to autocast."
+)
+
+# -- Apex names -> the aten operators that carry them ------------------------------------------------------------
+# An empty tuple: no aten operator of its own. Either the function is Python composed of listed ops (normalize:
+# norm then a promoting division; local_response_norm: pow; multilabel_soft_margin_loss: sum; softmin: softmax),
+# or autocast leaves the kind of op alone by design (in-place ``__ipow__`` and the Tensor casts ``__iadd__``...
+# keep the tensor's dtype; ``cpu`` is a device copy, which ampinit does not turn into a float cast).
+APEX_TO_ATEN: Mapping[str, tuple[str, ...]] = {
+    **{name: (name,) for name in ("conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
+                                  "conv_transpose3d", "conv_tbc", "linear", "prelu", "addmm", "addmv", "addr",
+                                  "matmul", "mm", "mv", "addbmm", "baddbmm", "bmm")},
+    "__matmul__": ("matmul",),
+    "interpolate": (
+        "upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d", "_upsample_nearest_exact1d",
+        "_upsample_nearest_exact2d", "_upsample_nearest_exact3d", "upsample_linear1d", "upsample_bilinear2d",
+        "_upsample_bilinear2d_aa", "upsample_trilinear3d", "upsample_bicubic2d", "_upsample_bicubic2d_aa",
+    ),
+    "grid_sample": ("grid_sampler",),
+    "softmin": (),
+    "layer_norm": ("layer_norm", "native_layer_norm"),
+    "local_response_norm": (),
+    "normalize": (),
+    "cross_entropy": ("cross_entropy_loss",),
+    "multilabel_soft_margin_loss": (),
+    "nll_loss": ("nll_loss", "nll_loss2d", "nll_loss_nd"),
+    **{name: (name,) for name in ("softplus", "log_softmax", "softmax", "gelu", "group_norm", "cosine_similarity",
+                                  "poisson_nll_loss", "cosine_embedding_loss", "hinge_embedding_loss", "kl_div",
+                                  "l1_loss", "mse_loss", "margin_ranking_loss", "multilabel_margin_loss",
+                                  "multi_margin_loss", "binary_cross_entropy_with_logits", "smooth_l1_loss",
+                                  "soft_margin_loss", "triplet_margin_loss", "ctc_loss")},
+    **{name: (name,) for name in ("acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2",
+                                  "reciprocal", "rsqrt", "sinh", "tan", "pow", "cumprod", "cumsum", "dist", "prod",
+                                  "std", "sum", "var", "renorm")},
+    # torch.norm and Tensor.norm dispatch to linalg_vector_norm/linalg_matrix_norm for most arguments.
+    "norm": ("norm", "linalg_vector_norm", "linalg_matrix_norm", "linalg_norm", "frobenius_norm", "nuclear_norm"),
+    "__pow__": ("pow",),
+    "__rpow__": ("pow",),
+    "__ipow__": (),
+    "cpu": (),
+    "cross": ("cross", "linalg_cross"),
+    **{name: (name,) for name in ("bilinear", "dot", "binary_cross_entropy")},
+    # Type-promoting ops: aten's own type promotion already runs mixed half/fp32 tensors in fp32 (0-dim tensors
+    # aside, which never widen a dimensioned tensor's dtype), so a kernel would only add dispatch cost.
+    **{name: () for name in ("addcdiv", "addcmul", "atan2", "add", "div", "mul", "eq", "equal", "ge", "gt", "le",
+                             "lt", "ne", "cat", "stack", *APEX_TENSOR_CASTS)},
+}
+
+# -- PyTorch's CUDA autocast lists (aten/src/ATen/autocast_mode.h), which ``cast_policy="apex"`` keeps on CUDA ---
+PYTORCH_CUDA_LOWER = (
+    "_convolution", "convolution", "conv1d", "conv2d", "conv3d", "conv_tbc", "conv_transpose1d", "conv_transpose2d",
+    "conv_transpose3d", "prelu", "addmm", "addmv", "addr", "matmul", "einsum", "mm", "mv", "linalg_vecdot", "linear",
+    "addbmm", "baddbmm", "bmm", "chain_matmul", "linalg_multi_dot", "_thnn_fused_lstm_cell", "_thnn_fused_gru_cell",
+    "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell", "scaled_dot_product_attention",
+)
+PYTORCH_CUDA_FP32 = (
+    "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p", "reciprocal", "rsqrt",
+    "sinh", "tan", "pow", "softplus", "layer_norm", "native_layer_norm", "group_norm", "frobenius_norm",
+    "nuclear_norm", "cosine_similarity", "poisson_nll_loss", "cosine_embedding_loss", "nll_loss", "nll_loss2d",
+    "hinge_embedding_loss", "kl_div", "l1_loss", "smooth_l1_loss", "huber_loss", "mse_loss", "margin_ranking_loss",
+    "multilabel_margin_loss", "soft_margin_loss", "triplet_margin_loss", "multi_margin_loss",
+    "binary_cross_entropy_with_logits", "dist", "pdist", "cdist", "renorm", "logsumexp", "upsample_nearest1d",
+    "_upsample_nearest_exact1d", "upsample_nearest2d", "_upsample_nearest_exact2d", "upsample_nearest3d",
+    "_upsample_nearest_exact3d", "upsample_linear1d", "upsample_bilinear2d", "_upsample_bilinear2d_aa",
+    "upsample_trilinear3d", "upsample_bicubic2d", "_upsample_bicubic2d_aa", "prod", "softmax", "log_softmax",
+    "cumprod", "cumsum", "linalg_vector_norm", "linalg_matrix_norm", "sum", "norm",
+)
+PYTORCH_CUDA_PROMOTE = ("addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "vdot", "grid_sampler",
+                        "index_put", "tensordot", "scatter_add")
+
+# fmt: on
+
+# The recurrent layers: Apex cast them (rnn_compat.py) and CUDA autocast casts them at ``_cudnn_rnn``.
+RNN_OPS = ("lstm", "gru", "rnn_tanh", "rnn_relu", "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell")
+# A device whose autocast key has a kernel for the value's op already casts the key's op (at a lower level).
+COVERED_BY: Mapping[str, str] = {name: "_cudnn_rnn" for name in ("lstm", "gru", "rnn_tanh", "rnn_relu")}
+# Policies of ops that PyTorch's own type promotion does not widen: mixed half/fp32 inputs raise natively.
+EXTRA_PROMOTE = ("vdot", "linalg_cross", "index_put", "tensordot", "scatter_add")
+
+
+def _apex_ops(names: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(op for name in names for op in APEX_TO_ATEN[name])
+
+
+def op_policies() -> dict[str, Policy]:
+    """Every aten operator (overload packet name) ``cast_policy="apex"`` covers, with its policy."""
+    policies: dict[str, Policy] = {}
+    # Apex's lists come first and win where PyTorch's CUDA lists disagree (grid_sampler: Apex fp32, CUDA promote).
+    sources: tuple[tuple[Policy, tuple[str, ...]], ...] = (
+        ("banned", _apex_ops(APEX_FUNCTIONAL_BANNED)),
+        ("lower", _apex_ops(APEX_FUNCTIONAL_FP16 + APEX_TORCH_FP16 + APEX_TENSOR_FP16)),
+        ("fp32", _apex_ops(APEX_FUNCTIONAL_FP32 + APEX_TORCH_FP32 + APEX_TENSOR_FP32)),
+        ("promote", _apex_ops(APEX_TORCH_CASTS + APEX_TORCH_SEQUENCE_CASTS + APEX_TENSOR_CASTS)),
+        ("lower", RNN_OPS),
+        ("lower", PYTORCH_CUDA_LOWER),
+        ("fp32", PYTORCH_CUDA_FP32),
+        ("promote", PYTORCH_CUDA_PROMOTE),
+        ("promote", EXTRA_PROMOTE),
+    )
+    for policy, ops in sources:
+        for op in ops:
+            policies.setdefault(op, policy)
+    return policies
+
+
+def _overload_names(op: str) -> list[str]:
+    """The functional overloads of ``aten::op`` that the dispatcher knows and that take a tensor."""
+    packet = getattr(torch.ops.aten, op)
+    names = []
+    for overload in packet.overloads():
+        schema = getattr(packet, overload)._schema
+        if schema.is_mutable or not any("Tensor" in str(arg.type) for arg in schema.arguments):
+            continue
+        if any(arg.name in ("dtype", "out_dtype") and str(arg.type) == "int" for arg in schema.arguments):
+            continue  # a required output dtype: the caller chose the precision, autocast leaves such calls alone
+        qualified = f"aten::{op}" if overload == "default" else f"aten::{op}.{overload}"
+        try:
+            torch._C._dispatch_has_kernel_for_dispatch_key(qualified, "CompositeImplicitAutograd")
+        except RuntimeError:  # a Python-only overload (e.g. einsum.sublist): nothing to register
+            continue
+        names.append(overload)
+    return names
+
+
+def plan(dispatch_key: str) -> dict[torch._ops.OpOverload, Policy]:
+    """The kernels ``dispatch_key`` (e.g. ``"AutocastCPU"``) lacks for Apex's semantics, by overload.
+
+    An overload gets a kernel when the key has none for it (its native list does not cover it), except for the
+    banned ops, whose native kernel (fp32 on CPU, an error on CUDA) is replaced by Apex's behaviour.
+    """
+    has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
+    kernels: dict[torch._ops.OpOverload, Policy] = {}
+    for op, policy in op_policies().items():
+        covering = COVERED_BY.get(op)
+        if covering is not None and has_kernel(f"aten::{covering}", dispatch_key):
+            continue
+        packet = getattr(torch.ops.aten, op)
+        for overload in _overload_names(op):
+            qualified = f"aten::{op}" if overload == "default" else f"aten::{op}.{overload}"
+            if policy != "banned" and has_kernel(qualified, dispatch_key):
+                continue
+            kernels[getattr(packet, overload)] = policy
+    return kernels
