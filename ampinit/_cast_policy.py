@@ -1,33 +1,81 @@
 """The O1/O4 cast engine: PyTorch's autocast dispatch, switched on for the life of a session.
 
 Apex's O1 patched ~1,000 torch functions in Python. ampinit uses PyTorch's own autocast dispatch instead
-(``../docs/design.md``, decision 2): the same op lists Apex's native successor uses, at native speed and
-compatible with ``torch.compile``. A :class:`CastPolicy` does three things:
+(``docs/design.md``, decision 2), at native speed and compatible with ``torch.compile``. With
+``policy="apex"`` the ops of Apex's lists that a device's native lists lack (on the CPU: softmax, layer_norm,
+sum, exp, pow, norms, ...) get extra kernels on that device's autocast dispatch key (``_cast_lists.plan``), so
+that every device runs Apex's cast semantics. ``policy="native"`` keeps PyTorch's lists only.
+
+A :class:`CastPolicy` does four things:
 
 * ``activate()``: from ``initialize`` until ``close``, torch calls in the initializing thread follow the policy,
-  inside and outside the model, as Apex's global patching did;
+  inside and outside the model, as Apex's global patching did; it also applies the user's pending
+  ``register_*_function`` registrations for the session's lifetime;
 * ``install_forward_hooks(model)``: the model's forward follows it in any thread (e.g. DataLoader workers or
   a serving thread);
 * ``suspended()``: a region with no casting (the optimizer step, the backward inside ``scale_loss``, and the
-  user's ``disable_casts()``).
+  user's ``disable_casts()``);
+* ``clear_cache()``: forget cached weight casts (the session calls it at every ``scale_loss`` exit and step;
+  the policy itself also clears at the entry of each outermost model forward).
+
+The extra kernels are process-wide, like any dispatcher registration: they are registered when the first
+``apex`` policy activates, reference-counted per device type, and removed when the last one deactivates. They
+cast only in threads where an ``apex`` policy is the innermost one on (the initializing thread, or a session
+model's forward); elsewhere they behave as the device's native autocast does.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+import warnings
+from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 import torch
+from torch._C import DispatchKey, DispatchKeySet
 from torch.utils.hooks import RemovableHandle
+
+from ampinit import _functions
+from ampinit._cast_lists import BANNED_BCE_MESSAGE, NATIVE_BCE_MESSAGE, Policy, plan
 
 CastPolicyName = Literal["apex", "native"]
 CAST_POLICIES: tuple[CastPolicyName, ...] = ("apex", "native")
 
+# Device types whose autocast dispatch key this torch build defines (the keys the extra kernels go to).
+AUTOCAST_KEYS: dict[str, str] = {
+    device: key
+    for device, key in {
+        "cpu": "AutocastCPU",
+        "cuda": "AutocastCUDA",
+        "xpu": "AutocastXPU",
+        "mps": "AutocastMPS",
+        "hpu": "AutocastHPU",
+        "ipu": "AutocastIPU",
+        "privateuseone": "AutocastPrivateUse1",
+    }.items()
+    if hasattr(DispatchKey, key)
+}
+_LOWER_PRECISION = (torch.float16, torch.bfloat16)
+
+# The policies on in this thread, innermost last (the initializing thread's, then any model forward's).
+_scopes = threading.local()
+
+
+def _scope_stack() -> list[CastPolicy]:
+    stack: list[CastPolicy] | None = getattr(_scopes, "stack", None)
+    if stack is None:
+        stack = _scopes.stack = []
+    return stack
+
+
+def _innermost() -> CastPolicy | None:
+    stack: list[CastPolicy] | None = getattr(_scopes, "stack", None)
+    return stack[-1] if stack else None
+
 
 class CastPolicy:
-    """Autocast to ``dtype`` on ``device_types`` while active."""
+    """Autocast to ``dtype`` on ``device_types`` while active, with Apex's lists on top for ``policy="apex"``."""
 
     def __init__(
         self,
@@ -37,13 +85,26 @@ class CastPolicy:
         policy: CastPolicyName = "apex",
         allow_banned: bool = False,
     ) -> None:
+        if policy not in CAST_POLICIES:
+            raise ValueError(f"cast_policy must be one of {list(CAST_POLICIES)}, got {policy!r}")
+        if dtype not in _LOWER_PRECISION:
+            raise ValueError(f"The O1/O4 cast dtype must be torch.float16 or torch.bfloat16, got {dtype!r}")
         self.device_types = sorted(set(device_types))
+        if policy == "apex":
+            unknown = [d for d in self.device_types if d not in AUTOCAST_KEYS]
+            if unknown:
+                raise ValueError(
+                    f"cast_policy='apex' needs an autocast dispatch key for device type {unknown[0]!r}; known: "
+                    f"{sorted(AUTOCAST_KEYS)}. Use cast_policy='native' for PyTorch's own lists on this device."
+                )
         self.dtype = dtype
         self.policy = policy
         self.allow_banned = allow_banned
         self._saved: list[tuple[str, bool, torch.dtype]] = []
         self._thread: int | None = None
         self._local = threading.local()
+        self._acquired: list[str] = []
+        self._restore_user_functions: Callable[[], None] | None = None
 
     @property
     def active(self) -> bool:
@@ -53,6 +114,15 @@ class CastPolicy:
         """Switch the policy on in the calling thread until :meth:`deactivate`."""
         if self.active:
             raise RuntimeError("CastPolicy.activate() called twice without deactivate()")
+        try:
+            if self.policy == "apex":
+                for device in self.device_types:
+                    KERNELS.acquire(device)
+                    self._acquired.append(device)
+            self._restore_user_functions = _functions.REGISTRY.apply()
+        except BaseException:
+            self._release_kernels()
+            raise
         for device in self.device_types:
             self._saved.append((device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)))
             torch.set_autocast_enabled(device, True)
@@ -60,6 +130,7 @@ class CastPolicy:
         # Counts as an open autocast region, so that a user's nested ``with torch.autocast`` does not clear
         # the weight-cast cache on its exit.
         torch.autocast_increment_nesting()
+        _scope_stack().append(self)
         self._thread = threading.get_ident()
 
     def deactivate(self) -> None:
@@ -71,13 +142,31 @@ class CastPolicy:
                 "The cast policy was activated in another thread: close() the session from the thread that "
                 "called initialize(), because autocast state is per thread."
             )
-        if torch.autocast_decrement_nesting() == 0:
-            torch.clear_autocast_cache()
-        for device, enabled, dtype in reversed(self._saved):
-            torch.set_autocast_enabled(device, enabled)
-            torch.set_autocast_dtype(device, dtype)
-        self._saved.clear()
-        self._thread = None
+        try:
+            stack = _scope_stack()
+            for index in range(len(stack) - 1, -1, -1):
+                if stack[index] is self:
+                    del stack[index]
+                    break
+            if torch.autocast_decrement_nesting() == 0:
+                torch.clear_autocast_cache()
+            _functions.clear_cache()
+            for device, enabled, dtype in reversed(self._saved):
+                torch.set_autocast_enabled(device, enabled)
+                torch.set_autocast_dtype(device, dtype)
+            self._saved.clear()
+            self._thread = None
+        finally:
+            try:
+                if self._restore_user_functions is not None:
+                    self._restore_user_functions()
+                    self._restore_user_functions = None
+            finally:
+                self._release_kernels()
+
+    def _release_kernels(self) -> None:
+        while self._acquired:
+            KERNELS.release(self._acquired.pop())
 
     @contextlib.contextmanager
     def suspended(self) -> Iterator[None]:
@@ -94,6 +183,7 @@ class CastPolicy:
     def clear_cache(self) -> None:
         """Forget cached weight casts (weights change at every optimizer step)."""
         torch.clear_autocast_cache()
+        _functions.clear_cache()
 
     def install_forward_hooks(self, model: torch.nn.Module) -> list[RemovableHandle]:
         """Run ``model``'s forward under the policy in whichever thread calls it."""
@@ -101,10 +191,18 @@ class CastPolicy:
         def enter(module: torch.nn.Module, args: Any) -> None:
             stack = self._thread_stack()
             contexts = contextlib.ExitStack()
-            if not getattr(self._local, "suspended", 0):  # a forward inside disable_casts() stays uncast
-                for device in self.device_types:
-                    contexts.enter_context(torch.autocast(device, dtype=self.dtype))
+            if not stack:
+                # Weights may have changed since the last forward outside the optimizer (``load_state_dict``
+                # between eval forwards, a manual update): casts live for one outermost forward at most.
+                self.clear_cache()
             stack.append(contexts)
+            if getattr(self._local, "suspended", 0):  # a forward inside disable_casts() stays uncast
+                return
+            for device in self.device_types:
+                contexts.enter_context(torch.autocast(device, dtype=self.dtype))
+            scopes = _scope_stack()
+            scopes.append(self)
+            contexts.callback(scopes.pop)
 
         def leave(module: torch.nn.Module, args: Any, output: Any) -> None:
             stack = self._thread_stack()
@@ -121,3 +219,118 @@ class CastPolicy:
         if stack is None:
             stack = self._local.stack = []
         return stack
+
+
+# -- the extra kernels ---------------------------------------------------------------------------------------------
+def _applies() -> bool:
+    policy = _innermost()
+    return policy is not None and policy.policy == "apex"
+
+
+def _explicit_dtype(op: torch._ops.OpOverload) -> Callable[[tuple[Any, ...], dict[str, Any]], bool]:
+    """Whether a call passes the op's optional ``dtype`` argument (such calls are left alone, as autocast does)."""
+    for position, argument in enumerate(op._schema.arguments):
+        if argument.name == "dtype":
+            if argument.kwarg_only:
+                return lambda args, kwargs: kwargs.get("dtype") is not None
+            return lambda args, kwargs: (
+                kwargs.get("dtype") is not None or (len(args) > position and args[position] is not None)
+            )
+    return lambda args, kwargs: False
+
+
+def make_kernel(op: torch._ops.OpOverload, policy: Policy, device_type: str) -> Callable[..., Any]:
+    """The autocast kernel of ``op`` on ``device_type``: cast by ``policy``, then run ``op`` below autocast."""
+    excluded = DispatchKeySet(getattr(DispatchKey, AUTOCAST_KEYS[device_type]))
+    explicit_dtype = _explicit_dtype(op)
+
+    def run(args: Any, kwargs: dict[str, Any]) -> Any:
+        with torch._C._ExcludeDispatchKeyGuard(excluded):
+            return op(*args, **kwargs)
+
+    def cast_and_run(dtype: torch.dtype, lower: bool, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        args = _functions.cast_all(args, dtype, device_type, lower=lower)
+        kwargs = {k: _functions.cast_all(v, dtype, device_type, lower=lower) for k, v in kwargs.items()}
+        return run(args, kwargs)
+
+    def lower_kernel(*args: Any, **kwargs: Any) -> Any:
+        if not _applies() or explicit_dtype(args, kwargs):
+            return run(args, kwargs)
+        return cast_and_run(torch.get_autocast_dtype(device_type), True, args, kwargs)
+
+    def fp32_kernel(*args: Any, **kwargs: Any) -> Any:
+        if not _applies() or explicit_dtype(args, kwargs):
+            return run(args, kwargs)
+        return cast_and_run(torch.float32, False, args, kwargs)
+
+    def promote_kernel(*args: Any, **kwargs: Any) -> Any:
+        if _applies():
+            dtypes = _functions.floating_dtypes((*args, *kwargs.values()), device_type)
+            if len(dtypes) > 1:
+                return cast_and_run(_functions.widest(dtypes), False, args, kwargs)
+        return run(args, kwargs)
+
+    def banned_kernel(*args: Any, **kwargs: Any) -> Any:
+        policy = _innermost()
+        if policy is None or policy.policy != "apex":  # what the device's own autocast kernel does
+            if device_type != "cpu":
+                raise RuntimeError(NATIVE_BCE_MESSAGE)
+            return cast_and_run(torch.float32, False, args, kwargs)
+        dtypes = _functions.floating_dtypes((*args, *kwargs.values()), device_type)
+        if any(dtype in _LOWER_PRECISION for dtype in dtypes):
+            if not policy.allow_banned:
+                raise NotImplementedError(BANNED_BCE_MESSAGE)
+            return cast_and_run(torch.float32, False, args, kwargs)
+        return run(args, kwargs)
+
+    kernels = {"lower": lower_kernel, "fp32": fp32_kernel, "promote": promote_kernel, "banned": banned_kernel}
+    return kernels[policy]
+
+
+class _Kernels:
+    """The extra autocast kernels, one ``torch.library.Library`` per device type, reference-counted."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._libraries: dict[str, tuple[torch.library.Library, int]] = {}
+
+    def registered(self) -> dict[str, int]:
+        """Device type -> how many active policies hold its kernels."""
+        with self._lock:
+            return {device: count for device, (_, count) in self._libraries.items()}
+
+    def acquire(self, device_type: str) -> None:
+        with self._lock:
+            library, count = self._libraries.get(device_type, (None, 0))
+            if library is None:
+                library = _register(device_type)
+            self._libraries[device_type] = (library, count + 1)
+
+    def release(self, device_type: str) -> None:
+        with self._lock:
+            library, count = self._libraries[device_type]
+            if count > 1:
+                self._libraries[device_type] = (library, count - 1)
+                return
+            del self._libraries[device_type]
+            library._destroy()  # type: ignore[no-untyped-call]
+
+
+def _register(device_type: str) -> torch.library.Library:
+    key = AUTOCAST_KEYS[device_type]
+    library = torch.library.Library("aten", "IMPL")  # type: ignore[no-untyped-call]
+    try:
+        with warnings.catch_warnings():
+            # Replacing the banned ops' native kernel (binary_cross_entropy: fp32 on CPU, an error on CUDA) is
+            # the point; the dispatcher warns about it, once per process, and restores the native kernel when
+            # the library is destroyed. The plan overrides no other native kernel.
+            warnings.filterwarnings("ignore", message=r"(?s).*Overriding a previously registered kernel")
+            for op, policy in plan(key).items():
+                library.impl(op, make_kernel(op, policy, device_type), key)  # type: ignore[no-untyped-call]
+    except BaseException:
+        library._destroy()  # type: ignore[no-untyped-call]
+        raise
+    return library
+
+
+KERNELS = _Kernels()
