@@ -7,6 +7,14 @@ with amp.scale_loss(loss, optimizer) as scaled_loss:
 optimizer.step()
 """
 
+from ampinit._functions import (
+    float_function,
+    half_function,
+    promote_function,
+    register_float_function,
+    register_half_function,
+    register_promote_function,
+)
 from ampinit._initialize import (
     current_session,
     deinitialize,
@@ -36,9 +44,15 @@ __all__ = [
     "current_session",
     "deinitialize",
     "disable_casts",
+    "float_function",
+    "half_function",
     "initialize",
     "load_state_dict",
     "master_params",
+    "promote_function",
+    "register_float_function",
+    "register_half_function",
+    "register_promote_function",
     "scale_loss",
     "session_of",
     "state_dict",
