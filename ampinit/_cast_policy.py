@@ -69,6 +69,14 @@ def _scope_stack() -> list[CastPolicy]:
     return stack
 
 
+def _activated_stack() -> list[CastPolicy]:
+    """The policies activated in this thread and not yet deactivated, in activation order."""
+    stack: list[CastPolicy] | None = getattr(_scopes, "activated", None)
+    if stack is None:
+        stack = _scopes.activated = []
+    return stack
+
+
 def _innermost() -> CastPolicy | None:
     stack: list[CastPolicy] | None = getattr(_scopes, "stack", None)
     return stack[-1] if stack else None
@@ -130,6 +138,7 @@ class CastPolicy:
         # Counts as an open autocast region, so that a user's nested ``with torch.autocast`` does not clear
         # the weight-cast cache on its exit.
         torch.autocast_increment_nesting()
+        _activated_stack().append(self)
         _scope_stack().append(self)
         self._thread = threading.get_ident()
 
@@ -151,10 +160,7 @@ class CastPolicy:
             if torch.autocast_decrement_nesting() == 0:
                 torch.clear_autocast_cache()
             _functions.clear_cache()
-            for device, enabled, dtype in reversed(self._saved):
-                torch.set_autocast_enabled(device, enabled)
-                torch.set_autocast_dtype(device, dtype)
-            self._saved.clear()
+            self._restore_autocast_state()
             self._thread = None
         finally:
             try:
@@ -163,6 +169,25 @@ class CastPolicy:
                     self._restore_user_functions = None
             finally:
                 self._release_kernels()
+
+    def _restore_autocast_state(self) -> None:
+        """Put back the state found at activation, or hand it to a policy activated later in this thread.
+
+        Sessions may close in any order: when a later policy still holds a device, that policy saved this one's
+        state at its activation, so it inherits what this one found instead, and the current state stays.
+        """
+        activated = _activated_stack()
+        index = next(i for i, policy in enumerate(activated) if policy is self)
+        later = activated[index + 1 :]
+        del activated[index]
+        for device, enabled, dtype in reversed(self._saved):
+            heir = next((p for p in later if any(d == device for d, _, _ in p._saved)), None)
+            if heir is None:
+                torch.set_autocast_enabled(device, enabled)
+                torch.set_autocast_dtype(device, dtype)
+            else:
+                heir._saved = [(d, enabled, dtype) if d == device else (d, e, t) for d, e, t in heir._saved]
+        self._saved.clear()
 
     def _release_kernels(self) -> None:
         while self._acquired:
