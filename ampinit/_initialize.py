@@ -11,8 +11,9 @@ from torch import nn
 
 from ampinit import _registry
 from ampinit._cast_policy import CAST_POLICIES, CastPolicyName
+from ampinit._distributed import is_sharded
 from ampinit._loss_scale import DynamicLossScale
-from ampinit._opt_levels import LEVELS, resolve, unknown_level_message
+from ampinit._opt_levels import LEVELS, Properties, resolve, unknown_level_message
 from ampinit._session import AmpSession, AmpStats
 from ampinit._types import HALF_DTYPES
 
@@ -109,6 +110,7 @@ def initialize(
         if cast_model_outputs is not None and not isinstance(cast_model_outputs, torch.dtype):
             raise TypeError(f"cast_model_outputs must be a torch.dtype or None, got {cast_model_outputs!r}")
         _check_models(model_list)
+        _check_sharding(model_list, properties)
         _check_optimizers(optimizer_list)
 
     AmpSession(
@@ -187,6 +189,19 @@ def _check_models(models: list[nn.Module]) -> None:
                         "When using amp.initialize, you do not need to call .half() on your model\n"
                         "before passing it, no matter what optimization level you choose."
                     )
+
+
+def _check_sharding(models: list[nn.Module], properties: Properties) -> None:
+    casts_weights = properties.model_dtype in HALF_DTYPES or properties.uses_master_weights
+    if not casts_weights or not any(is_sharded(p) for m in models for p in m.parameters()):
+        return
+    raise RuntimeError(
+        f"opt_level {properties.opt_level} casts the model's weights (and keeps fp32 master weights outside it), "
+        "which cannot work with parameters sharded by FSDP2 (fully_shard): FSDP owns those shards. Use FSDP2's "
+        "own mixed precision instead, fully_shard(module, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, "
+        "reduce_dtype=torch.float32)): its sharded fp32 parameters are the master copy, the O2/O5 equivalent at "
+        "scale. Combine it with opt_level='O0', or 'O1'/'O4' for a cast policy and loss scaling on top."
+    )
 
 
 def _check_optimizers(optimizers: list[torch.optim.Optimizer]) -> None:

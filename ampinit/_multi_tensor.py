@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ampinit._distributed import local
 from ampinit._types import TensorList
 
 _HAS_UNSCALE_KERNEL = hasattr(torch, "_amp_foreach_non_finite_check_and_unscale_")
@@ -25,7 +26,9 @@ def group_by_device_and_dtype(
 ) -> dict[tuple[torch.device, torch.dtype], list[TensorList]]:
     """Split parallel tensor lists into groups that one kernel can take, keyed by the first list's tensors."""
     groups: dict[tuple[torch.device, torch.dtype], list[TensorList]] = defaultdict(lambda: [[] for _ in lists])
-    for items in zip(*lists):
+    # Sharded tensors (FSDP2's DTensors) are worked on through their local shards: the ops here are
+    # elementwise, and the one cross-rank fact, the overflow flag, is reduced by the caller.
+    for items in zip(*([local(t) for t in tensors] for tensors in lists)):
         key = (items[0].device, items[0].dtype)
         for bucket, tensor in zip(groups[key], items):
             bucket.append(tensor)

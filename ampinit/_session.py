@@ -19,6 +19,7 @@ from torch import nn
 
 from ampinit import _registry
 from ampinit._cast_policy import CastPolicy, CastPolicyName
+from ampinit._distributed import agree_on_overflow_
 from ampinit._loss_scale import DynamicLossScale
 from ampinit._master_weights import OptimizerGrads
 from ampinit._model_cast import ModelCast, plan
@@ -345,6 +346,7 @@ class AmpSession:
         the overflow can be logged. In sync-free mode it stays on the device and reaches the optimizer's own
         kernel (see :meth:`_step`).
         """
+        agree_on_overflow_(scaler.found_inf)
         if self.sync_free:
             scaler.update()
             for opt_id in optimizer_ids:

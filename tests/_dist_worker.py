@@ -1,0 +1,221 @@
+"""Scenarios run on each rank of a 2-process gloo job by tests/test_distributed.py.
+
+Each scenario writes what the test checks to ``{outdir}/{scenario}.{rank}.pt``; ``reference(level)`` runs the
+same training in one process on the global batch.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import ampinit
+from ampinit import amp
+
+LEVELS = ["O0", "O1", "O2", "O3", "O4", "O5"]
+GLOBAL_BATCH = 32
+STEPS = 4
+
+
+class Net(nn.Module):
+    """No BatchNorm: per-rank batch statistics would make DDP differ from one process on the global batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, 32)
+        self.ln = nn.LayerNorm(32)
+        self.fc2 = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(nn.functional.gelu(self.ln(self.fc1(x))))
+
+
+def data() -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(123)
+    return torch.randn(GLOBAL_BATCH, 8, generator=gen), torch.randn(GLOBAL_BATCH, 4, generator=gen)
+
+
+def build(level: str, **overrides: Any) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    if level in ("O1", "O2") and "loss_scale" not in overrides:
+        overrides["loss_scale"] = ampinit.DynamicLossScale(init_scale=2.0**12)
+    amp.initialize(model, opt, opt_level=level, verbosity=0, **overrides)
+    return model, opt
+
+
+def train_step(
+    model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, corrupt: bool = False
+) -> float:
+    opt.zero_grad()
+    loss = (model(x).float() - y).pow(2).mean()
+    with amp.scale_loss(loss, opt) as scaled:
+        scaled.backward()
+        if corrupt:  # a rank-local fault after the all-reduce: only this rank sees it
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.view(-1)[0] = float("inf")
+                    break
+    opt.step()
+    return loss.item()
+
+
+def shard(rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = data()
+    per = GLOBAL_BATCH // world
+    return x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
+
+
+def params(model: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def ddp_levels(rank: int, world: int, out: Path) -> None:
+    x, y = shard(rank, world)
+    for level in LEVELS:
+        model, opt = build(level)
+        ddp = DDP(model)
+        losses = [train_step(ddp, opt, x, y) for _ in range(STEPS)]
+        torch.save({"params": params(model), "amp": amp.state_dict(), "losses": losses}, out / f"ddp_{level}.{rank}.pt")
+        amp.deinitialize()
+
+
+def overflow_on_one_rank(rank: int, world: int, out: Path) -> None:
+    x, y = shard(rank, world)
+    for level in ("O2", "O5"):
+        model, opt = build(level)
+        ddp = DDP(model)
+        train_step(ddp, opt, x, y)
+        before = params(model)
+        scale_before = amp.stats().loss_scales[0]
+        train_step(ddp, opt, x, y, corrupt=rank == 1)
+        torch.save(
+            {
+                "skipped": amp.step_was_skipped(opt),
+                "unchanged": all(torch.equal(a, b) for a, b in zip(before, params(model))),
+                "finite": all(torch.isfinite(p).all().item() for p in model.parameters()),
+                "scale_before": scale_before,
+                "amp": amp.state_dict(),
+                "params": params(model),
+            },
+            out / f"overflow_{level}.{rank}.pt",
+        )
+        amp.deinitialize()
+
+
+def resume(rank: int, world: int, out: Path) -> None:
+    x, y = shard(rank, world)
+    model, opt = build("O2")
+    ddp = DDP(model)
+    for _ in range(3):
+        train_step(ddp, opt, x, y)
+    if rank == 0:
+        torch.save(
+            {"model": model.state_dict(), "optimizer": opt.state_dict(), "amp": amp.state_dict()}, out / "ckpt.pt"
+        )
+    dist.barrier()
+    for _ in range(3):
+        train_step(ddp, opt, x, y)
+    uninterrupted = {"params": params(model), "amp": amp.state_dict()}
+    amp.deinitialize()
+
+    model, opt = build("O2")
+    checkpoint = torch.load(out / "ckpt.pt", weights_only=True)
+    model.load_state_dict(checkpoint["model"])
+    opt.load_state_dict(checkpoint["optimizer"])
+    amp.load_state_dict(checkpoint["amp"])
+    ddp = DDP(model)
+    for _ in range(3):
+        train_step(ddp, opt, x, y)
+    resumed = {"params": params(model), "amp": amp.state_dict()}
+    amp.deinitialize()
+    torch.save({"uninterrupted": uninterrupted, "resumed": resumed}, out / f"resume.{rank}.pt")
+
+
+def accumulate_with_no_sync(rank: int, world: int, out: Path) -> None:
+    x, y = shard(rank, world)
+    model, opt = build("O2", loss_scale=256.0)
+    ddp = DDP(model)
+    opt.zero_grad()
+    halves = list(zip(x.chunk(2), y.chunk(2)))
+    with ddp.no_sync():
+        loss = (ddp(halves[0][0]).float() - halves[0][1]).pow(2).mean() / 2
+        with amp.scale_loss(loss, opt, delay_unscale=True) as scaled:
+            scaled.backward()
+    loss = (ddp(halves[1][0]).float() - halves[1][1]).pow(2).mean() / 2
+    with amp.scale_loss(loss, opt) as scaled:
+        scaled.backward()
+    grads = [p.grad.clone() for p in amp.master_params(opt)]
+    opt.step()
+    torch.save({"grads": grads, "params": params(model)}, out / f"no_sync.{rank}.pt")
+    amp.deinitialize()
+
+
+def fsdp2(rank: int, world: int, out: Path) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    x, y = shard(rank, world)
+    for level in ("O1", "O4"):
+        torch.manual_seed(0)
+        model = Net()
+        fully_shard(model.fc1)
+        fully_shard(model.fc2)
+        fully_shard(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        amp.initialize(model, opt, opt_level=level, verbosity=0)
+        losses = [train_step(model, opt, x, y) for _ in range(8)]
+        full = [p.full_tensor().detach().clone() for p in model.parameters()]
+        torch.save({"losses": losses, "params": full, "amp": amp.state_dict()}, out / f"fsdp_{level}.{rank}.pt")
+        amp.deinitialize()
+    torch.manual_seed(0)
+    model = Net()
+    fully_shard(model)
+    try:
+        amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O2", verbosity=0)
+        refused = ""
+    except RuntimeError as err:
+        refused = str(err)
+    torch.save({"refused": refused}, out / f"fsdp_O2.{rank}.pt")
+
+
+SCENARIOS = {
+    "ddp_levels": ddp_levels,
+    "overflow_on_one_rank": overflow_on_one_rank,
+    "resume": resume,
+    "accumulate_with_no_sync": accumulate_with_no_sync,
+    "fsdp2": fsdp2,
+}
+
+
+def worker(rank: int, world: int, port: int, outdir: str, names: list[str]) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        for name in names:
+            SCENARIOS[name](rank, world, Path(outdir))
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def reference(level: str) -> dict[str, Any]:
+    """The same training as ddp_levels, in one process on the global batch."""
+    x, y = data()
+    model, opt = build(level)
+    losses = [train_step(model, opt, x, y) for _ in range(STEPS)]
+    result = {"params": params(model), "amp": amp.state_dict(), "losses": losses}
+    amp.deinitialize()
+    return result
+
+
+if __name__ == "__main__":
+    import torch.multiprocessing as mp
+
+    port, outdir, *names = sys.argv[1:]
+    mp.spawn(worker, args=(2, int(port), outdir, names), nprocs=2, join=True)

@@ -1,0 +1,99 @@
+"""Real 2-process gloo jobs on loopback: DDP at every opt level, ranks agreeing on every skip, checkpoint and
+resume, no_sync accumulation, FSDP2 with O1/O4 (and the refusal of O2 on sharded parameters)."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests import _dist_worker
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("dist")
+    command = [sys.executable, "-m", "tests._dist_worker", str(free_port()), str(out), *_dist_worker.SCENARIOS]
+    subprocess.run(command, cwd=ROOT, check=True, timeout=300)
+    return out
+
+
+def load(out: Path, name: str) -> list[dict[str, Any]]:
+    return [torch.load(out / f"{name}.{rank}.pt", weights_only=True) for rank in (0, 1)]
+
+
+@pytest.mark.parametrize("level", _dist_worker.LEVELS)
+def test_ddp_matches_one_process_on_the_global_batch(results: Path, level: str) -> None:
+    rank0, rank1 = load(results, f"ddp_{level}")
+    for a, b in zip(rank0["params"], rank1["params"]):
+        assert torch.equal(a, b)  # ranks never drift apart
+    assert rank0["amp"] == rank1["amp"]
+    reference = _dist_worker.reference(level)
+    assert rank0["amp"] == reference["amp"]
+    tolerance = {"O0": 1e-5, "O1": 2e-2, "O2": 2e-2, "O3": 2e-2, "O4": 3e-2, "O5": 3e-2}[level]
+    for a, r in zip(rank0["params"], reference["params"]):
+        torch.testing.assert_close(a.float(), r.float(), rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("level", ["O2", "O5"])
+def test_an_overflow_on_one_rank_skips_on_every_rank(results: Path, level: str) -> None:
+    rank0, rank1 = load(results, f"overflow_{level}")
+    for rank in (rank0, rank1):
+        assert rank["skipped"] and rank["unchanged"] and rank["finite"]
+    expected = rank0["scale_before"] / 2 if level == "O2" else rank0["scale_before"]  # O5: static scale
+    assert rank0["amp"]["loss_scaler0"]["loss_scale"] == expected
+    assert rank0["amp"] == rank1["amp"]
+    for a, b in zip(rank0["params"], rank1["params"]):
+        assert torch.equal(a, b)
+
+
+def test_checkpoint_on_rank0_resumes_bitwise_on_all_ranks(results: Path) -> None:
+    for rank in load(results, "resume"):
+        assert rank["resumed"]["amp"] == rank["uninterrupted"]["amp"]
+        for a, b in zip(rank["resumed"]["params"], rank["uninterrupted"]["params"]):
+            assert torch.equal(a, b)
+
+
+def test_delay_unscale_with_no_sync(results: Path) -> None:
+    rank0, rank1 = load(results, "no_sync")
+    for a, b in zip(rank0["grads"], rank1["grads"]):
+        assert torch.equal(a, b)  # the second backward all-reduced the accumulated grads
+    for a, b in zip(rank0["params"], rank1["params"]):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("level", ["O1", "O4"])
+def test_fsdp2_trains_with_function_cast_levels(results: Path, level: str) -> None:
+    rank0, rank1 = load(results, f"fsdp_{level}")
+    assert rank0["losses"][-1] < 0.7 * rank0["losses"][0]
+    assert rank0["amp"] == rank1["amp"]
+    for a, b in zip(rank0["params"], rank1["params"]):
+        assert torch.equal(a, b)
+
+
+def test_fsdp2_refuses_weight_casting_levels(results: Path) -> None:
+    for rank in load(results, "fsdp_O2"):
+        assert "cannot work with parameters sharded by FSDP2" in rank["refused"]
+        assert "MixedPrecisionPolicy" in rank["refused"]
+
+
+def test_ddp_example_under_torchrun() -> None:
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+        "examples/distributed/train_ddp.py", "--opt-level", "O2", "--steps", "30",
+    ]  # fmt: skip
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=240, check=True)
+    assert "ranks agree: True" in result.stdout, result.stdout + result.stderr
