@@ -1,0 +1,220 @@
+"""O1/O4 on whole models: recurrent layers, the weight-cast cache, other threads and torch.compile."""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import ampinit as amp
+
+LEVELS = [pytest.param("O1", torch.float16, id="O1-fp16"), pytest.param("O4", torch.bfloat16, id="O4-bf16")]
+TOL = {torch.float16: {"rtol": 3e-2, "atol": 3e-2}, torch.bfloat16: {"rtol": 1e-1, "atol": 1e-1}}
+
+
+def g(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+class CastCounter(TorchDispatchMode):
+    """Counts dtype casts (``_to_copy``) of tensors with a given storage, below autocast."""
+
+    def __init__(self, watched: torch.Tensor) -> None:
+        super().__init__()
+        self.ptr = watched.data_ptr()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.ops.aten._to_copy.default and args[0].data_ptr() == self.ptr:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+# -- recurrent layers ------------------------------------------------------------------------------------------------
+RNNS: list[tuple[str, Callable[[], nn.Module]]] = [
+    ("LSTM", lambda: nn.LSTM(4, 6, num_layers=2)),
+    ("GRU", lambda: nn.GRU(4, 6, bidirectional=True)),
+    ("RNN-tanh", lambda: nn.RNN(4, 6)),
+    ("RNN-relu", lambda: nn.RNN(4, 6, nonlinearity="relu")),
+    ("LSTMCell", lambda: nn.LSTMCell(4, 6)),
+    ("GRUCell", lambda: nn.GRUCell(4, 6)),
+    ("RNNCell", lambda: nn.RNNCell(4, 6)),
+]
+
+
+def _first(out: Any) -> torch.Tensor:
+    return out[0] if isinstance(out, tuple) else out
+
+
+@pytest.mark.parametrize(("level", "dtype"), LEVELS)
+@pytest.mark.parametrize(("name", "build"), RNNS, ids=[r[0] for r in RNNS])
+def test_recurrent_layers_run_in_half_with_fp32_weights(
+    level: str, dtype: torch.dtype, name: str, build: Callable[[], nn.Module]
+) -> None:
+    torch.manual_seed(0)
+    model = build()
+    ref = copy.deepcopy(model)
+    x = g(3, 4) if "Cell" in name else g(5, 3, 4)
+    amp.initialize(model, torch.optim.SGD(model.parameters(), 0.1), opt_level=level, verbosity=0)
+    try:
+        out = _first(model(x))
+        assert out.dtype == dtype
+        out.float().sum().backward()
+    finally:
+        amp.deinitialize()
+    ref_out = _first(ref(x))
+    ref_out.sum().backward()
+    torch.testing.assert_close(out.float(), ref_out, **TOL[dtype])
+    for p, r in zip(model.parameters(), ref.parameters()):
+        assert p.dtype == torch.float32 and p.grad is not None and p.grad.dtype == torch.float32
+        torch.testing.assert_close(p.grad, r.grad, **TOL[dtype])
+
+
+@pytest.mark.parametrize(("level", "dtype"), LEVELS)
+def test_lstm_with_packed_sequence(level: str, dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    model = nn.LSTM(4, 6)
+    ref = copy.deepcopy(model)
+    packed = nn.utils.rnn.pack_padded_sequence(g(5, 3, 4), torch.tensor([5, 3, 2]))
+    amp.initialize(model, opt_level=level, verbosity=0)
+    try:
+        out = model(packed)[0]
+        assert out.data.dtype == dtype
+        out.data.float().sum().backward()
+    finally:
+        amp.deinitialize()
+    ref_out = ref(packed)[0]
+    ref_out.data.sum().backward()
+    torch.testing.assert_close(out.data.float(), ref_out.data, **TOL[dtype])
+    for p, r in zip(model.parameters(), ref.parameters()):
+        assert p.grad is not None and p.grad.dtype == torch.float32
+        torch.testing.assert_close(p.grad, r.grad, **TOL[dtype])
+
+
+# -- the weight-cast cache ----------------------------------------------------------------------------------------------
+class Tied(nn.Module):
+    """One Linear applied twice, a second Linear tied to it, and an LSTMCell unrolled over 4 steps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 6)
+        self.b = nn.Linear(6, 6)
+        self.b.weight = self.a.weight
+        self.cell = nn.LSTMCell(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.b(self.a(self.a(x)))
+        state = (h, h)
+        for _ in range(4):
+            state = self.cell(h, state)
+        return state[0]
+
+
+@pytest.mark.parametrize(("level", "dtype"), LEVELS)
+def test_weights_are_cast_once_per_forward_and_reused(level: str, dtype: torch.dtype) -> None:
+    model = Tied()
+    amp.initialize(model, torch.optim.SGD(model.parameters(), 0.1), opt_level=level, verbosity=0)
+    try:
+        for weight in (model.a.weight, model.cell.weight_ih):  # native linear cache / ampinit's lstm_cell cache
+            counter = CastCounter(weight)
+            with counter:
+                model(g(2, 6))
+            assert counter.count == 1
+    finally:
+        amp.deinitialize()
+
+
+def _expected(model: nn.Linear, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    with torch.no_grad():
+        return F.linear(x.to(dtype), model.weight.to(dtype), model.bias.to(dtype))
+
+
+@pytest.mark.parametrize(("level", "dtype"), LEVELS)
+def test_cast_weights_are_never_stale(level: str, dtype: torch.dtype) -> None:
+    model = nn.Linear(6, 6)
+    opt = torch.optim.SGD(model.parameters(), 0.5)
+    amp.initialize(model, opt, opt_level=level, verbosity=0)
+    x = g(4, 6)
+    try:
+        # train -> step -> train: the second forward uses the stepped weights
+        for _ in range(2):
+            out = model(x)
+            assert torch.equal(out, _expected(model, x, dtype).detach())
+            with amp.scale_loss(out.float().pow(2).mean(), opt) as scaled:
+                scaled.backward()
+            opt.step()
+        # train -> eval/no_grad -> train: the train forward after no_grad still reaches the fp32 weights
+        with torch.no_grad():
+            model(x)
+        opt.zero_grad()
+        model(x).float().sum().backward()
+        assert model.weight.grad is not None and model.weight.grad.abs().sum() > 0
+        # eval forwards around a load_state_dict (no optimizer step in between)
+        with torch.no_grad():
+            model(x)
+            model.load_state_dict(nn.Linear(6, 6).state_dict())
+            assert torch.equal(model(x), _expected(model, x, dtype))
+        # and outside the model, in the initializing thread
+        with torch.no_grad():
+            torch.mv(model.weight, x[0])
+            model.weight.mul_(2)
+            expected = torch.mv(model.weight.to(dtype), x[0].to(dtype))
+            assert torch.equal(torch.mv(model.weight, x[0]), expected)
+    finally:
+        amp.deinitialize()
+
+
+# -- threads and torch.compile ---------------------------------------------------------------------------------------
+class Head(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+        self.ln = nn.LayerNorm(6)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        h = self.fc(x)
+        return h, self.ln(h), torch.softmax(h, -1).sum(-1)
+
+
+@pytest.mark.parametrize(("level", "dtype"), LEVELS)
+def test_model_forward_follows_the_apex_policy_in_other_threads(level: str, dtype: torch.dtype) -> None:
+    model = Head()
+    amp.initialize(model, opt_level=level, verbosity=0)
+    seen: dict[str, Any] = {}
+
+    def worker() -> None:
+        seen["model"] = [t.dtype for t in model(g(2, 6))]
+        seen["plain"] = torch.softmax(g(2, 6).to(dtype), -1).dtype
+
+    try:
+        thread = threading.Thread(target=worker)
+        thread.start()
+        thread.join()
+    finally:
+        amp.deinitialize()
+    assert seen == {"model": [dtype, torch.float32, torch.float32], "plain": dtype}
+
+
+@pytest.mark.parametrize(("level", "dtype"), LEVELS)
+def test_compiled_model_gives_the_same_dtypes(level: str, dtype: torch.dtype) -> None:
+    torch._dynamo.reset()
+    model = Head()
+    amp.initialize(model, opt_level=level, verbosity=0)
+    try:
+        x = g(2, 6)
+        eager = model(x)
+        compiled = torch.compile(model, backend="aot_eager")
+        out = compiled(x)
+        assert [t.dtype for t in out] == [t.dtype for t in eager] == [dtype, torch.float32, torch.float32]
+        for a, b in zip(out, eager):
+            torch.testing.assert_close(a, b)
+    finally:
+        amp.deinitialize()
+        torch._dynamo.reset()
