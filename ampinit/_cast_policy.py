@@ -237,8 +237,8 @@ class CastPolicy:
         # torch.compile runs the hooks eagerly (a region opened in one hook and closed in another cannot be
         # traced) and compiles the forward under the autocast state they set, on which it guards.
         return [
-            model.register_forward_pre_hook(torch.compiler.disable(enter)),
-            model.register_forward_hook(torch.compiler.disable(leave), always_call=True),
+            model.register_forward_pre_hook(torch.compiler.disable(enter)),  # type: ignore[no-untyped-call]
+            model.register_forward_hook(torch.compiler.disable(leave), always_call=True),  # type: ignore[no-untyped-call]
         ]
 
     def _thread_stack(self) -> list[contextlib.ExitStack]:

@@ -112,17 +112,17 @@ def test_registering_a_tensor_method_restores_the_inherited_one() -> None:
 def test_registering_during_a_session_warns_and_waits_for_the_next() -> None:
     module = types.ModuleType("late")
     module.op = lambda a: a.dtype  # type: ignore[attr-defined]
-    original = module.op  # type: ignore[attr-defined]
+    original = module.op
     start("O1")
     try:
         with pytest.warns(UserWarning, match=re.escape("it takes effect at the next ampinit.initialize()")):
             amp.register_float_function(module, "op")
-        assert module.op is original  # type: ignore[attr-defined]
+        assert module.op is original
     finally:
         amp.deinitialize()
     start("O1")
     try:
-        assert module.op(torch.ones(1, dtype=torch.float16)) == torch.float32  # type: ignore[attr-defined]
+        assert module.op(torch.ones(1, dtype=torch.float16)) == torch.float32
     finally:
         amp.deinitialize()
-    assert module.op is original  # type: ignore[attr-defined]
+    assert module.op is original

@@ -98,7 +98,7 @@ def test_lstm_with_packed_sequence(level: str, dtype: torch.dtype) -> None:
         torch.testing.assert_close(p.grad, r.grad, **TOL[dtype])
 
 
-# -- the weight-cast cache ----------------------------------------------------------------------------------------------
+# -- the weight-cast cache --------------------------------------------------------------------------------------------
 class Tied(nn.Module):
     """One Linear applied twice, a second Linear tied to it, and an LSTMCell unrolled over 4 steps."""
 
