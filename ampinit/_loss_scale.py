@@ -55,6 +55,11 @@ class DynamicLossScale:
             raise ValueError(
                 f"DynamicLossScale.min_scale ({self.min_scale!r}) must not exceed max_scale ({self.max_scale!r})"
             )
+        if self.min_scale is not None and self.first_scale < self.min_scale:
+            raise ValueError(
+                f"DynamicLossScale starts at {self.first_scale!r} (init_scale capped at max_scale), below its "
+                f"min_scale {self.min_scale!r}"
+            )
         if self.raise_at_min and self.min_scale is None:
             raise ValueError("DynamicLossScale.raise_at_min=True needs a min_scale to know where the minimum is")
 

@@ -19,6 +19,7 @@ from ampinit._types import TensorList
 
 _HAS_UNSCALE_KERNEL = hasattr(torch, "_amp_foreach_non_finite_check_and_unscale_")
 _HAS_FOREACH_COPY = hasattr(torch, "_foreach_copy_")
+_HAS_UPDATE_SCALE_KERNEL = hasattr(torch, "_amp_update_scale_")
 
 
 def group_by_device_and_dtype(
@@ -85,3 +86,28 @@ def add_(tensors: Sequence[torch.Tensor], others: Sequence[torch.Tensor]) -> Non
     """``t += other`` for each pair."""
     for _, (group, other) in group_by_device_and_dtype(tensors, others).items():
         torch._foreach_add_(group, other)
+
+
+def update_scale_(
+    scale: torch.Tensor,
+    growth_tracker: torch.Tensor,
+    found_inf: torch.Tensor,
+    growth_factor: float,
+    backoff_factor: float,
+    growth_interval: int,
+) -> None:
+    """GradScaler's update rule in one kernel, in place and on device.
+
+    An overflow multiplies ``scale`` by ``backoff_factor`` and resets ``growth_tracker``; a clean step counts
+    it up, and reaching ``growth_interval`` multiplies ``scale`` by ``growth_factor`` (unless that would make
+    it non-finite) and resets the tracker.
+    """
+    if _HAS_UPDATE_SCALE_KERNEL:
+        torch._amp_update_scale_(scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval)
+        return
+    found = found_inf.reshape(()) > 0  # pragma: no cover - only on a torch without the private kernel
+    tracker = torch.where(found, torch.zeros_like(growth_tracker), growth_tracker + 1)
+    grow = tracker >= growth_interval
+    grown = scale * growth_factor
+    scale.copy_(torch.where(found, scale * backoff_factor, torch.where(grow & grown.isfinite(), grown, scale)))
+    growth_tracker.copy_(torch.where(grow, torch.zeros_like(tracker), tracker))

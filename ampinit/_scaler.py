@@ -16,6 +16,9 @@ import torch
 from ampinit import _multi_tensor
 from ampinit._loss_scale import DynamicLossScale
 
+# A growth interval no step count reaches: static scalers count clean steps but never grow.
+_NEVER = 2**31 - 1
+
 
 class LossScaleAtMinimumError(FloatingPointError):
     """Raised when a step overflows although the dynamic loss scale is already at its floor."""
@@ -61,8 +64,13 @@ class LossScaler:
 
     def _refresh_inv_scale(self) -> None:
         assert self._scale is not None
-        # Reciprocal in float64, as GradScaler does: float32 division can round differently across backends.
-        self._inv_scale = self._scale.double().reciprocal().float()
+        # One fp32 kernel into a persistent tensor. Dynamic scales are powers of two, whose fp32 reciprocal is
+        # exact; GradScaler's float64 detour only matters for odd static scales, which never change (so it is
+        # paid once, at materialize, below).
+        if self._inv_scale is None or self.config is None:
+            self._inv_scale = self._scale.double().reciprocal().float()
+        else:
+            torch.reciprocal(self._scale, out=self._inv_scale)
 
     @property
     def scale_tensor(self) -> torch.Tensor:
@@ -107,18 +115,28 @@ class LossScaler:
     def update(self) -> None:
         """Fold this step's overflow flag into the scale, on device (no host sync)."""
         assert self._scale is not None and self._unskipped is not None and self._hysteresis_left is not None
+        cfg = self.config
+        if cfg is None:
+            # A static scale only counts clean steps (Apex's ``_unskipped``): factors of 1, no growth ever.
+            _multi_tensor.update_scale_(self._scale, self._unskipped, self.found_inf, 1.0, 1.0, _NEVER)
+            return
+        if cfg.hysteresis == 1:
+            # Apex's rule is GradScaler's plus a ceiling and an optional floor: one kernel and a clamp or two.
+            _multi_tensor.update_scale_(
+                self._scale, self._unskipped, self.found_inf, cfg.growth_factor, cfg.backoff_factor, cfg.growth_interval
+            )
+            self._scale.clamp_(min=cfg.min_scale, max=cfg.max_scale)
+        else:
+            self._update_with_hysteresis(cfg)
+        self._refresh_inv_scale()
+
+    def _update_with_hysteresis(self, cfg: DynamicLossScale) -> None:
+        assert self._scale is not None and self._unskipped is not None and self._hysteresis_left is not None
         found = self.found_inf[0] > 0
         zero = torch.zeros_like(self._unskipped)
-        if self.config is None:
-            self._unskipped.copy_(torch.where(found, zero, self._unskipped + 1))
-            return
-        cfg = self.config
-        if cfg.hysteresis == 1:
-            back_off = found
-        else:
-            left = torch.where(found, self._hysteresis_left - 1, torch.full_like(self._hysteresis_left, cfg.hysteresis))
-            self._hysteresis_left.copy_(left.clamp(min=0))
-            back_off = found & (left <= 0)
+        left = torch.where(found, self._hysteresis_left - 1, torch.full_like(self._hysteresis_left, cfg.hysteresis))
+        self._hysteresis_left.copy_(left.clamp(min=0))
+        back_off = found & (left <= 0)
         shrunk = self._scale * cfg.backoff_factor
         if cfg.min_scale is not None:
             shrunk = shrunk.clamp(min=cfg.min_scale)
@@ -128,7 +146,6 @@ class LossScaler:
         new_scale = torch.where(grow, (new_scale * cfg.growth_factor).clamp(max=cfg.max_scale), new_scale)
         self._unskipped.copy_(torch.where(grow, zero, unskipped))
         self._scale.copy_(new_scale)
-        self._refresh_inv_scale()
 
     def at_minimum(self) -> bool:
         """Whether the scale sits at its floor (host sync)."""

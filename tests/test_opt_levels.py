@@ -221,6 +221,10 @@ def test_describe_lists_every_option_in_apex_order() -> None:
         (dict(init_scale=-1.0), "init_scale must be a finite number > 0, got -1.0"),
         (dict(min_scale=8.0, max_scale=4.0), "min_scale (8.0) must not exceed max_scale (4.0)"),
         (dict(raise_at_min=True), "raise_at_min=True needs a min_scale"),
+        (
+            dict(init_scale=2.0, min_scale=4.0),
+            "starts at 2.0 (init_scale capped at max_scale), below its min_scale 4.0",
+        ),
     ],
 )
 def test_dynamic_loss_scale_validation(kwargs: dict[str, object], message: str) -> None:
