@@ -1,0 +1,165 @@
+"""``apex.amp._amp_state``: read-through views over the current ampinit session.
+
+Apex kept its state in one module-global object whose fields appeared at runtime. Legacy code reads a few of
+them (``_amp_state.loss_scalers[0].loss_scale()``, ``opt_properties``, ``handle``, ``verbosity``); here each is a
+property that looks up :func:`ampinit.current_session` when read, so there is no second copy of any state. Only the
+two switches that Apex let users set before ``initialize`` (``allow_incoming_model_not_fp32``, ``hard_override``)
+are stored here, because they are inputs, not state.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+import ampinit
+from ampinit import AmpSession, Properties
+
+if TYPE_CHECKING:
+    from ampinit._scaler import LossScaler as SessionScaler
+    from ampinit.compat.apex.amp.handle import AmpHandle
+
+logger = logging.getLogger("ampinit")
+
+__all__ = ["LossScalerView", "_amp_state", "master_params", "maybe_print", "warn_or_err"]
+
+
+class LossScalerView:
+    """Apex's ``LossScaler`` fields, read from (and written to) one loss scaler of a session."""
+
+    def __init__(self, scaler: SessionScaler) -> None:
+        self._scaler = scaler
+
+    def loss_scale(self) -> float:
+        return self._scaler.loss_scale()
+
+    @property
+    def _loss_scale(self) -> float:
+        return self._scaler.loss_scale()
+
+    @_loss_scale.setter
+    def _loss_scale(self, value: float) -> None:
+        # Legacy code sets the starting scale this way (e.g. ``loss_scalers[0]._loss_scale = 2.**10``).
+        self._scaler.load_state_dict({"loss_scale": float(value), "unskipped": self._scaler.unskipped()})
+
+    @property
+    def _unskipped(self) -> int:
+        return self._scaler.unskipped()
+
+    @_unskipped.setter
+    def _unskipped(self, value: int) -> None:
+        self._scaler.load_state_dict({"loss_scale": self._scaler.loss_scale(), "unskipped": int(value)})
+
+    @property
+    def dynamic(self) -> bool:
+        return self._scaler.dynamic
+
+    @property
+    def _max_loss_scale(self) -> float | None:
+        return None if self._scaler.config is None else self._scaler.config.max_scale
+
+    @property
+    def _min_loss_scale(self) -> float | None:
+        return None if self._scaler.config is None else self._scaler.config.min_scale
+
+    @property
+    def _scale_seq_len(self) -> int | None:
+        return None if self._scaler.config is None else self._scaler.config.growth_interval
+
+    @property
+    def _has_overflow(self) -> bool:
+        """Whether the last unscale step found an inf/NaN (a host sync)."""
+        return self._scaler.device is not None and bool(self._scaler.found_inf.item())
+
+    def __repr__(self) -> str:
+        return f"LossScalerView(loss_scale={self.loss_scale()}, unskipped={self._unskipped})"
+
+
+class AmpState:
+    """The object behind ``apex.amp._amp_state``."""
+
+    def __init__(self) -> None:
+        #: Apex skipped its fp32/CUDA parameter check when this was set. ampinit accepts CPU models anyway and
+        #: uses the flag to accept half-precision models at levels that cast the model (see initialize).
+        self.allow_incoming_model_not_fp32 = False
+        #: Apex turned its option-validation errors into printed warnings when this was set; ampinit keeps them
+        #: errors (a wrong option is a bug), and only records the flag.
+        self.hard_override = False
+        self._handles: weakref.WeakKeyDictionary[AmpSession, AmpHandle] = weakref.WeakKeyDictionary()
+
+    @staticmethod
+    def _session(field: str) -> AmpSession:
+        session = ampinit.current_session()
+        if session is None:
+            raise AttributeError(f"_amp_state has no {field!r}: amp.initialize() has not been called (or was undone)")
+        return session
+
+    @property
+    def opt_properties(self) -> Properties:
+        return self._session("opt_properties").properties
+
+    @property
+    def loss_scalers(self) -> list[LossScalerView]:
+        return [LossScalerView(scaler) for scaler in self._session("loss_scalers").scalers]
+
+    @property
+    def verbosity(self) -> int:
+        session = ampinit.current_session()
+        return 1 if session is None else session.verbosity
+
+    @verbosity.setter
+    def verbosity(self, value: int) -> None:
+        self._session("verbosity").verbosity = int(value)
+
+    @property
+    def min_loss_scale(self) -> float | None:
+        scalers = self.loss_scalers
+        return scalers[0]._min_loss_scale if scalers else None
+
+    @property
+    def max_loss_scale(self) -> float | None:
+        scalers = self.loss_scalers
+        return scalers[0]._max_loss_scale if scalers else None
+
+    @property
+    def handle(self) -> AmpHandle:
+        """The O1 handle: exists while the current session casts torch functions (O1/O4), as in Apex."""
+        session = self._session("handle")
+        if session.properties.cast_dtype is None or not session.enabled:
+            raise AttributeError("_amp_state has no 'handle': the current amp session does not cast functions (not O1)")
+        return self.handle_for(session)
+
+    def handle_for(self, session: AmpSession, verbose: bool = False) -> AmpHandle:
+        from ampinit.compat.apex.amp.handle import AmpHandle
+
+        handle = self._handles.get(session)
+        if handle is None:
+            handle = self._handles[session] = AmpHandle(session, verbose=verbose)
+        return handle
+
+    def __repr__(self) -> str:
+        return f"_amp_state(session={ampinit.current_session()!r})"
+
+
+_amp_state = AmpState()
+
+
+def master_params(optimizer: Any) -> Iterator[torch.Tensor]:
+    """Apex's generator over the parameters ``optimizer`` updates (fp32 masters with O2)."""
+    for group in optimizer.param_groups:
+        yield from group["params"]
+
+
+def maybe_print(msg: str, rank0: bool = False) -> None:
+    """Apex printed this when ``verbosity > 0``; ampinit logs it (logger ``ampinit``, level INFO)."""
+    if _amp_state.verbosity > 0:
+        logger.info(msg)
+
+
+def warn_or_err(msg: str) -> None:
+    """Apex raised (or printed, with ``hard_override``); ampinit always raises: a wrong option is a bug."""
+    raise RuntimeError(msg)

@@ -1,0 +1,67 @@
+"""``apex.amp.amp``: the old ``amp.init()`` entry point and the function-annotation API."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import ampinit
+from ampinit import (
+    float_function,
+    half_function,
+    promote_function,
+    register_float_function,
+    register_half_function,
+    register_promote_function,
+)
+from ampinit.compat.apex.amp._amp_state import _amp_state
+from ampinit.compat.apex.amp.frontend import initialize, load_state_dict, state_dict
+from ampinit.compat.apex.amp.handle import AmpHandle, NoOpHandle
+
+__all__ = [
+    "float_function",
+    "half_function",
+    "init",
+    "initialize",
+    "load_state_dict",
+    "promote_function",
+    "register_float_function",
+    "register_half_function",
+    "register_promote_function",
+    "state_dict",
+]
+
+
+class _DeviceMarker(nn.Module):
+    """A weightless module on one device: tells an O1 session without models which devices to cast on."""
+
+    def __init__(self, device: str) -> None:
+        super().__init__()
+        self.register_buffer("marker", torch.empty(0, device=device), persistent=False)
+
+
+def init(
+    enabled: bool = True,
+    loss_scale: float | str = "dynamic",
+    enable_caching: bool = True,
+    verbose: bool = False,
+    allow_banned: bool = False,
+) -> AmpHandle | NoOpHandle:
+    """Apex's old ``amp.init()``: switch O1 function casts on (for the CPU, and CUDA when present).
+
+    Returns the handle; ``handle._deactivate()`` switches the casts off again. ``enable_caching`` is accepted and
+    ignored (ampinit's weight-cast cache is always safe to use), and ``verbose`` does not print each cast.
+    """
+    if not enabled:
+        return NoOpHandle()
+    devices = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
+    ampinit.initialize(
+        [_DeviceMarker(d) for d in devices],
+        opt_level="O1",
+        loss_scale=loss_scale,
+        verbosity=0,
+        allow_banned=allow_banned,
+    )
+    session = ampinit.current_session()
+    assert session is not None
+    return _amp_state.handle_for(session, verbose=verbose)

@@ -1,0 +1,144 @@
+"""``apex.parallel.distributed``: Apex's DistributedDataParallel and Reducer on torch.distributed.
+
+``DistributedDataParallel`` is ``torch.nn.parallel.DistributedDataParallel`` with Apex's constructor. What torch
+can express is honoured: ``message_size`` becomes ``bucket_cap_mb``; ``gradient_average=False``,
+``gradient_predivide_factor`` and ``allreduce_always_fp32`` become a communication hook. The rest only tuned Apex's
+own CUDA-stream scheduling (``delay_allreduce``, ``num_allreduce_streams``, ...): it is accepted, explained once in
+a warning, and has no effect on the result.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["DistributedDataParallel", "Reducer"]
+
+# Apex-only arguments that have no torch counterpart, with their Apex defaults and why they can go.
+_IGNORED: dict[str, tuple[Any, str]] = {
+    "delay_allreduce": (False, "torch's DDP overlaps the allreduce with backward; the gradients are the same"),
+    "shared_param": (None, "deprecated in Apex; torch's DDP handles shared parameters"),
+    "allreduce_trigger_params": (None, "torch's DDP decides bucket readiness itself"),
+    "retain_allreduce_buffers": (False, "torch's DDP manages its buckets itself"),
+    "num_allreduce_streams": (1, "torch's DDP manages its communication streams itself"),
+    "allreduce_communicators": (None, "torch's DDP uses the process group's communicator"),
+    "gradient_average_split_factor": (None, "deprecated in Apex; use gradient_predivide_factor"),
+    "prof": (False, "Apex's NVTX ranges; use torch.profiler"),
+}
+_warned: set[str] = set()
+
+
+@dataclass
+class _HookState:
+    group: Any
+    average: bool
+    predivide: float
+    always_fp32: bool
+
+
+def _apex_allreduce_hook(state: _HookState, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+    """Apex's reduction: optionally in fp32, divided by ``predivide`` before the sum and the rest after it."""
+    buffer: torch.Tensor = bucket.buffer()
+    work = buffer.float() if state.always_fp32 and buffer.dtype != torch.float32 else buffer
+    if state.predivide != 1.0:
+        work.div_(state.predivide)
+    handle: Any = dist.all_reduce(work, group=state.group, async_op=True)
+    future: torch.futures.Future[list[torch.Tensor]] = handle.get_future()
+
+    def finish(done: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+        reduced: torch.Tensor = done.value()[0]
+        if state.average:
+            reduced.div_(dist.get_world_size(state.group) / state.predivide)
+        if reduced is not buffer:
+            buffer.copy_(reduced)
+        return buffer
+
+    result: torch.futures.Future[torch.Tensor] = future.then(finish)
+    return result
+
+
+class DistributedDataParallel(nn.parallel.DistributedDataParallel):
+    """``apex.parallel.DistributedDataParallel(module, ...)`` as torch's DDP (see the module docstring)."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        message_size: int = 10000000,
+        delay_allreduce: bool = False,
+        shared_param: Any = None,
+        allreduce_trigger_params: Any = None,
+        retain_allreduce_buffers: bool = False,
+        allreduce_always_fp32: bool = False,
+        num_allreduce_streams: int = 1,
+        allreduce_communicators: Any = None,
+        gradient_average: bool = True,
+        gradient_predivide_factor: float = 1.0,
+        gradient_average_split_factor: Any = None,
+        prof: bool = False,
+    ) -> None:
+        given = {
+            "delay_allreduce": delay_allreduce,
+            "shared_param": shared_param,
+            "allreduce_trigger_params": allreduce_trigger_params,
+            "retain_allreduce_buffers": retain_allreduce_buffers,
+            "num_allreduce_streams": num_allreduce_streams,
+            "allreduce_communicators": allreduce_communicators,
+            "gradient_average_split_factor": gradient_average_split_factor,
+            "prof": prof,
+        }
+        _explain_ignored(given)
+        # Apex's message_size counts elements; torch's bucket_cap_mb counts MiB (4-byte elements assumed).
+        super().__init__(module, bucket_cap_mb=message_size * 4 / 2**20)
+        if not gradient_average or gradient_predivide_factor != 1.0 or allreduce_always_fp32:
+            state = _HookState(
+                self.process_group, gradient_average, float(gradient_predivide_factor), allreduce_always_fp32
+            )
+            self.register_comm_hook(state, _apex_allreduce_hook)
+
+
+def _explain_ignored(given: dict[str, Any]) -> None:
+    """One warning per process for each Apex-only argument set to a non-default value."""
+    fresh = [name for name, value in given.items() if value != _IGNORED[name][0] and name not in _warned]
+    if not fresh:
+        return
+    _warned.update(fresh)
+    reasons = "; ".join(f"{name}={given[name]!r}: {_IGNORED[name][1]}" for name in fresh)
+    warnings.warn(
+        f"apex.parallel.DistributedDataParallel runs as torch.nn.parallel.DistributedDataParallel; these Apex-only "
+        f"arguments are accepted and have no effect: {reasons}. (This warning is shown once.)",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
+class Reducer:
+    """Average gradients across processes when :meth:`reduce` is called (no hooks, no overlap).
+
+    Give it a module (its parameters are broadcast from rank 0 now, and their grads reduced) or a list of tensors.
+    """
+
+    def __init__(self, module_or_grads_list: nn.Module | list[torch.Tensor]) -> None:
+        if isinstance(module_or_grads_list, nn.Module):
+            self.module: nn.Module | None = module_or_grads_list
+            self.grads: list[torch.Tensor] = []
+            with torch.no_grad():
+                for param in self.module.parameters():
+                    dist.broadcast(param, 0)
+        else:
+            self.module = None
+            self.grads = list(module_or_grads_list)
+
+    def reduce(self) -> None:
+        if self.module is not None:
+            grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        else:
+            grads = self.grads
+        world = dist.get_world_size()
+        for grad in grads:
+            dist.all_reduce(grad)
+            grad.div_(world)
