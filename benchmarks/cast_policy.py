@@ -133,7 +133,7 @@ def run(quick: bool, rounds: int | None) -> list[dict[str, Any]]:
     # (build, rounds, steps per block): fp16 matmuls are slow on CPUs without fp16 matrix units, so the MLP
     # gets fewer, shorter blocks.
     workloads: dict[str, tuple[Callable[[], tuple[nn.Module, torch.Tensor, torch.Tensor]], int, int]] = {
-        "small-op (12 x Linear(64)+LN+GELU, batch 32)": (small_op_model, 3 if quick else 15, 2 if quick else 10),
+        "small-op (12 x Linear(64)+LN+GELU, batch 32)": (small_op_model, 3 if quick else 31, 2 if quick else 20),
         "mlp (4 x Linear(1024)+LN+GELU, batch 256)": (mlp_model, 2 if quick else 5, 1),
     }
     rows = []
