@@ -1,8 +1,15 @@
-"""The ``ampinit`` command line (also ``python -m ampinit``)."""
+"""The ``ampinit`` command line (also ``python -m ampinit``).
+
+* ``ampinit run script.py [args...]``: run a script as ``python script.py args...`` would (``sys.argv``,
+  ``__main__``, ``sys.path[0]``), with ``import apex`` / ``import amp_C`` resolving to ampinit's Apex aliases;
+* ``ampinit migrate PATH... [--write] [--diff] [--to ampinit|torch]``: rewrite Apex code (see docs/migration.md).
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
+import runpy
 import sys
 from collections.abc import Sequence
 
@@ -15,16 +22,71 @@ def build_parser() -> argparse.ArgumentParser:
         description="Automatic mixed precision for PyTorch with the NVIDIA Apex amp API.",
     )
     parser.add_argument("--version", action="version", version=f"ampinit {__version__}")
-    parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    run = commands.add_parser(
+        "run",
+        help="run a Python script with `import apex` resolving to ampinit's Apex aliases",
+        description="Run SCRIPT as `python SCRIPT ARGS...` would, with `import apex` and `import amp_C` "
+        "resolving to ampinit.compat.apex.",
+    )
+    run.add_argument("script", help="the Python script to run")
+    run.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+    migrate = commands.add_parser(
+        "migrate",
+        help="rewrite Apex amp code to ampinit or to native torch.amp",
+        description="Rewrite Apex code. Without --write, nothing is changed on disk: the report says what would be.",
+    )
+    migrate.add_argument("paths", nargs="+", metavar="PATH", help="Python files or directories")
+    migrate.add_argument("--write", action="store_true", help="write the rewritten files in place")
+    migrate.add_argument("--diff", action="store_true", help="print a unified diff of each change")
+    migrate.add_argument(
+        "--to",
+        choices=("ampinit", "torch"),
+        default="ampinit",
+        help="ampinit (default): Apex API -> ampinit; torch: O0/O1 single-loss code -> torch.autocast + GradScaler",
+    )
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # `run` passes everything after the script through untouched, including options such as --help.
+    if argv[:1] == ["run"] and len(argv) > 1 and not argv[1].startswith("-"):
+        return run_script(argv[1], argv[2:])
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command is None:
-        parser.print_help(sys.stdout)
+    if args.command == "run":
+        return run_script(args.script, args.args)
+    if args.command == "migrate":
+        from ampinit.migrate import migrate_paths
+
+        report = migrate_paths(args.paths, to=args.to, write=args.write)
+        if args.diff:
+            for result in report.files:
+                if result.diff:
+                    sys.stdout.write(result.diff)
+        sys.stdout.write(report.summary(written=args.write) + "\n")
         return 0
+    parser.print_help(sys.stdout)
+    return 0
+
+
+def run_script(script: str, args: Sequence[str]) -> int:
+    """Run ``script`` as ``__main__`` with the Apex import alias installed; returns its exit status."""
+    if not os.path.isfile(script):
+        sys.stderr.write(f"ampinit run: no such file: {script!r}\n")
+        return 2
+    from ampinit.compat import apex
+
+    apex.install()
+    sys.argv = [script, *args]
+    # `python script.py` puts the script's directory first on sys.path.
+    script_dir = os.path.dirname(os.path.abspath(script))
+    if sys.path:
+        sys.path[0] = script_dir
+    else:
+        sys.path.insert(0, script_dir)
+    runpy.run_path(script, run_name="__main__")
     return 0
 
 

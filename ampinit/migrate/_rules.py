@@ -1,0 +1,134 @@
+"""The mapping from Apex names to ampinit and torch names, shared by both codemods."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ampinit.amp
+import ampinit.optimizers
+from ampinit.compat.apex import amp_C
+
+COMPAT = "ampinit.compat.apex"
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where an Apex name lives now: ``module.name`` (``name`` may be dotted, e.g. a classmethod)."""
+
+    module: str
+    name: str | None = None  # None: the module itself
+    note: str | None = None  # why a human should look (makes the site "needs a human")
+    info: str | None = None  # reported, no comment in the code
+
+    @property
+    def expression(self) -> str:
+        return self.module if self.name is None else f"{self.module}.{self.name}"
+
+    @property
+    def importable(self) -> bool:
+        """Whether ``from module import name`` (or ``import module``) binds it."""
+        return self.name is None or "." not in self.name
+
+    @property
+    def root_import(self) -> str:
+        """The module to ``import`` so that :attr:`expression` resolves."""
+        return "torch" if self.module.startswith("torch") else self.module
+
+
+AMP_NAMES = frozenset(ampinit.amp.__all__)
+OPTIMIZER_NAMES = frozenset(ampinit.optimizers.__all__)
+AMP_C_NAMES = frozenset(amp_C.__all__)
+MULTI_TENSOR_APPLY_NAMES = frozenset({"multi_tensor_applier", "MultiTensorApply"})
+
+DDP = "torch.nn.parallel"
+TARGETS: dict[str, Target] = {
+    "apex.amp": Target("ampinit", "amp"),
+    "apex.optimizers": Target("ampinit", "optimizers"),
+    "apex.multi_tensor_apply": Target("ampinit", "multi_tensor"),
+    "amp_C": Target("ampinit.multi_tensor", "amp_C"),
+    "apex.parallel.DistributedDataParallel": Target(DDP, "DistributedDataParallel"),
+    "apex.parallel.distributed.DistributedDataParallel": Target(DDP, "DistributedDataParallel"),
+    "apex.parallel.SyncBatchNorm": Target("torch.nn", "SyncBatchNorm"),
+    "apex.parallel.convert_syncbn_model": Target("torch.nn", "SyncBatchNorm.convert_sync_batchnorm"),
+    "apex.parallel.ReduceOp": Target("torch.distributed", "ReduceOp"),
+    "apex.fp16_utils.clip_grad_norm": Target("torch.nn.utils", "clip_grad_norm_"),
+    **{f"apex.amp.{name}": Target("ampinit.amp", name) for name in AMP_NAMES},
+    **{f"apex.optimizers.{name}": Target("ampinit.optimizers", name) for name in OPTIMIZER_NAMES},
+    **{f"apex.multi_tensor_apply.{name}": Target("ampinit.multi_tensor", name) for name in MULTI_TENSOR_APPLY_NAMES},
+}
+for _name in OPTIMIZER_NAMES:
+    _module = {"FusedAdam": "fused_adam", "FusedSGD": "fused_sgd", "FusedLAMB": "fused_lamb"}.get(_name)
+    if _module:
+        TARGETS[f"apex.optimizers.{_module}.{_name}"] = Target("ampinit.optimizers", _name)
+
+#: Modules whose own attributes are checked: a name outside ampinit's surface keeps the compat module.
+MODULE_SURFACES: dict[str, frozenset[str]] = {
+    "apex.amp": AMP_NAMES,
+    "apex.optimizers": OPTIMIZER_NAMES,
+    "apex.multi_tensor_apply": MULTI_TENSOR_APPLY_NAMES,
+    "amp_C": AMP_C_NAMES,
+}
+
+#: Packages with no single new home: their attribute chains are rewritten one by one.
+PACKAGES = frozenset({"apex", "apex.parallel", "apex.fp16_utils"})
+
+TO_PYTHON_FLOAT = "apex.fp16_utils.to_python_float"
+TO_PYTHON_FLOAT_NAMES = frozenset({TO_PYTHON_FLOAT, "apex.fp16_utils.fp16util.to_python_float"})
+DDP_NAMES = frozenset({"apex.parallel.DistributedDataParallel", "apex.parallel.distributed.DistributedDataParallel"})
+SYNCBN_NAMES = frozenset({"apex.parallel.SyncBatchNorm"})
+CONVERT_SYNCBN = "apex.parallel.convert_syncbn_model"
+
+# Apex DDP arguments that torch's DDP lacks, and what dropping them means.
+DDP_DROPPED_SILENTLY = {
+    "delay_allreduce": "torch's DDP overlaps the allreduce with backward; same gradients",
+    "message_size": "bucket size; torch's DDP uses bucket_cap_mb (MiB) instead",
+    "num_allreduce_streams": "Apex's stream scheduling",
+    "allreduce_communicators": "Apex's stream scheduling",
+    "retain_allreduce_buffers": "Apex's bucket management",
+    "allreduce_trigger_params": "Apex's bucket management",
+    "shared_param": "deprecated in Apex",
+    "prof": "Apex's NVTX ranges",
+}
+DDP_DROPPED_WITH_EFFECT = {
+    "gradient_average": "torch's DDP always averages; for a sum, register a comm hook",
+    "gradient_predivide_factor": "torch's DDP divides by the world size after the allreduce; register a comm hook",
+    "gradient_average_split_factor": "deprecated in Apex; torch's DDP always averages",
+    "allreduce_always_fp32": "torch's DDP reduces in the gradients' dtype; register a comm hook to reduce in fp32",
+}
+
+SPECIAL_NOTES = {
+    "apex.fp16_utils.FP16_Optimizer": (
+        "FP16_Optimizer is kept through ampinit's Apex layer; consider amp.initialize(model, optimizer, "
+        "opt_level='O2'), which needs no wrapper"
+    ),
+    "apex.amp._amp_state": "Apex internals: amp.stats() and amp.current_session() are ampinit's public views",
+    "apex.amp.init": "the old amp.init() API: prefer amp.initialize(model, optimizer, opt_level='O1')",
+    "apex.optimizers.FusedMixedPrecisionLamb": "ampinit has no FusedMixedPrecisionLamb: use FusedLAMB under O2",
+}
+
+
+def target_for(qualified: str) -> Target:
+    """The new home of an Apex name; anything unmapped stays reachable through ampinit's Apex layer."""
+    found = TARGETS.get(qualified)
+    if found is not None:
+        return found
+    module, _, name = qualified.rpartition(".")
+    new_module = COMPAT + module[len("apex") :] if module.startswith("apex") else COMPAT
+    if qualified == "amp_C":
+        return Target(COMPAT, "amp_C")
+    note = SPECIAL_NOTES.get(qualified)
+    info = None if note else "no ampinit or torch equivalent: kept through ampinit's Apex layer (ampinit.compat.apex)"
+    return Target(new_module, name, note=note, info=info)
+
+
+def compat_target(qualified: str, unknown: list[str]) -> Target:
+    """The compat home of a module whose ampinit counterpart lacks some of the names the code uses."""
+    module, _, name = qualified.rpartition(".")
+    new_module = COMPAT + module[len("apex") :] if module.startswith("apex") else COMPAT
+    notes = [SPECIAL_NOTES.get(f"{qualified}.{attr}") for attr in unknown]
+    reason = "; ".join(n for n in notes if n) or "names outside ampinit's API"
+    return Target(
+        new_module,
+        name or qualified,
+        note=f"this code uses {qualified}.{', '.join(sorted(unknown))}, which only ampinit's Apex layer has ({reason})",
+    )

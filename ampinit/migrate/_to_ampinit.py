@@ -1,0 +1,580 @@
+"""``--to ampinit``: Apex imports and calls rewritten to ampinit (and to torch where torch has the thing).
+
+Every Apex name bound by an import is classified once (:class:`Binding`):
+
+* *direct*: the name has a new home that can be imported under the same local name (``from apex import amp`` ->
+  ``from ampinit import amp``; ``from apex.parallel import DistributedDataParallel as DDP`` ->
+  ``from torch.nn.parallel import DistributedDataParallel as DDP``); uses stay as they are;
+* *inline*: the new home is an expression (``convert_syncbn_model`` ->
+  ``torch.nn.SyncBatchNorm.convert_sync_batchnorm``, ``to_python_float(x)`` -> ``x.item()``); each use is
+  rewritten and the import becomes ``import torch``;
+* *package*: ``import apex`` and friends; each attribute chain (``apex.amp.initialize``) is rewritten to its new
+  home and the import becomes the imports those homes need.
+
+Calls whose arguments torch does not take (Apex's DDP and SyncBatchNorm options) lose them, with a ``# ampinit:``
+comment where dropping one changes behaviour. Anything without an ampinit or torch counterpart stays reachable
+through ``ampinit.compat.apex``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+import libcst as cst
+from libcst.metadata import MetadataWrapper, ParentNodeProvider, PositionProvider
+
+from ampinit.migrate import _rules
+from ampinit.migrate._report import Site
+from ampinit.migrate._rules import Target
+
+COMMENT_PREFIX = "# ampinit: "
+Statement = Union[cst.SimpleStatementLine, cst.BaseCompoundStatement]
+
+
+def dotted(node: cst.BaseExpression) -> str | None:
+    """``a.b.c`` for a Name/Attribute chain, else None."""
+    if isinstance(node, cst.Name):
+        return node.value
+    if isinstance(node, cst.Attribute):
+        base = dotted(node.value)
+        return None if base is None else f"{base}.{node.attr.value}"
+    return None
+
+
+def expression(text: str) -> cst.BaseExpression:
+    return cst.parse_expression(text)
+
+
+def import_statement(target: Target, local: str | None = None) -> cst.SimpleStatementLine:
+    """``from module import name [as local]`` or ``import module [as local]``."""
+    if target.name is None:
+        alias = f" as {local}" if local and local != target.module else ""
+        return cst.parse_statement(f"import {target.module}{alias}")  # type: ignore[return-value]
+    alias = f" as {local}" if local and local != target.name else ""
+    return cst.parse_statement(f"from {target.module} import {target.name}{alias}")  # type: ignore[return-value]
+
+
+def apex_bindings(module: cst.Module) -> dict[str, str]:
+    """Local names bound to Apex modules or objects by absolute imports anywhere in ``module``."""
+    found: dict[str, str] = {}
+
+    class Visitor(cst.CSTVisitor):
+        def visit_Import(self, node: cst.Import) -> None:
+            for alias in node.names:
+                name = dotted(alias.name)
+                if name is None or not is_apex(name):
+                    continue
+                if alias.asname is not None:
+                    found[_asname(alias)] = name
+                else:
+                    found[name.split(".")[0]] = name.split(".")[0]
+
+        def visit_ImportFrom(self, node: cst.ImportFrom) -> None:
+            if node.relative or node.module is None:
+                return
+            base = dotted(node.module)
+            if base is None or not is_apex(base) or isinstance(node.names, cst.ImportStar):
+                return
+            for alias in node.names:
+                name = dotted(alias.name)
+                if name is not None:
+                    found[_asname(alias) if alias.asname else name] = f"{base}.{name}"
+
+    module.visit(Visitor())
+    return found
+
+
+def is_apex(name: str) -> bool:
+    return name == "apex" or name.startswith("apex.") or name == "amp_C"
+
+
+def _asname(alias: cst.ImportAlias) -> str:
+    assert alias.asname is not None and isinstance(alias.asname.name, cst.Name)
+    return alias.asname.name.value
+
+
+@dataclass
+class Binding:
+    local: str
+    qualified: str
+    kind: str  # "direct", "inline" or "package"
+    target: Target | None = None
+    imports: set[str] = field(default_factory=set)  # for package bindings: the modules their chains need
+
+
+def stats_rewrite(node: cst.CSTNode, amp_locals: set[str]) -> cst.BaseExpression | None:
+    """``amp._amp_state.loss_scalers[i].loss_scale()`` / ``._loss_scale`` / ``._unskipped`` -> ``amp.stats()...``."""
+    call_form = isinstance(node, cst.Call) and not node.args
+    attr_node = node.func if isinstance(node, cst.Call) else node
+    if not isinstance(attr_node, cst.Attribute):
+        return None
+    field_name = attr_node.attr.value
+    wanted = {"loss_scale": "loss_scales"} if call_form else {"_loss_scale": "loss_scales", "_unskipped": "unskipped"}
+    if field_name not in wanted:
+        return None
+    subscript = attr_node.value
+    if not (isinstance(subscript, cst.Subscript) and len(subscript.slice) == 1):
+        return None
+    scalers = subscript.value
+    if not (isinstance(scalers, cst.Attribute) and scalers.attr.value == "loss_scalers"):
+        return None
+    state = scalers.value
+    if not (
+        isinstance(state, cst.Attribute) and state.attr.value == "_amp_state" and isinstance(state.value, cst.Name)
+    ):
+        return None
+    if state.value.value not in amp_locals:
+        return None
+    index = subscript.slice[0].slice
+    if not isinstance(index, cst.Index):
+        return None
+    return cst.Subscript(
+        value=cst.Attribute(
+            value=cst.Call(func=cst.Attribute(value=cst.Name(state.value.value), attr=cst.Name("stats"))),
+            attr=cst.Name(wanted[field_name]),
+        ),
+        slice=[cst.SubscriptElement(slice=index)],
+    )
+
+
+class _Collector(cst.CSTVisitor):
+    """Finds which attributes of module-like bindings are used (outside the ``stats`` patterns)."""
+
+    METADATA_DEPENDENCIES = (ParentNodeProvider,)
+
+    def __init__(self, bindings: dict[str, str]) -> None:
+        self.bindings = bindings
+        self.used: dict[str, set[str]] = {}
+        self.covered: set[int] = set()
+        self.stores: set[int] = set()
+        self.amp_locals = {local for local, q in bindings.items() if q == "apex.amp"}
+
+    def visit_Import(self, node: cst.Import) -> bool:
+        return False
+
+    def visit_ImportFrom(self, node: cst.ImportFrom) -> bool:
+        return False
+
+    def visit_AssignTarget(self, node: cst.AssignTarget) -> None:
+        self.stores.add(id(node.target))
+
+    def visit_AugAssign(self, node: cst.AugAssign) -> None:
+        self.stores.add(id(node.target))
+
+    def visit_Call(self, node: cst.Call) -> None:
+        self._cover(node)
+
+    def visit_Attribute(self, node: cst.Attribute) -> None:
+        self._cover(node)
+        if isinstance(node.value, cst.Name) and node.value.value in self.bindings and id(node) not in self.covered:
+            self.used.setdefault(node.value.value, set()).add(node.attr.value)
+
+    def _cover(self, node: cst.CSTNode) -> None:
+        if id(node) in self.stores or stats_rewrite(node, self.amp_locals) is None:
+            return
+        inner: Any = node.func if isinstance(node, cst.Call) else node
+        self.covered.add(id(inner.value.value.value))  # the `amp._amp_state` attribute
+
+
+class _ToAmpinit(cst.CSTTransformer):
+    METADATA_DEPENDENCIES = (ParentNodeProvider, PositionProvider)
+
+    def __init__(
+        self, bindings: dict[str, Binding], amp_locals: set[str], stores: set[int], existing_imports: set[str]
+    ) -> None:
+        super().__init__()
+        self.bindings = bindings
+        self.imported = set(existing_imports)  # modules imported plainly (``import x``) at module level
+        self.amp_locals = amp_locals
+        self.stores = stores
+        self.sites: list[Site] = []
+        self._notes: list[list[str]] = []
+
+    # -- helpers ---------------------------------------------------------------------------------------------------
+    def _line(self, node: cst.CSTNode) -> int:
+        return int(self.get_metadata(PositionProvider, node).start.line)
+
+    def _site(self, node: cst.CSTNode, message: str, note: str | None = None) -> None:
+        self.sites.append(Site(self._line(node), message if note is None else f"{message}: {note}", note is not None))
+        if note is not None and self._notes:
+            self._notes[-1].append(note)
+
+    def _qualified(self, node: cst.BaseExpression) -> str | None:
+        name = dotted(node)
+        if name is None:
+            return None
+        root, _, rest = name.partition(".")
+        binding = self.bindings.get(root)
+        if binding is None:
+            return None
+        return binding.qualified + ("." + rest if rest else "")
+
+    # -- statements carry the comments -------------------------------------------------------------------------------
+    def on_visit(self, node: cst.CSTNode) -> bool:
+        if isinstance(node, (cst.SimpleStatementLine, cst.BaseCompoundStatement)):
+            self._notes.append([])
+        return super().on_visit(node)
+
+    def on_leave(self, original_node: cst.CSTNode, updated_node: cst.CSTNode) -> Any:
+        result = super().on_leave(original_node, updated_node)
+        if isinstance(original_node, (cst.SimpleStatementLine, cst.BaseCompoundStatement)):
+            notes = self._notes.pop()
+            if notes:
+                result = add_comments(result, notes)
+        return result
+
+    # -- imports ---------------------------------------------------------------------------------------------------
+    def visit_Import(self, node: cst.Import) -> bool:
+        return False
+
+    def visit_ImportFrom(self, node: cst.ImportFrom) -> bool:
+        return False
+
+    def leave_SimpleStatementLine(
+        self, original_node: cst.SimpleStatementLine, updated_node: cst.SimpleStatementLine
+    ) -> Any:
+        replaced = False
+        out: list[cst.SimpleStatementLine] = []
+        kept: list[cst.BaseSmallStatement] = []
+        for small in updated_node.body:
+            new = self._rewrite_import(small, original_node)
+            if new is None:
+                kept.append(small)
+                continue
+            replaced = True
+            out.extend(new)
+        if not replaced:
+            return updated_node
+        if kept:
+            out.insert(0, updated_node.with_changes(body=kept))
+        if not out:
+            return cst.RemoveFromParent()
+        out[0] = out[0].with_changes(leading_lines=updated_node.leading_lines)
+        return cst.FlattenSentinel(out)
+
+    def _rewrite_import(
+        self, small: cst.BaseSmallStatement, statement: cst.SimpleStatementLine
+    ) -> list[cst.SimpleStatementLine] | None:
+        if isinstance(small, cst.Import):
+            names = [(dotted(a.name) or "", a) for a in small.names]
+        elif isinstance(small, cst.ImportFrom) and not small.relative and small.module is not None:
+            base = dotted(small.module) or ""
+            if not _rules_is_apex(base):
+                return None
+            if isinstance(small.names, cst.ImportStar):
+                self._site(statement, f"from {base} import *", "star import from Apex: import the names you use")
+                return None
+            names = [(f"{base}.{dotted(a.name)}", a) for a in small.names]
+        else:
+            return None
+        if not any(_rules_is_apex(n) for n, _ in names):
+            return None
+        out: list[cst.SimpleStatementLine] = []
+        others = [a for n, a in names if not _rules_is_apex(n)]
+        if others:
+            assert isinstance(small, cst.Import)
+            out.append(cst.SimpleStatementLine([small.with_changes(names=_fix_commas(others))]))
+        for name, alias in names:
+            if not _rules_is_apex(name):
+                continue
+            local = (
+                _asname(alias)
+                if alias.asname
+                else (name.split(".")[-1] if isinstance(small, cst.ImportFrom) else name.split(".")[0])
+            )
+            binding = self.bindings.get(local)
+            if binding is None:
+                continue
+            out.extend(self._binding_imports(binding, statement))
+        return _dedupe(out)
+
+    def _binding_imports(self, binding: Binding, statement: cst.SimpleStatementLine) -> list[cst.SimpleStatementLine]:
+        if binding.kind == "direct":
+            assert binding.target is not None
+            new = import_statement(binding.target, binding.local)
+            self._site(statement, f"{binding.qualified} -> {binding.target.expression}", binding.target.note)
+            if binding.target.info:
+                self.sites.append(Site(self._line(statement), f"{binding.qualified}: {binding.target.info}"))
+            return [new]
+        imports = sorted(binding.imports) if binding.kind == "inline" else sorted(binding.imports) or ["ampinit"]
+        fresh = [m for m in imports if m not in self.imported]
+        self.imported.update(fresh)
+        if binding.kind == "package":
+            self._site(statement, f"import {binding.qualified} -> " + (", ".join(f"import {m}" for m in imports)))
+        return [import_statement(Target(m)) for m in fresh]
+
+    # -- uses ------------------------------------------------------------------------------------------------------
+    def leave_Attribute(self, original_node: cst.Attribute, updated_node: cst.Attribute) -> cst.BaseExpression:
+        parent = self.get_metadata(ParentNodeProvider, original_node)
+        if isinstance(parent, cst.Attribute) and parent.value is original_node:
+            return updated_node  # only the outermost attribute of a chain is rewritten
+        if id(original_node) not in self.stores:
+            stats = stats_rewrite(original_node, self.amp_locals)
+            if stats is not None:
+                self._site(original_node, "amp._amp_state.loss_scalers[i] field -> amp.stats()")
+                return stats
+        name = dotted(original_node)
+        if name is None:
+            return updated_node
+        binding = self.bindings.get(name.split(".")[0])
+        if binding is None or binding.kind != "package":
+            return updated_node
+        target, depth = chain_target(binding, name)
+        if target is None:
+            return updated_node
+        result: cst.BaseExpression = expression(target.expression)
+        trailing: list[cst.Name] = []
+        node: cst.BaseExpression = updated_node
+        for _ in range(depth):
+            assert isinstance(node, cst.Attribute)
+            trailing.append(node.attr)
+            node = node.value
+        for attr in reversed(trailing):
+            result = cst.Attribute(value=result, attr=attr)
+        if not _is_call_func(self, original_node):
+            self._site(original_node, f"{name} -> {dotted(result)}", target.note)
+        return result
+
+    def leave_Name(self, original_node: cst.Name, updated_node: cst.Name) -> cst.BaseExpression:
+        binding = self.bindings.get(original_node.value)
+        if binding is None or binding.kind != "inline":
+            return updated_node
+        parent = self.get_metadata(ParentNodeProvider, original_node)
+        if isinstance(parent, cst.Attribute) and parent.value is not original_node:
+            return updated_node  # `x.name`: not a use of the binding
+        if isinstance(parent, cst.Arg) and parent.keyword is original_node:
+            return updated_node
+        is_call = isinstance(parent, cst.Call) and parent.func is original_node
+        if binding.qualified in _rules.TO_PYTHON_FLOAT_NAMES:
+            if is_call:
+                return updated_node  # the whole call is rewritten in leave_Call
+            self._site(original_node, "to_python_float (as a value) -> torch.Tensor.item")
+            return expression("torch.Tensor.item")
+        assert binding.target is not None
+        if not is_call:
+            self._site(original_node, f"{binding.local} -> {binding.target.expression}")
+        return expression(binding.target.expression)
+
+    def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.BaseExpression:
+        if id(original_node) not in self.stores:
+            stats = stats_rewrite(original_node, self.amp_locals)
+            if stats is not None:
+                self._site(original_node, "amp._amp_state.loss_scalers[i].loss_scale() -> amp.stats().loss_scales[i]")
+                return stats
+        qualified = self._qualified(original_node.func)
+        if qualified is None:
+            return updated_node
+        if qualified in _rules.TO_PYTHON_FLOAT_NAMES:
+            return self._to_python_float(original_node, updated_node)
+        if qualified in _rules.DDP_NAMES:
+            return self._drop_args(original_node, updated_node, "DistributedDataParallel", 1)
+        if qualified in _rules.SYNCBN_NAMES:
+            return self._drop_named(original_node, updated_node, "SyncBatchNorm", {"channel_last", "fuse_relu"}, 6)
+        if qualified == _rules.CONVERT_SYNCBN:
+            return self._drop_named(original_node, updated_node, "convert_syncbn_model", {"channel_last"}, 2)
+        binding = self.bindings.get((dotted(original_node.func) or "").split(".")[0])
+        if binding is not None and binding.kind in ("inline", "package"):
+            target, _ = chain_target(binding, dotted(original_node.func) or "")
+            note = target.note if target is not None else None
+            self._site(original_node, f"{dotted(original_node.func)}(...) -> {dotted(updated_node.func)}(...)", note)
+        return updated_node
+
+    def _to_python_float(self, original: cst.Call, updated: cst.Call) -> cst.BaseExpression:
+        if len(updated.args) != 1 or updated.args[0].keyword is not None or updated.args[0].star:
+            self._site(original, "to_python_float(...)", "unusual arguments: rewrite to .item() by hand")
+            return updated
+        value = updated.args[0].value
+        if not isinstance(value, (cst.Name, cst.Attribute, cst.Call, cst.Subscript)):
+            value = value.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
+        self._site(original, "to_python_float(x) -> x.item()")
+        return cst.Call(func=cst.Attribute(value=value, attr=cst.Name("item")))
+
+    def _drop_args(self, original: cst.Call, updated: cst.Call, what: str, positional: int) -> cst.Call:
+        kept: list[cst.Arg] = []
+        notes: list[str] = []
+        dropped: list[str] = []
+        for index, arg in enumerate(updated.args):
+            keyword = arg.keyword.value if arg.keyword is not None else None
+            if keyword is None and index < positional:
+                kept.append(arg)
+            elif keyword in _rules.DDP_DROPPED_WITH_EFFECT:
+                dropped.append(keyword)
+                notes.append(f"dropped Apex-only {keyword}=: {_rules.DDP_DROPPED_WITH_EFFECT[keyword]}")
+            elif keyword in _rules.DDP_DROPPED_SILENTLY:
+                dropped.append(keyword)
+            elif keyword is None:
+                dropped.append(f"argument {index + 1}")
+                notes.append(f"dropped positional argument {index + 1} (an Apex-only option)")
+            else:
+                kept.append(arg)
+        message = f"apex {what} -> torch {what}" + (f" (dropped {', '.join(dropped)})" if dropped else "")
+        self._site(original, message, "; ".join(notes) or None)
+        return updated.with_changes(args=_fix_commas(kept))
+
+    def _drop_named(
+        self, original: cst.Call, updated: cst.Call, what: str, names: set[str], positional: int
+    ) -> cst.Call:
+        kept: list[cst.Arg] = []
+        effective: list[str] = []
+        for index, arg in enumerate(updated.args):
+            keyword = arg.keyword.value if arg.keyword is not None else None
+            if (keyword is None and index < positional) or (keyword is not None and keyword not in names):
+                kept.append(arg)
+            elif not (isinstance(arg.value, cst.Name) and arg.value.value in ("False", "None")):
+                effective.append(keyword or f"positional argument {index + 1}")
+        note = None
+        if effective:
+            note = f"dropped Apex-only {', '.join(effective)}: torch's {what} has no such option"
+        self._site(original, f"apex {what} -> torch", note)
+        return updated.with_changes(args=_fix_commas(kept))
+
+
+def _is_call_func(transformer: _ToAmpinit, node: cst.CSTNode) -> bool:
+    parent = transformer.get_metadata(ParentNodeProvider, node)
+    return isinstance(parent, cst.Call) and parent.func is node
+
+
+def _rules_is_apex(name: str) -> bool:
+    return is_apex(name)
+
+
+def _fix_commas(items: Sequence[Any]) -> list[Any]:
+    """Drop the trailing comma of the last item of an argument or import list."""
+    fixed = list(items)
+    if fixed:
+        fixed[-1] = fixed[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)
+    return fixed
+
+
+def _dedupe(statements: list[cst.SimpleStatementLine]) -> list[cst.SimpleStatementLine]:
+    seen: set[str] = set()
+    out = []
+    for statement in statements:
+        code = cst.Module([]).code_for_node(statement)
+        if code not in seen:
+            seen.add(code)
+            out.append(statement)
+    return out
+
+
+def chain_target(binding: Binding, name: str) -> tuple[Target | None, int]:
+    """The target for the longest mapped prefix of ``name`` (a chain rooted at a package binding), and how many
+    trailing attributes stay after it."""
+    rest = name.split(".")[1:]
+    for keep in range(len(rest), 0, -1):
+        qualified = ".".join([binding.qualified, *rest[:keep]])
+        target = _rules.TARGETS.get(qualified)
+        if target is None:
+            continue
+        surface = _rules.MODULE_SURFACES.get(qualified)
+        if surface is not None and keep < len(rest) and rest[keep] not in surface:
+            return _rules.target_for(f"{qualified}.{rest[keep]}"), len(rest) - keep - 1
+        return target, len(rest) - keep
+    if not rest:
+        return None, 0
+    first = ".".join([binding.qualified, rest[0]])
+    if first in _rules.TO_PYTHON_FLOAT_NAMES:
+        return None, 0
+    return _rules.target_for(first), len(rest) - 1
+
+
+def add_comments(node: Any, notes: list[str]) -> Any:
+    """Put ``# ampinit: note`` lines above a statement (once: an identical comment is not added again)."""
+    if isinstance(node, cst.FlattenSentinel):
+        nodes = list(node.nodes)
+        if nodes:
+            nodes[0] = add_comments(nodes[0], notes)
+        return cst.FlattenSentinel(nodes)
+    if not hasattr(node, "leading_lines"):
+        return node
+    existing = {line.comment.value for line in node.leading_lines if line.comment is not None}
+    lines = list(node.leading_lines)
+    for note in dict.fromkeys(notes):
+        text = COMMENT_PREFIX + note
+        if text not in existing:
+            lines.append(cst.EmptyLine(comment=cst.Comment(text)))
+    return node.with_changes(leading_lines=lines)
+
+
+def classify(module: cst.Module, wrapper: MetadataWrapper) -> tuple[dict[str, Binding], _Collector]:
+    """Decide, for each Apex binding, how it is rewritten (see the module docstring)."""
+    raw = apex_bindings(module)
+    collector = _Collector(raw)
+    wrapper.visit(collector)
+    bindings: dict[str, Binding] = {}
+    for local, qualified in raw.items():
+        used = collector.used.get(local, set())
+        if qualified in _rules.PACKAGES:
+            binding = Binding(local, qualified, "package")
+        elif qualified in _rules.TO_PYTHON_FLOAT_NAMES:
+            binding = Binding(local, qualified, "inline", imports=set())
+        else:
+            target = _rules.target_for(qualified)
+            surface = _rules.MODULE_SURFACES.get(qualified)
+            unknown = sorted(used - surface) if surface is not None else []
+            if unknown:
+                target = _rules.compat_target(qualified, unknown)
+            kind = "direct" if target.importable else "inline"
+            binding = Binding(local, qualified, kind, target, {"torch"} if kind == "inline" else set())
+        bindings[local] = binding
+    return bindings, collector
+
+
+class _ImportNeeds(cst.CSTVisitor):
+    """The modules the rewritten chains of package bindings (``import apex``) and inline uses need."""
+
+    METADATA_DEPENDENCIES = (ParentNodeProvider,)
+
+    def __init__(self, bindings: dict[str, Binding]) -> None:
+        self.bindings = bindings
+
+    def visit_Import(self, node: cst.Import) -> bool:
+        return False
+
+    def visit_ImportFrom(self, node: cst.ImportFrom) -> bool:
+        return False
+
+    def visit_Attribute(self, node: cst.Attribute) -> None:
+        parent = self.get_metadata(ParentNodeProvider, node)
+        if isinstance(parent, cst.Attribute) and parent.value is node:
+            return
+        name = dotted(node)
+        binding = self.bindings.get((name or "").split(".")[0])
+        if name is None or binding is None or binding.kind != "package":
+            return
+        target, _ = chain_target(binding, name)
+        if target is not None:
+            binding.imports.add(target.root_import)
+
+    def visit_Name(self, node: cst.Name) -> None:
+        binding = self.bindings.get(node.value)
+        if binding is not None and binding.kind == "inline" and binding.qualified in _rules.TO_PYTHON_FLOAT_NAMES:
+            parent = self.get_metadata(ParentNodeProvider, node)
+            if not isinstance(parent, (cst.Call, cst.ImportAlias)):
+                binding.imports.add("torch")
+
+
+def migrate_module(source: str) -> tuple[str, list[Site]]:
+    """Rewrite one module's Apex code to ampinit; returns the new source and the sites."""
+    module = cst.parse_module(source)
+    wrapper = MetadataWrapper(module)
+    bindings, collector = classify(module, wrapper)
+    if not bindings:
+        return source, []
+    wrapper.visit(_ImportNeeds(bindings))
+    amp_locals = {b.local for b in bindings.values() if b.qualified == "apex.amp" and b.kind == "direct"}
+    existing = {
+        dotted(alias.name) or ""
+        for statement in module.body
+        if isinstance(statement, cst.SimpleStatementLine)
+        for small in statement.body
+        if isinstance(small, cst.Import)
+        for alias in small.names
+        if alias.asname is None and not is_apex(dotted(alias.name) or "")
+    }
+    transformer = _ToAmpinit(bindings, amp_locals, collector.stores, existing)
+    new = wrapper.visit(transformer)
+    sites = sorted(transformer.sites, key=lambda s: s.line)
+    return new.code, sites

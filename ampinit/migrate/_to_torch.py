@@ -1,0 +1,570 @@
+"""``--to torch``: O0/O1 code with one model, one optimizer and one loss, rewritten to native torch.amp.
+
+``amp.initialize`` becomes a ``torch.amp.GradScaler``; the forward pass and loss (the statements just before
+each ``scale_loss`` block, back to the last ``zero_grad``/``step``) go under ``torch.autocast``; the
+``scale_loss`` block becomes ``scaler.scale(loss).backward()``; ``optimizer.step()`` becomes
+``scaler.step(optimizer); scaler.update()``; clipping ``amp.master_params(optimizer)`` becomes
+``scaler.unscale_(optimizer)`` and clipping the model's parameters; ``amp.state_dict()`` becomes
+``scaler.state_dict()``.
+
+Anything without a native equivalent is refused with a reason per site (O2/O3 master weights or half models,
+several models, optimizers or losses, ``delay_unscale``, static loss scales, loss-scale bounds, Apex internals),
+and then the file is left unchanged: ``--to ampinit`` handles it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+import libcst as cst
+from libcst.metadata import MetadataWrapper, ParentNodeProvider, PositionProvider
+
+from ampinit.migrate._report import Site
+from ampinit.migrate._to_ampinit import add_comments, apex_bindings, dotted
+
+Block = Union[cst.Module, cst.IndentedBlock]
+CLIP_FUNCTIONS = ("clip_grad_norm_", "clip_grad_norm", "clip_grad_value_")
+APEX_SIGNATURE = (
+    "models",
+    "optimizers",
+    "enabled",
+    "opt_level",
+    "cast_model_type",
+    "patch_torch_functions",
+    "keep_batchnorm_fp32",
+    "master_weights",
+    "loss_scale",
+    "cast_model_outputs",
+    "num_losses",
+    "verbosity",
+    "min_loss_scale",
+    "max_loss_scale",
+)
+SCALE_LOSS_SIGNATURE = ("loss", "optimizers", "loss_id", "model", "delay_unscale", "delay_overflow_check")
+NO_NATIVE = {
+    "cast_model_type": "cast_model_type casts the model's weights (O2/O3): torch.amp has no half model",
+    "patch_torch_functions": "patch_torch_functions is O1's switch: keep the default",
+    "keep_batchnorm_fp32": "keep_batchnorm_fp32 describes a cast model (O2/O3): no native equivalent",
+    "master_weights": "fp32 master weights (O2) have no native equivalent",
+    "cast_model_outputs": "cast_model_outputs has no native equivalent: cast the outputs by hand",
+    "min_loss_scale": "GradScaler has no loss-scale floor",
+    "max_loss_scale": "GradScaler has no loss-scale ceiling",
+}
+
+
+def _call_args(call: cst.Call, signature: tuple[str, ...]) -> dict[str, cst.BaseExpression] | None:
+    """Arguments by Apex parameter name; None if ``*args``/``**kwargs`` make that impossible."""
+    found: dict[str, cst.BaseExpression] = {}
+    for index, arg in enumerate(call.args):
+        if arg.star:
+            return None
+        if arg.keyword is not None:
+            found[arg.keyword.value] = arg.value
+        elif index < len(signature):
+            found[signature[index]] = arg.value
+    return found
+
+
+def _literal(node: cst.BaseExpression | None) -> Any:
+    if node is None:
+        return None
+    if isinstance(node, cst.SimpleString):
+        return node.evaluated_value
+    if isinstance(node, cst.Name) and node.value in ("None", "True", "False"):
+        return {"None": None, "True": True, "False": False}[node.value]
+    if isinstance(node, (cst.Integer, cst.Float)):
+        return node.evaluated_value
+    return _NOT_LITERAL
+
+
+_NOT_LITERAL = object()
+
+
+def _code(node: cst.CSTNode) -> str:
+    return cst.Module([]).code_for_node(node)
+
+
+@dataclass
+class _Plan:
+    amp: str
+    model: str = ""
+    optimizer: str = ""
+    level: str = "O1"
+    enabled: str | None = None
+    init_function: cst.CSTNode | None = None
+    refusals: list[Site] = field(default_factory=list)
+    notes: list[Site] = field(default_factory=list)
+    # (id of block, first index, last index) of the statements to run under autocast
+    autocast: list[tuple[int, int, int]] = field(default_factory=list)
+    names: set[str] = field(default_factory=set)
+
+
+class _Analysis(cst.CSTVisitor):
+    def __init__(self, plan: _Plan, wrapper: MetadataWrapper) -> None:
+        self.plan = plan
+        self.parents = wrapper.resolve(ParentNodeProvider)
+        self.positions = wrapper.resolve(PositionProvider)
+        self.init_calls: list[cst.Call] = []
+        self.scale_blocks: list[cst.With] = []
+        self.uses: list[tuple[str, cst.Attribute]] = []
+        self.steps: list[cst.Call] = []
+
+    def line(self, node: cst.CSTNode) -> int:
+        return int(self.positions[node].start.line)
+
+    def refuse(self, node: cst.CSTNode, reason: str) -> None:
+        self.plan.refusals.append(Site(self.line(node), reason, needs_human=True))
+
+    def parent(self, node: cst.CSTNode) -> cst.CSTNode:
+        return self.parents[node]
+
+    def function_of(self, node: cst.CSTNode) -> cst.CSTNode | None:
+        current: cst.CSTNode | None = node
+        while current is not None and not isinstance(current, (cst.FunctionDef, cst.Module)):
+            current = self.parents.get(current)
+        return current
+
+    def visit_Name(self, node: cst.Name) -> None:
+        self.plan.names.add(node.value)
+
+    def visit_Import(self, node: cst.Import) -> bool:
+        return False
+
+    def visit_ImportFrom(self, node: cst.ImportFrom) -> bool:
+        return False
+
+    def visit_Attribute(self, node: cst.Attribute) -> None:
+        if isinstance(node.value, cst.Name) and node.value.value == self.plan.amp:
+            self.uses.append((node.attr.value, node))
+
+    def visit_Call(self, node: cst.Call) -> None:
+        if isinstance(node.func, cst.Attribute) and node.func.attr.value == "step":
+            self.steps.append(node)
+
+
+def _analyse(wrapper: MetadataWrapper, amp_local: str) -> tuple[_Plan, _Analysis]:
+    plan = _Plan(amp_local)
+    analysis = _Analysis(plan, wrapper)
+    wrapper.module.visit(analysis)
+    inits = [node for name, node in analysis.uses if name == "initialize"]
+    if len(inits) != 1:
+        if inits:
+            analysis.refuse(
+                inits[1], "amp.initialize is called more than once: one GradScaler per call is a human's call"
+            )
+        else:
+            plan.refusals.append(Site(1, "no amp.initialize call found", needs_human=True))
+        return plan, analysis
+    _check_initialize(analysis, inits[0])
+    plan.init_function = analysis.function_of(inits[0])
+    for name, node in analysis.uses:
+        if name == "initialize":
+            continue
+        if analysis.function_of(node) is not plan.init_function and name in ("scale_loss", "master_params"):
+            analysis.refuse(
+                node, f"amp.{name} is used in another function than amp.initialize: pass a GradScaler there"
+            )
+            continue
+        handler = _USE_CHECKS.get(name)
+        if handler is None:
+            analysis.refuse(node, f"amp.{name} has no native torch.amp equivalent")
+        else:
+            handler(analysis, node)
+    steps = [s for s in analysis.steps if isinstance(s.func, cst.Attribute) and dotted(s.func.value) == plan.optimizer]
+    if not steps and plan.optimizer:
+        plan.refusals.append(Site(1, f"no {plan.optimizer}.step() found to route through scaler.step()", True))
+    for step in steps:
+        if step.args:
+            analysis.refuse(step, "optimizer.step(closure): GradScaler.step with a closure is not supported")
+        elif not isinstance(analysis.parent(step), (cst.Expr, cst.Assign)):
+            analysis.refuse(step, "optimizer.step() inside an expression: rewrite to scaler.step(...) by hand")
+        elif analysis.function_of(step) is not plan.init_function:
+            analysis.refuse(
+                step, "optimizer.step() is in another function than amp.initialize: pass a GradScaler there"
+            )
+    return plan, analysis
+
+
+def _check_initialize(analysis: _Analysis, attribute: cst.Attribute) -> None:
+    plan = analysis.plan
+    call = analysis.parent(attribute)
+    if not isinstance(call, cst.Call):
+        analysis.refuse(attribute, "amp.initialize is used without being called")
+        return
+    args = _call_args(call, APEX_SIGNATURE)
+    if args is None:
+        analysis.refuse(call, "amp.initialize(*args/**kwargs): the options cannot be read statically")
+        return
+    models, optimizers = args.get("models"), args.get("optimizers")
+    if not isinstance(models, (cst.Name, cst.Attribute)) or not isinstance(optimizers, (cst.Name, cst.Attribute)):
+        analysis.refuse(call, "amp.initialize needs exactly one model and one optimizer (no lists) for --to torch")
+        return
+    level = _literal(args.get("opt_level")) if "opt_level" in args else "O1"
+    if level not in ("O0", "O1"):
+        reason = (
+            f"opt_level={level!r} keeps a half-precision model (and fp32 master weights for O2): no native equivalent"
+            if level is not _NOT_LITERAL
+            else "opt_level is not a literal: the native equivalent exists only for O0 and O1"
+        )
+        analysis.refuse(call, reason)
+    plan.level = level if isinstance(level, str) else "O1"
+    for name, reason in NO_NATIVE.items():
+        if name in args and _literal(args[name]) is not None:
+            analysis.refuse(call, reason)
+    if _literal(args.get("num_losses")) not in (None, 1):
+        analysis.refuse(call, "num_losses > 1: GradScaler has one scale for all losses, not one per loss")
+    scale = _literal(args.get("loss_scale"))
+    if scale not in (None, "dynamic") and not (plan.level == "O0" and scale == 1.0):
+        analysis.refuse(call, "a static loss_scale: GradScaler only scales dynamically (and skips steps on inf)")
+    if "enabled" in args:
+        plan.enabled = _code(args["enabled"])
+    statement = analysis.parent(call)
+    if not isinstance(statement, (cst.Assign, cst.Expr)):
+        analysis.refuse(call, "amp.initialize inside an expression: rewrite it by hand")
+    plan.optimizer = _code(optimizers)
+    plan.model = _code(models)
+    if isinstance(statement, cst.Assign):
+        target = statement.targets[0].target
+        if isinstance(target, cst.Tuple) and len(target.elements) == 2:
+            plan.model, plan.optimizer = (_code(e.value) for e in target.elements)
+        else:
+            analysis.refuse(call, "amp.initialize's result is not unpacked into (model, optimizer)")
+
+
+def _check_scale_loss(analysis: _Analysis, attribute: cst.Attribute) -> None:
+    plan = analysis.plan
+    call = analysis.parent(attribute)
+    item = analysis.parent(call) if isinstance(call, cst.Call) else None
+    block = analysis.parent(item) if isinstance(item, cst.WithItem) else None
+    if not isinstance(call, cst.Call) or not isinstance(block, cst.With) or len(block.items) != 1:
+        analysis.refuse(attribute, "amp.scale_loss outside a single-item `with` statement")
+        return
+    if not isinstance(item, cst.WithItem) or item.asname is None or not isinstance(item.asname.name, cst.Name):
+        analysis.refuse(call, "`with amp.scale_loss(...)` without `as name`")
+        return
+    args = _call_args(call, SCALE_LOSS_SIGNATURE)
+    if args is None or "loss" not in args:
+        analysis.refuse(call, "amp.scale_loss(*args/**kwargs): the arguments cannot be read statically")
+        return
+    optimizers = args.get("optimizers")
+    if optimizers is None or _code(optimizers) != plan.optimizer:
+        analysis.refuse(call, f"amp.scale_loss is given another optimizer than {plan.optimizer}")
+    if _literal(args.get("loss_id")) not in (None, 0):
+        analysis.refuse(call, "loss_id selects one of several loss scalers: GradScaler has one scale")
+    if _literal(args.get("delay_unscale")) not in (None, False):
+        analysis.refuse(
+            call,
+            "delay_unscale=True: with GradScaler, accumulate with scaler.scale(loss).backward() and call "
+            "scaler.step()/update() only on stepping iterations",
+        )
+    if _literal(args.get("delay_overflow_check")) not in (None, False):
+        analysis.refuse(call, "delay_overflow_check has no native equivalent")
+    analysis.scale_blocks.append(block)
+    loss = args["loss"]
+    if plan.level == "O0":
+        return
+    container = analysis.parent(block)
+    if not isinstance(container, (cst.Module, cst.IndentedBlock)) or not isinstance(loss, cst.Name):
+        plan.notes.append(Site(analysis.line(block), _AUTOCAST_NOTE, True))
+        return
+    body = list(container.body)
+    end = body.index(block) - 1
+    while end >= 0 and not _assigns(body[end], loss.value):
+        end -= 1
+    if end < 0:
+        plan.notes.append(Site(analysis.line(block), _AUTOCAST_NOTE, True))
+        return
+    start = end
+    while start > 0 and isinstance(body[start - 1], cst.SimpleStatementLine) and not _ends_forward(body[start - 1]):
+        start -= 1
+    plan.autocast.append((id(container), start, end))
+
+
+_AUTOCAST_NOTE = (
+    "run the forward pass and the loss under `with torch.autocast(amp_device, dtype=torch.float16):` "
+    "(it could not be located next to this block)"
+)
+
+
+def _assigns(statement: cst.CSTNode, name: str) -> bool:
+    if not isinstance(statement, cst.SimpleStatementLine):
+        return False
+    for small in statement.body:
+        if isinstance(small, cst.Assign) and any(_code(t.target) == name for t in small.targets):
+            return True
+        if isinstance(small, (cst.AugAssign, cst.AnnAssign)) and _code(small.target) == name:
+            return True
+    return False
+
+
+def _ends_forward(statement: cst.BaseStatement) -> bool:
+    code = _code(statement)
+    return "zero_grad" in code or ".step(" in code or "amp." in code
+
+
+def _check_master_params(analysis: _Analysis, attribute: cst.Attribute) -> None:
+    call = analysis.parent(attribute)
+    arg = analysis.parent(call) if isinstance(call, cst.Call) else None
+    clip = analysis.parent(arg) if isinstance(arg, cst.Arg) else None
+    name = dotted(clip.func) if isinstance(clip, cst.Call) else None
+    if name is None or not name.endswith(CLIP_FUNCTIONS):
+        analysis.refuse(attribute, "amp.master_params outside gradient clipping: unscale with scaler.unscale_() first")
+        return
+    if not isinstance(call, cst.Call) or len(call.args) != 1 or _code(call.args[0].value) != analysis.plan.optimizer:
+        analysis.refuse(attribute, "amp.master_params of another optimizer than the initialized one")
+
+
+def _check_plain_call(analysis: _Analysis, attribute: cst.Attribute) -> None:
+    if not isinstance(analysis.parent(attribute), cst.Call):
+        analysis.refuse(attribute, f"amp.{attribute.attr.value} used without being called")
+
+
+def _check_load_state_dict(analysis: _Analysis, attribute: cst.Attribute) -> None:
+    _check_plain_call(analysis, attribute)
+    analysis.plan.notes.append(
+        Site(
+            analysis.line(attribute),
+            "checkpoints written before the migration hold Apex's amp state: convert them with "
+            "ampinit.migrate.grad_scaler_state() before scaler.load_state_dict()",
+            True,
+        )
+    )
+
+
+_USE_CHECKS = {
+    "scale_loss": _check_scale_loss,
+    "master_params": _check_master_params,
+    "state_dict": _check_plain_call,
+    "load_state_dict": _check_load_state_dict,
+    "disable_casts": _check_plain_call,
+}
+
+
+class _WrapAutocast(cst.CSTTransformer):
+    def __init__(self, ranges: list[tuple[int, int, int]], header: str) -> None:
+        super().__init__()
+        self.ranges = ranges
+        self.header = header
+
+    def _wrap(self, original: Block, updated: Block) -> Block:
+        spans = sorted(((s, e) for block, s, e in self.ranges if block == id(original)), reverse=True)
+        if not spans:
+            return updated
+        body = list(updated.body)
+        for start, end in dict.fromkeys(spans):
+            first: Any = body[start]
+            inner = [first.with_changes(leading_lines=[]), *body[start + 1 : end + 1]]
+            wrapped = cst.With(
+                items=[cst.WithItem(cst.parse_expression(self.header))],
+                body=cst.IndentedBlock(body=inner),
+                leading_lines=first.leading_lines,
+            )
+            body[start : end + 1] = [wrapped]
+        return updated.with_changes(body=body)
+
+    def leave_Module(self, original_node: cst.Module, updated_node: cst.Module) -> cst.Module:
+        result = self._wrap(original_node, updated_node)
+        assert isinstance(result, cst.Module)
+        return result
+
+    def leave_IndentedBlock(self, original_node: cst.IndentedBlock, updated_node: cst.IndentedBlock) -> Any:
+        return self._wrap(original_node, updated_node)
+
+
+class _Rewrite(cst.CSTTransformer):
+    def __init__(self, plan: _Plan, scaler: str, device: str, has_torch: bool) -> None:
+        super().__init__()
+        self.plan = plan
+        self.scaler = scaler
+        self.device = device
+        self.has_torch = has_torch
+
+    def _amp_call(self, node: cst.BaseExpression, name: str) -> cst.Call | None:
+        if (
+            isinstance(node, cst.Call)
+            and isinstance(node.func, cst.Attribute)
+            and node.func.attr.value == name
+            and dotted(node.func.value) == self.plan.amp
+        ):
+            return node
+        return None
+
+    def leave_SimpleStatementLine(
+        self, original_node: cst.SimpleStatementLine, updated_node: cst.SimpleStatementLine
+    ) -> Any:
+        if len(updated_node.body) != 1:
+            return updated_node
+        small = updated_node.body[0]
+        lines = updated_node.leading_lines
+        if (
+            isinstance(small, cst.ImportFrom)
+            and not small.relative
+            and small.module is not None
+            and dotted(small.module) == "apex"
+            and not isinstance(small.names, cst.ImportStar)
+        ):
+            rest = [a for a in small.names if dotted(a.name) != "amp"]
+            if len(rest) != len(small.names):
+                return self._replace_import(updated_node, small, rest)
+        if isinstance(small, cst.Import):
+            rest = [a for a in small.names if dotted(a.name) != "apex.amp"]
+            if len(rest) != len(small.names):
+                return self._replace_import(updated_node, small, rest)
+        value = small.value if isinstance(small, (cst.Assign, cst.Expr)) else None
+        if value is not None and self._amp_call(value, "initialize") is not None:
+            return cst.FlattenSentinel(self._initialize(small, lines))
+        if value is not None and _is_step(value, self.plan.optimizer):
+            step = small.with_changes(value=cst.parse_expression(f"{self.scaler}.step({self.plan.optimizer})"))
+            update = cst.parse_statement(f"{self.scaler}.update()")
+            return cst.FlattenSentinel([updated_node.with_changes(body=[step]), update])
+        if f"{self.plan.amp}.master_params(" in _code(original_node):
+            unscale = cst.parse_statement(f"{self.scaler}.unscale_({self.plan.optimizer})")
+            assert isinstance(unscale, cst.SimpleStatementLine)
+            return cst.FlattenSentinel(
+                [unscale.with_changes(leading_lines=lines), updated_node.with_changes(leading_lines=[])]
+            )
+        return updated_node
+
+    def _replace_import(self, statement: cst.SimpleStatementLine, small: Any, rest: list[Any]) -> Any:
+        out: list[cst.SimpleStatementLine] = []
+        if rest:
+            rest[-1] = rest[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)
+            out.append(statement.with_changes(body=[small.with_changes(names=rest)]))
+        if not self.has_torch:
+            self.has_torch = True
+            out.append(cst.parse_statement("import torch"))  # type: ignore[arg-type]
+        if not out:
+            return cst.RemoveFromParent()
+        out[0] = out[0].with_changes(leading_lines=statement.leading_lines)
+        return cst.FlattenSentinel(out)
+
+    def _initialize(self, small: cst.BaseSmallStatement, lines: Any) -> list[cst.BaseStatement]:
+        plan = self.plan
+        out: list[cst.BaseStatement] = []
+        call = small.value  # type: ignore[attr-defined]
+        args = _call_args(call, APEX_SIGNATURE) or {}
+        given = (_code(args["models"]), _code(args["optimizers"]))
+        if (plan.model, plan.optimizer) != given:
+            out.append(cst.parse_statement(f"{plan.model}, {plan.optimizer} = {given[0]}, {given[1]}"))
+        out.append(cst.parse_statement(f'{self.device} = "cuda" if torch.cuda.is_available() else "cpu"'))
+        enabled = "False" if plan.level == "O0" else plan.enabled
+        options = f", enabled={enabled}" if enabled is not None else ""
+        out.append(cst.parse_statement(f"{self.scaler} = torch.amp.GradScaler({self.device}{options})"))
+        out[0] = out[0].with_changes(leading_lines=lines)
+        return out
+
+    def leave_With(self, original_node: cst.With, updated_node: cst.With) -> Any:
+        item = updated_node.items[0] if len(updated_node.items) == 1 else None
+        call = self._amp_call(item.item, "scale_loss") if item is not None else None
+        if item is None or call is None or item.asname is None:
+            return updated_node
+        loss = _code((_call_args(call, SCALE_LOSS_SIGNATURE) or {})["loss"])
+        name = _code(item.asname.name)
+        body = list(updated_node.body.body) if isinstance(updated_node.body, cst.IndentedBlock) else []
+        scaled = f"{self.scaler}.scale({loss})"
+        if len(body) == 1 and isinstance(body[0], cst.SimpleStatementLine) and len(body[0].body) == 1:
+            expr = body[0].body[0]
+            if isinstance(expr, cst.Expr) and isinstance(expr.value, cst.Call):
+                func = expr.value.func
+                if isinstance(func, cst.Attribute) and func.attr.value == "backward" and _code(func.value) == name:
+                    new_call = expr.value.with_changes(func=func.with_changes(value=cst.parse_expression(scaled)))
+                    new = body[0].with_changes(body=[expr.with_changes(value=new_call)])
+                    return new.with_changes(leading_lines=updated_node.leading_lines)
+        assign = cst.parse_statement(f"{name} = {scaled}")
+        assert isinstance(assign, cst.SimpleStatementLine)
+        return cst.FlattenSentinel([assign.with_changes(leading_lines=updated_node.leading_lines), *body])
+
+    def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.BaseExpression:
+        if self._amp_call(updated_node, "master_params") is not None:
+            return cst.parse_expression(f"{self.plan.model}.parameters()")
+        if self._amp_call(updated_node, "state_dict") is not None:
+            return updated_node.with_changes(func=cst.parse_expression(f"{self.scaler}.state_dict"))
+        if self._amp_call(updated_node, "load_state_dict") is not None:
+            return updated_node.with_changes(func=cst.parse_expression(f"{self.scaler}.load_state_dict"))
+        if self._amp_call(updated_node, "disable_casts") is not None:
+            return cst.parse_expression(f"torch.autocast({self.device}, enabled=False)")
+        return updated_node
+
+
+def _is_step(value: cst.BaseExpression, optimizer: str) -> bool:
+    return (
+        isinstance(value, cst.Call)
+        and not value.args
+        and isinstance(value.func, cst.Attribute)
+        and value.func.attr.value == "step"
+        and _code(value.func.value) == optimizer
+    )
+
+
+def _fresh(preferred: list[str], used: set[str]) -> str:
+    for name in preferred:
+        if name not in used:
+            return name
+    return preferred[-1] + "_"
+
+
+def migrate_module_to_torch(source: str) -> tuple[str, list[Site], bool]:
+    """Rewrite the amp part of one module to torch.amp. Returns (source, sites, refused)."""
+    module = cst.parse_module(source)
+    bindings = apex_bindings(module)
+    amp_locals = [local for local, q in bindings.items() if q == "apex.amp"]
+    packages = [local for local, q in bindings.items() if q == "apex"]
+    wrapper = MetadataWrapper(module)
+    if not amp_locals:
+        if packages and "apex.amp" in source:
+            return source, [Site(1, "apex.amp is used through `import apex`: use --to ampinit", True)], True
+        return source, [], False
+    if len(amp_locals) > 1:
+        return source, [Site(1, "apex.amp is imported under several names: use --to ampinit", True)], True
+    plan, analysis = _analyse(wrapper, amp_locals[0])
+    if plan.refusals:
+        return source, sorted(plan.refusals, key=lambda s: s.line), True
+    scaler = _fresh(["scaler", "grad_scaler"], plan.names)
+    device = _fresh(["amp_device"], plan.names)
+    enabled = f", enabled={plan.enabled}" if plan.enabled is not None else ""
+    wrapped = wrapper.module.visit(
+        _WrapAutocast(plan.autocast, f"torch.autocast({device}, dtype=torch.float16{enabled})")
+    )
+    has_torch = any(
+        isinstance(s, cst.SimpleStatementLine)
+        and any(isinstance(x, cst.Import) and any(dotted(a.name) == "torch" for a in x.names) for x in s.body)
+        for s in module.body
+    )
+    rewritten = wrapped.visit(_Rewrite(plan, scaler, device, has_torch))
+    sites = [Site(1, f"amp ({plan.level}) -> torch.autocast + torch.amp.GradScaler ({scaler})")]
+    sites += [
+        Site(analysis.line(b), "scale_loss block -> scaler.scale(loss).backward()") for b in analysis.scale_blocks
+    ]
+    sites += [
+        Site(analysis.line(s), "optimizer.step() -> scaler.step(optimizer); scaler.update()")
+        for s in analysis.steps
+        if isinstance(s.func, cst.Attribute) and dotted(s.func.value) == plan.optimizer
+    ]
+    sites += plan.notes
+    code = rewritten.code
+    if plan.notes:
+        code = _comment_lines(code, plan.notes, source)
+    return code, sorted(sites, key=lambda s: s.line), False
+
+
+def _comment_lines(code: str, notes: list[Site], original: str) -> str:
+    """Put the notes as ``# ampinit:`` comments above the statements they concern (matched by source text)."""
+    module = cst.parse_module(code)
+    original_lines = original.splitlines()
+    wanted: dict[str, list[str]] = {}
+    for note in notes:
+        text = original_lines[note.line - 1].strip() if 0 < note.line <= len(original_lines) else ""
+        wanted.setdefault(text, []).append(note.message)
+
+    class Commenter(cst.CSTTransformer):
+        def on_leave(self, original_node: cst.CSTNode, updated_node: cst.CSTNode) -> Any:
+            if isinstance(updated_node, (cst.SimpleStatementLine, cst.BaseCompoundStatement)):
+                first = _code(updated_node).strip().splitlines()
+                head = first[-1] if first else ""
+                for text, messages in wanted.items():
+                    if text and (head.startswith(text) or text.startswith(head.split("#")[0].strip() or "\0")):
+                        return add_comments(updated_node, messages)
+            return updated_node
+
+    return module.visit(Commenter()).code
