@@ -62,6 +62,11 @@ def _apex_allreduce_hook(state: _HookState, bucket: Any) -> torch.futures.Future
     return result
 
 
+# torch's DDP checks a hook's annotations as objects; this module's annotations are strings (PEP 563).
+_apex_allreduce_hook.__annotations__["bucket"] = dist.GradBucket
+_apex_allreduce_hook.__annotations__["return"] = torch.futures.Future[torch.Tensor]
+
+
 class DistributedDataParallel(nn.parallel.DistributedDataParallel):
     """``apex.parallel.DistributedDataParallel(module, ...)`` as torch's DDP (see the module docstring)."""
 

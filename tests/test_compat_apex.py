@@ -1,0 +1,309 @@
+"""The Apex aliases: import alias, API surface and return shapes, ``_amp_state`` views, the old ``amp.init`` handle,
+``fp16_utils``, ``parallel`` (DDP, SyncBatchNorm, LARC), each compared with Apex's documented behaviour
+(shared/reference/apex-amp.md) or a plain re-implementation."""
+
+from __future__ import annotations
+
+import re
+import sys
+import warnings
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import nn
+
+import ampinit
+from ampinit.compat import apex as compat
+from ampinit.compat.apex import amp
+from ampinit.compat.apex.amp.handle import OLD_API_MESSAGE
+from ampinit.compat.apex.fp16_utils import fp16_optimizer
+from ampinit.compat.apex.parallel import distributed
+from ampinit.compat.apex.parallel.LARC import LARC
+from tests.conftest import make_problem
+
+
+@pytest.fixture
+def alias() -> Iterator[None]:
+    compat.install()
+    try:
+        yield
+    finally:
+        compat.uninstall()
+
+
+# -- the import alias -------------------------------------------------------------------------------------------
+def test_alias_resolves_apex_names_to_the_compat_modules(alias: None) -> None:
+    import amp_C
+    import apex
+    import apex.amp._amp_state
+    from apex import amp as apex_amp
+    from apex.amp import _amp_state
+    from apex.multi_tensor_apply import multi_tensor_applier
+    from apex.optimizers import FusedAdam
+    from apex.parallel.LARC import LARC as ApexLARC
+
+    assert apex is compat and apex_amp is amp and amp_C is compat.amp_C
+    assert _amp_state is amp._amp_state and apex.amp._amp_state is amp._amp_state  # the object, not the module
+    assert multi_tensor_applier is ampinit.multi_tensor.multi_tensor_applier
+    assert FusedAdam is ampinit.optimizers.FusedAdam and ApexLARC is LARC
+
+
+def test_alias_names_missing_modules_and_uninstall_restores(alias: None) -> None:
+    with pytest.raises(ModuleNotFoundError, match=re.escape("No module named 'apex.contrib': ampinit's Apex aliases")):
+        import apex.contrib  # noqa: F401
+    compat.uninstall()
+    assert "apex" not in sys.modules and "amp_C" not in sys.modules and not compat.is_installed()
+    with pytest.raises(ModuleNotFoundError):
+        import apex  # noqa: F401
+
+
+def test_alias_says_when_it_shadows_a_real_apex(tmp_path: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = tmp_path / "apex"  # type: ignore[operator]
+    fake.mkdir()
+    (fake / "__init__.py").write_text("REAL = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.warns(UserWarning, match=re.escape(f"A real apex is installed ({fake / '__init__.py'})")):
+        compat.install()
+    try:
+        import apex
+
+        assert apex is compat
+    finally:
+        compat.uninstall()
+    import apex as real
+
+    assert real.REAL is True
+    del sys.modules["apex"]
+
+
+# -- amp: initialize, scale_loss, return shapes -----------------------------------------------------------------
+def test_initialize_returns_apex_shapes_and_accepts_larc() -> None:
+    model, x, y = make_problem()
+    base = torch.optim.SGD(model.parameters(), lr=0.1)
+    larc = LARC(base)
+    out_model, out_opts = amp.initialize(model, [larc], opt_level="O2", loss_scale="128.0", verbosity=0)
+    try:
+        assert out_model is model and out_opts == [larc]
+        assert ampinit.session_of(base) is ampinit.current_session()
+        assert amp._amp_state.opt_properties.opt_level == "O2"
+        assert amp._amp_state.loss_scalers[0].loss_scale() == 128.0
+        with amp.scale_loss(nn.functional.mse_loss(model(x), y), larc) as scaled:
+            scaled.backward()
+        larc.step()
+        assert all(p.dtype == torch.float32 for p in amp.master_params(larc))
+    finally:
+        amp._amp_state.loss_scalers  # noqa: B018 (the view is readable until close)
+        ampinit.deinitialize()
+
+
+def test_scale_loss_before_initialize_is_apexs_error() -> None:
+    with pytest.raises(RuntimeError, match=re.escape("Invoked 'with amp.scale_loss`, but internal Amp state")):
+        with amp.scale_loss(torch.ones(()), torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=1.0)):
+            pass
+
+
+def test_amp_state_views_read_and_write_through_the_session() -> None:
+    model, x, y = make_problem()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O1", num_losses=2, verbosity=0)
+    try:
+        state = amp._amp_state
+        assert [s.loss_scale() for s in state.loss_scalers] == [65536.0, 65536.0]
+        state.loss_scalers[1]._loss_scale = 2.0**10
+        state.loss_scalers[1]._unskipped = 7
+        assert amp.state_dict() == {
+            "loss_scaler0": {"loss_scale": 65536.0, "unskipped": 0},
+            "loss_scaler1": {"loss_scale": 1024.0, "unskipped": 7},
+        }
+        assert state.loss_scalers[0].dynamic and state.max_loss_scale == 2.0**24 and state.min_loss_scale is None
+        assert state.handle.is_active() and state.verbosity == 0
+        state.verbosity = 1
+        assert ampinit.current_session().verbosity == 1  # type: ignore[union-attr]
+    finally:
+        ampinit.deinitialize()
+    with pytest.raises(AttributeError, match=re.escape("_amp_state has no 'loss_scalers'")):
+        amp._amp_state.loss_scalers  # noqa: B018
+
+
+def test_handle_exists_only_for_function_casting_levels() -> None:
+    model, _, _ = make_problem()
+    amp.initialize(model, opt_level="O2", verbosity=0)
+    try:
+        assert not hasattr(amp._amp_state, "handle")
+    finally:
+        ampinit.deinitialize()
+
+
+def test_allow_incoming_model_not_fp32_accepts_a_half_model_at_o2() -> None:
+    model, x, _ = make_problem()
+    model.half()
+    amp._amp_state.allow_incoming_model_not_fp32 = True
+    try:
+        amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O2", verbosity=0)
+        assert model.fc1.weight.dtype == torch.float16 and model.bn.weight.dtype == torch.float32
+        ampinit.deinitialize()
+        with pytest.raises(RuntimeError, match=re.escape("opt_level='O1' (cast_model_type=None) keeps the model's")):
+            amp.initialize(model.half(), opt_level="O1")
+    finally:
+        amp._amp_state.allow_incoming_model_not_fp32 = False
+
+
+# -- the old amp.init() handle API (Apex's L0 tests set up with it) ---------------------------------------------
+def test_init_handle_casts_and_deactivates() -> None:
+    x, w = torch.randn(4, 4), torch.randn(4, 4)
+    handle = amp.init()
+    try:
+        assert isinstance(handle, amp.handle.AmpHandle) and handle.is_active() and handle.has_cache
+        assert torch.mm(x, w).dtype == torch.float16
+        with handle._disable_casts():
+            assert torch.mm(x, w).dtype == torch.float32
+        assert amp._amp_state.handle is handle
+        with pytest.raises(RuntimeError, match=re.escape(OLD_API_MESSAGE)):
+            handle.scale_loss(torch.ones(()), None)  # type: ignore[arg-type]
+    finally:
+        handle._deactivate()
+    assert not handle.is_active() and torch.mm(x, w).dtype == torch.float32
+    noop = amp.init(enabled=False)
+    assert not noop.is_active() and torch.mm(x, w).dtype == torch.float32
+
+
+# -- fp16_utils ------------------------------------------------------------------------------------------------
+def test_fp16_helpers_follow_apex() -> None:
+    net = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3), nn.LayerNorm(3), nn.BatchNorm1d(3, affine=False))
+    compat.fp16_utils.convert_network(net, torch.half)
+    assert [net[0].weight.dtype, net[1].weight.dtype, net[2].weight.dtype, net[3].running_mean.dtype] == [
+        torch.half,
+        torch.float32,
+        torch.half,
+        torch.half,
+    ]
+    half_net = compat.fp16_utils.network_to_half(nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3)))
+    assert half_net[1][1].weight.dtype == torch.float32  # affine BN back in fp32, as in Apex
+    assert half_net(torch.randn(2, 3)).dtype == torch.float16  # the input is halved by tofp16
+    assert compat.fp16_utils.to_python_float(torch.tensor([2.5])) == 2.5
+    model = nn.Linear(3, 2).half()
+    model_params, masters = compat.fp16_utils.prep_param_lists(model)
+    assert [m.dtype for m in masters] == [torch.float32] * 2 and all(m.requires_grad for m in masters)
+    model(torch.randn(1, 3).half()).sum().backward()
+    compat.fp16_utils.model_grads_to_master_grads(model_params, masters)
+    assert all(torch.equal(m.grad, p.grad.float()) for p, m in zip(model_params, masters))  # type: ignore[arg-type, union-attr]
+    for m in masters:
+        m.data.add_(1)
+    compat.fp16_utils.master_params_to_model_params(model_params, masters)
+    assert all(torch.equal(p, m.half()) for p, m in zip(model_params, masters))
+    _, (flat,) = compat.fp16_utils.prep_param_lists(model, flat_master=True)
+    assert flat.numel() == 8 and flat.grad is not None
+
+
+def test_dynamic_loss_scaler_schedule() -> None:
+    scaler = compat.fp16_utils.DynamicLossScaler(init_scale=8.0, scale_window=2)
+    fates = []
+    for overflow in (False, True, False, False, True):
+        scaler.update_scale(overflow)
+        fates.append(scaler.loss_scale)
+    # Apex's rule: grow when (iter - last_overflow) % window == 0, halve (not below 1) on overflow.
+    assert fates == [8.0, 4.0, 4.0, 8.0, 4.0]
+    assert scaler.has_overflow([nn.Parameter(torch.ones(1)).requires_grad_()]) is False
+
+
+def test_fp16_optimizer_matches_hand_written_master_weights() -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4).half()
+    reference = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
+    ref_opt = torch.optim.SGD(reference, lr=0.1, momentum=0.9)
+    with pytest.warns(fp16_optimizer.DeprecatedFeatureWarning, match=re.escape("FP16_Optimizer is deprecated")):
+        opt = compat.fp16_utils.FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), 128.0)
+    x, y = torch.randn(16, 8).half(), torch.randn(16, 4)
+    for _ in range(3):
+        opt.zero_grad()
+        opt.backward(nn.functional.mse_loss(model(x).float(), y))
+        opt.step()
+        ref_opt.zero_grad()
+        half_w = [r.detach().half().requires_grad_() for r in reference]
+        (nn.functional.mse_loss(nn.functional.linear(x, *half_w).float(), y) * 128.0).backward()
+        for r, h in zip(reference, half_w):
+            r.grad = h.grad.float() / 128.0  # type: ignore[union-attr]
+        ref_opt.step()
+    for master, ref in zip(opt.fp32_from_fp16_groups[0], reference):
+        torch.testing.assert_close(master, ref)
+    assert set(opt.state_dict()) == {
+        "loss_scaler",
+        "dynamic_loss_scale",
+        "overflow",
+        "first_closure_call_this_step",
+        "optimizer_state_dict",
+        "fp32_from_fp16",
+    }
+
+
+def test_fp16_optimizer_skips_on_overflow_with_a_dynamic_scale(caplog: pytest.LogCaptureFixture) -> None:
+    model = nn.Linear(2, 1).half()
+    with pytest.warns(fp16_optimizer.DeprecatedFeatureWarning):
+        opt = compat.fp16_utils.FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1), dynamic_loss_scale=True)
+    before = [p.clone() for p in model.parameters()]
+    opt.backward(model(torch.full((1, 2), float("inf")).half()).float().sum())
+    with caplog.at_level("INFO", logger="ampinit"):
+        opt.step()
+    assert opt.overflow and opt.loss_scale == 32768.0 and opt.clip_master_grads(1.0) == -1
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert "Gradient overflow.  Skipping step, reducing loss scale to 32768.0" in caplog.text
+
+
+# -- parallel --------------------------------------------------------------------------------------------------
+def test_larc_matches_the_formula() -> None:
+    torch.manual_seed(0)
+    p = nn.Parameter(torch.randn(5))
+    zero = nn.Parameter(torch.zeros(3))
+    p.grad, zero.grad = torch.randn(5), torch.randn(3)
+    expected_grad = p.grad.clone()
+    wd, lr, tc = 0.01, 0.5, 0.02
+    adaptive = min(tc * p.norm() / (expected_grad.norm() + p.norm() * wd + 1e-8) / lr, 1.0)
+    expected = p.detach() - lr * (expected_grad + wd * p.detach()) * adaptive
+    zero_expected = zero.detach() - lr * zero.grad  # a zero-norm weight is left to the plain step (no decay)
+    opt = LARC(torch.optim.SGD([p, zero], lr=lr, weight_decay=wd), trust_coefficient=tc)
+    opt.step()
+    torch.testing.assert_close(p.detach(), expected)
+    torch.testing.assert_close(zero.detach(), zero_expected)
+    assert opt.param_groups[0]["weight_decay"] == wd
+
+
+def test_sync_batchnorm_options_and_conversion() -> None:
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4))
+    nn.init.normal_(model[1].weight)
+    converted = compat.parallel.convert_syncbn_model(model, channel_last=True)
+    assert isinstance(converted[1], compat.parallel.SyncBatchNorm) and converted[1].channel_last
+    torch.testing.assert_close(converted[1].weight, model[1].weight)
+    bn = compat.parallel.SyncBatchNorm(4, fuse_relu=True, channel_last=True)
+    x, z = torch.randn(2, 3, 3, 4), torch.randn(2, 3, 3, 4)
+    reference = torch.relu(nn.functional.batch_norm(x.movedim(-1, 1), None, None, training=True).movedim(1, -1) + z)
+    torch.testing.assert_close(bn(x, z), reference)
+
+
+@pytest.fixture
+def process_group(tmp_path: pytest.TempPathFactory) -> Iterator[None]:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)  # type: ignore[operator]
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_explains_apex_only_arguments_once_and_honours_the_reduction(process_group: None) -> None:
+    distributed._warned.clear()
+    message = "these Apex-only arguments are accepted and have no effect: delay_allreduce=True"
+    with pytest.warns(UserWarning, match=re.escape(message)):
+        ddp = compat.parallel.DistributedDataParallel(nn.Linear(3, 1), delay_allreduce=True, gradient_predivide_factor=4.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        compat.parallel.DistributedDataParallel(nn.Linear(3, 1), delay_allreduce=True)  # explained already
+    x = torch.randn(5, 3)
+    ddp(x).sum().backward()
+    reference = nn.Linear(3, 1)
+    reference.load_state_dict(ddp.module.state_dict())
+    reference(x).sum().backward()
+    # world size 1: divide by 4 before the sum and by 1/4 after it gives the plain gradient back.
+    torch.testing.assert_close(ddp.module.weight.grad, reference.weight.grad)
+    assert isinstance(ddp, nn.parallel.DistributedDataParallel)
