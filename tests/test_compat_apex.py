@@ -51,14 +51,16 @@ def test_alias_resolves_apex_names_to_the_compat_modules(alias: None) -> None:
 
 def test_alias_names_missing_modules_and_uninstall_restores(alias: None) -> None:
     with pytest.raises(ModuleNotFoundError, match=re.escape("No module named 'apex.contrib': ampinit's Apex aliases")):
-        import apex.contrib  # noqa: F401
+        import apex.contrib
     compat.uninstall()
     assert "apex" not in sys.modules and "amp_C" not in sys.modules and not compat.is_installed()
     with pytest.raises(ModuleNotFoundError):
         import apex  # noqa: F401
 
 
-def test_alias_says_when_it_shadows_a_real_apex(tmp_path: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_alias_says_when_it_shadows_a_real_apex(
+    tmp_path: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
     fake = tmp_path / "apex"  # type: ignore[operator]
     fake.mkdir()
     (fake / "__init__.py").write_text("REAL = True\n")
@@ -295,7 +297,9 @@ def test_ddp_explains_apex_only_arguments_once_and_honours_the_reduction(process
     distributed._warned.clear()
     message = "these Apex-only arguments are accepted and have no effect: delay_allreduce=True"
     with pytest.warns(UserWarning, match=re.escape(message)):
-        ddp = compat.parallel.DistributedDataParallel(nn.Linear(3, 1), delay_allreduce=True, gradient_predivide_factor=4.0)
+        ddp = compat.parallel.DistributedDataParallel(
+            nn.Linear(3, 1), delay_allreduce=True, gradient_predivide_factor=4.0
+        )
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         compat.parallel.DistributedDataParallel(nn.Linear(3, 1), delay_allreduce=True)  # explained already
