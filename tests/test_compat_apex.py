@@ -106,7 +106,7 @@ def test_scale_loss_before_initialize_is_apexs_error() -> None:
 
 
 def test_amp_state_views_read_and_write_through_the_session() -> None:
-    model, x, y = make_problem()
+    model, _, _ = make_problem()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = amp.initialize(model, opt, opt_level="O1", num_losses=2, verbosity=0)
     try:
@@ -138,7 +138,7 @@ def test_handle_exists_only_for_function_casting_levels() -> None:
 
 
 def test_allow_incoming_model_not_fp32_accepts_a_half_model_at_o2() -> None:
-    model, x, _ = make_problem()
+    model, _, _ = make_problem()
     model.half()
     amp._amp_state.allow_incoming_model_not_fp32 = True
     try:

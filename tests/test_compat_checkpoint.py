@@ -93,7 +93,7 @@ def test_apex_checkpoint_converts_to_native_torch_amp() -> None:
     scaler = torch.amp.GradScaler("cpu")
     scaler.load_state_dict(native["scaler"])
     assert scaler.get_scale() == 1024.0 and scaler._get_growth_tracker() == 17
-    model, x, y = make_problem(seed=99)
+    model, _, _ = make_problem(seed=99)
     model.load_state_dict(native["model"])
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     opt.load_state_dict(native["optimizer"])
