@@ -18,6 +18,7 @@ through ``ampinit.compat.apex``.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Union
@@ -477,7 +478,12 @@ def chain_target(binding: Binding, name: str) -> tuple[Target | None, int]:
     first = ".".join([binding.qualified, rest[0]])
     if first in _rules.TO_PYTHON_FLOAT_NAMES:
         return None, 0
-    return _rules.target_for(first), len(rest) - 1
+    target = _rules.target_for(first)
+    for keep in range(len(rest), 1, -1):
+        note = _rules.SPECIAL_NOTES.get(".".join([binding.qualified, *rest[:keep]]))
+        if note is not None:
+            return dataclasses.replace(target, note=note, info=None), len(rest) - 1
+    return target, len(rest) - 1
 
 
 def add_comments(node: Any, notes: list[str]) -> Any:

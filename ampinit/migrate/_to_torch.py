@@ -14,6 +14,7 @@ and then the file is left unchanged: ``--to ampinit`` handles it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Union
 
@@ -342,10 +343,27 @@ _USE_CHECKS = {
 
 
 class _WrapAutocast(cst.CSTTransformer):
-    def __init__(self, ranges: list[tuple[int, int, int]], header: str) -> None:
+    """First pass, over the original tree: the autocast blocks, and the notes as comments on their statements."""
+
+    def __init__(
+        self, ranges: list[tuple[int, int, int]], header: str, notes: list[Site], positions: Mapping[Any, Any]
+    ) -> None:
         super().__init__()
         self.ranges = ranges
         self.header = header
+        self.positions = positions
+        self.notes: dict[int, list[str]] = {}
+        for note in notes:
+            self.notes.setdefault(note.line, []).append(note.message)
+
+    def on_leave(self, original_node: cst.CSTNode, updated_node: cst.CSTNode) -> Any:
+        result = super().on_leave(original_node, updated_node)
+        if isinstance(original_node, (cst.SimpleStatementLine, cst.BaseCompoundStatement)):
+            position = self.positions.get(original_node)
+            messages = self.notes.pop(position.start.line, None) if position is not None else None
+            if messages:
+                result = add_comments(result, messages)
+        return result
 
     def _wrap(self, original: Block, updated: Block) -> Block:
         spans = sorted(((s, e) for block, s, e in self.ranges if block == id(original)), reverse=True)
@@ -523,9 +541,8 @@ def migrate_module_to_torch(source: str) -> tuple[str, list[Site], bool]:
     scaler = _fresh(["scaler", "grad_scaler"], plan.names)
     device = _fresh(["amp_device"], plan.names)
     enabled = f", enabled={plan.enabled}" if plan.enabled is not None else ""
-    wrapped = wrapper.module.visit(
-        _WrapAutocast(plan.autocast, f"torch.autocast({device}, dtype=torch.float16{enabled})")
-    )
+    header = f"torch.autocast({device}, dtype=torch.float16{enabled})"
+    wrapped = wrapper.module.visit(_WrapAutocast(plan.autocast, header, plan.notes, analysis.positions))
     has_torch = any(
         isinstance(s, cst.SimpleStatementLine)
         and any(isinstance(x, cst.Import) and any(dotted(a.name) == "torch" for a in x.names) for x in s.body)
@@ -542,29 +559,4 @@ def migrate_module_to_torch(source: str) -> tuple[str, list[Site], bool]:
         if isinstance(s.func, cst.Attribute) and dotted(s.func.value) == plan.optimizer
     ]
     sites += plan.notes
-    code = rewritten.code
-    if plan.notes:
-        code = _comment_lines(code, plan.notes, source)
-    return code, sorted(sites, key=lambda s: s.line), False
-
-
-def _comment_lines(code: str, notes: list[Site], original: str) -> str:
-    """Put the notes as ``# ampinit:`` comments above the statements they concern (matched by source text)."""
-    module = cst.parse_module(code)
-    original_lines = original.splitlines()
-    wanted: dict[str, list[str]] = {}
-    for note in notes:
-        text = original_lines[note.line - 1].strip() if 0 < note.line <= len(original_lines) else ""
-        wanted.setdefault(text, []).append(note.message)
-
-    class Commenter(cst.CSTTransformer):
-        def on_leave(self, original_node: cst.CSTNode, updated_node: cst.CSTNode) -> Any:
-            if isinstance(updated_node, (cst.SimpleStatementLine, cst.BaseCompoundStatement)):
-                first = _code(updated_node).strip().splitlines()
-                head = first[-1] if first else ""
-                for text, messages in wanted.items():
-                    if text and (head.startswith(text) or text.startswith(head.split("#")[0].strip() or "\0")):
-                        return add_comments(updated_node, messages)
-            return updated_node
-
-    return module.visit(Commenter()).code
+    return rewritten.code, sorted(sites, key=lambda s: s.line), False

@@ -63,7 +63,7 @@ def _apex_allreduce_hook(state: _HookState, bucket: Any) -> torch.futures.Future
 
 
 # torch's DDP checks a hook's annotations as objects; this module's annotations are strings (PEP 563).
-_apex_allreduce_hook.__annotations__["bucket"] = dist.GradBucket
+_apex_allreduce_hook.__annotations__["bucket"] = dist.GradBucket  # type: ignore[attr-defined]
 _apex_allreduce_hook.__annotations__["return"] = torch.futures.Future[torch.Tensor]
 
 
