@@ -1,0 +1,84 @@
+"""``ampinit run``: legacy Apex scripts (examples/legacy_apex) run unchanged, as ``python script.py`` would."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ampinit.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples" / "legacy_apex"
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+
+
+def ampinit_run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "ampinit", "run", *args], capture_output=True, text=True, env=ENV, timeout=timeout
+    )
+
+
+def test_run_behaves_like_python(tmp_path: Path) -> None:
+    script = tmp_path / "probe.py"
+    (tmp_path / "helper.py").write_text("VALUE = 42\n")
+    script.write_text(
+        "import sys\nimport helper\nfrom apex import amp\nimport amp_C\n"
+        "print(__name__, sys.argv[1:], sys.path[0] == sys.argv[0].rsplit('/', 1)[0], helper.VALUE)\n"
+        "print(amp.__name__, amp_C.__name__)\n"
+        "sys.exit(3)\n"
+    )
+    result = ampinit_run(str(script), "--flag", "x", "--help")
+    assert result.returncode == 3, result.stderr
+    assert result.stdout.splitlines() == [
+        "__main__ ['--flag', 'x', '--help'] True 42",
+        "ampinit.compat.apex.amp ampinit.compat.apex.amp_C",
+    ]
+
+
+def test_run_names_a_missing_script(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "no_such_script.py"]) == 2
+    assert "ampinit run: no such file: 'no_such_script.py'" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_dcgan_three_losses_runs_unchanged() -> None:
+    result = ampinit_run(str(EXAMPLES / "main_amp.py"), "--dataset", "fake", "--num_batches", "4", "--opt_level", "O2")
+    assert result.returncode == 0, result.stderr
+    losses = re.findall(r"Loss_D: ([0-9.]+) Loss_G: ([0-9.]+)", result.stdout)
+    assert len(losses) == 4 and all(0 < float(v) < 10 for pair in losses for v in pair)
+    state = re.search(r"amp state: (\{.*\})", result.stdout)
+    assert state is not None
+    assert "'loss_scaler2': {'loss_scale': 65536.0, 'unskipped': 4}" in state.group(1)
+
+
+@pytest.mark.slow
+def test_simple_distributed_runs_unchanged_single_process() -> None:
+    result = ampinit_run(str(EXAMPLES / "distributed_data_parallel.py"), "--iterations", "150")
+    assert result.returncode == 0, result.stderr
+    first = float(re.search(r"first loss =\s+([0-9.]+)", result.stdout).group(1))  # type: ignore[union-attr]
+    final = float(re.search(r"final loss =\s+tensor\(([0-9.]+)", result.stdout).group(1))  # type: ignore[union-attr]
+    assert final < 0.7 * first
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.mark.slow
+def test_simple_distributed_runs_unchanged_on_two_processes() -> None:
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
+        "-m", "ampinit", "run", str(EXAMPLES / "distributed_data_parallel.py"), "--iterations", "50",
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, env=ENV, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "final loss" in result.stdout
+    assert result.stderr.count("delay_allreduce=True: torch's DDP overlaps the allreduce") == 2  # once per process
