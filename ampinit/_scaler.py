@@ -49,6 +49,11 @@ class LossScaler:
         return self.config is not None
 
     @property
+    def unit(self) -> bool:
+        """A static scale of exactly 1: unscaling is only the inf/NaN check."""
+        return self.config is None and self._host_scale == 1.0
+
+    @property
     def device(self) -> torch.device | None:
         return None if self._scale is None else self._scale.device
 
