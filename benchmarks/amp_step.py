@@ -136,9 +136,10 @@ class AmpinitVariant(Variant):
     open for the whole run, so its weights are cast once.
     """
 
-    def __init__(self, level: str, workload: Workload) -> None:
-        self.name = f"ampinit {level}"
+    def __init__(self, level: str, workload: Workload, cast_policy: str = "apex") -> None:
+        self.name = f"ampinit {level}" + (" native lists" if cast_policy == "native" else "")
         self.level = level
+        self.cast_policy = cast_policy
         self.sets_thread_autocast = level in THREAD_AUTOCAST_LEVELS
         self.model, self.inputs, self.target, self.loss_fn = workload
         self.optimizer = _fused_adamw(self.model.parameters())
@@ -150,7 +151,9 @@ class AmpinitVariant(Variant):
             self._open()
 
     def _open(self) -> None:
-        self.model, self.optimizer = amp.initialize(self.model, self.optimizer, opt_level=self.level, verbosity=0)
+        self.model, self.optimizer = amp.initialize(
+            self.model, self.optimizer, opt_level=self.level, verbosity=0, cast_policy=self.cast_policy
+        )
         self.session = ampinit.session_of(self.optimizer)
         assert self.session is not None, f"{self.name}: initialize() registered no session"
         if self._amp_state is not None:
@@ -203,6 +206,9 @@ def build_variants(make: Callable[[], Workload]) -> list[Variant]:
         PureBf16Variant(make()),
     ]
     variants += [AmpinitVariant(level, make()) for level in OPT_LEVELS]
+    # O4 with PyTorch's own op lists is like-for-like with native autocast; the default (Apex's lists) also
+    # runs layer_norm, gelu, softmax... in fp32, which costs casts and buys fp32 numerics.
+    variants.append(AmpinitVariant("O4", make(), cast_policy="native"))
     return variants
 
 
@@ -331,7 +337,13 @@ def mlp_targets(rows: dict[str, dict[str, Any]]) -> list[Target]:
     return [
         target("O5 speedup over native autocast bf16 (autocast ms / O5 ms)", AUTOCAST_BF16, "ampinit O5", 1.05, True),
         target("O5 cost over pure bf16 (O5 ms / pure bf16 ms)", "ampinit O5", PURE_BF16, 1.10, False),
-        target("O4 cost over native autocast bf16 (O4 ms / autocast ms)", "ampinit O4", AUTOCAST_BF16, 1.03, False),
+        target(
+            "O4 native lists cost over native autocast bf16 (O4 ms / autocast ms)",
+            "ampinit O4 native lists",
+            AUTOCAST_BF16,
+            1.03,
+            False,
+        ),
     ]
 
 
