@@ -196,13 +196,17 @@ class CastPolicy:
     @contextlib.contextmanager
     def suspended(self) -> Iterator[None]:
         """No casting inside; the previous state comes back on exit, also when the body raises."""
+        # Flipping the thread's autocast flags directly: a ``torch.autocast`` object per device costs tens of
+        # microseconds, and this runs at least twice per training step (backward and optimizer step).
         self._local.suspended = getattr(self._local, "suspended", 0) + 1
+        saved = [(device, torch.is_autocast_enabled(device)) for device in self.device_types]
         try:
-            with contextlib.ExitStack() as stack:
-                for device in self.device_types:
-                    stack.enter_context(torch.autocast(device, enabled=False))
-                yield
+            for device, _ in saved:
+                torch.set_autocast_enabled(device, False)
+            yield
         finally:
+            for device, enabled in saved:
+                torch.set_autocast_enabled(device, enabled)
             self._local.suspended -= 1
 
     def clear_cache(self) -> None:
@@ -215,24 +219,36 @@ class CastPolicy:
 
         def enter(module: torch.nn.Module, args: Any) -> None:
             stack = self._thread_stack()
-            contexts = contextlib.ExitStack()
             if not stack:
                 # Weights may have changed since the last forward outside the optimizer (``load_state_dict``
                 # between eval forwards, a manual update): casts live for one outermost forward at most.
                 self.clear_cache()
-            stack.append(contexts)
             if getattr(self._local, "suspended", 0):  # a forward inside disable_casts() stays uncast
+                stack.append(None)
                 return
-            for device in self.device_types:
-                contexts.enter_context(torch.autocast(device, dtype=self.dtype))
-            scopes = _scope_stack()
-            scopes.append(self)
-            contexts.callback(scopes.pop)
+            saved = [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in self.device_types]
+            for device, _, _ in saved:
+                torch.set_autocast_enabled(device, True)
+                torch.set_autocast_dtype(device, self.dtype)
+            # An open autocast region, as ``torch.autocast`` would count it: the weight-cast cache lives until
+            # the outermost one closes.
+            torch.autocast_increment_nesting()
+            _scope_stack().append(self)
+            stack.append(saved)
 
         def leave(module: torch.nn.Module, args: Any, output: Any) -> None:
             stack = self._thread_stack()
-            if stack:
-                stack.pop().close()
+            if not stack:
+                return
+            saved = stack.pop()
+            if saved is None:
+                return
+            _scope_stack().pop()
+            if torch.autocast_decrement_nesting() == 0:
+                torch.clear_autocast_cache()
+            for device, enabled, dtype in saved:
+                torch.set_autocast_enabled(device, enabled)
+                torch.set_autocast_dtype(device, dtype)
 
         # torch.compile runs the hooks eagerly (a region opened in one hook and closed in another cannot be
         # traced) and compiles the forward under the autocast state they set, on which it guards.
@@ -241,8 +257,9 @@ class CastPolicy:
             model.register_forward_hook(torch.compiler.disable(leave), always_call=True),  # type: ignore[no-untyped-call]
         ]
 
-    def _thread_stack(self) -> list[contextlib.ExitStack]:
-        stack: list[contextlib.ExitStack] | None = getattr(self._local, "stack", None)
+    def _thread_stack(self) -> list[list[tuple[str, bool, torch.dtype]] | None]:
+        """Per thread, per open model forward: the autocast state to restore (None: the forward was uncast)."""
+        stack: list[list[tuple[str, bool, torch.dtype]] | None] | None = getattr(self._local, "stack", None)
         if stack is None:
             stack = self._local.stack = []
         return stack
