@@ -15,7 +15,12 @@ from ampinit.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples" / "legacy_apex"
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+ENV = {
+    **os.environ,
+    "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    # gloo otherwise binds to the interface the hostname resolves to; the tests stay on loopback.
+    "GLOO_SOCKET_IFNAME": "lo",
+}
 
 
 def ampinit_run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
@@ -75,7 +80,8 @@ def _free_port() -> int:
 @pytest.mark.slow
 def test_simple_distributed_runs_unchanged_on_two_processes() -> None:
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+        f"--master_port={_free_port()}",
         "-m", "ampinit", "run", str(EXAMPLES / "distributed_data_parallel.py"), "--iterations", "50",
     ]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, env=ENV, timeout=300)

@@ -3,6 +3,7 @@ resume, no_sync accumulation, FSDP2 with O1/O4 (and the refusal of O2 on sharded
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -15,6 +16,8 @@ import torch
 from tests import _dist_worker
 
 ROOT = Path(__file__).resolve().parent.parent
+# gloo otherwise binds to the interface the hostname resolves to; these jobs stay on loopback.
+ENV = {**os.environ, "GLOO_SOCKET_IFNAME": "lo"}
 
 
 def free_port() -> int:
@@ -27,7 +30,7 @@ def free_port() -> int:
 def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("dist")
     command = [sys.executable, "-m", "tests._dist_worker", str(free_port()), str(out), *_dist_worker.SCENARIOS]
-    subprocess.run(command, cwd=ROOT, check=True, timeout=300)
+    subprocess.run(command, cwd=ROOT, env=ENV, check=True, timeout=300)
     return out
 
 
@@ -92,8 +95,10 @@ def test_fsdp2_refuses_weight_casting_levels(results: Path) -> None:
 
 def test_ddp_example_under_torchrun() -> None:
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
         "examples/distributed/train_ddp.py", "--opt-level", "O2", "--steps", "30",
     ]  # fmt: skip
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=240, check=True)
+    result = subprocess.run(command, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
     assert "ranks agree: True" in result.stdout, result.stdout + result.stderr
