@@ -38,7 +38,8 @@ def main() -> None:
         optimizer.step()
         if step % 50 == 0 or step == args.steps - 1:
             stats = amp.stats()
-            print(f"step {step:4d}  loss {loss.item():.4f}  scale {stats.loss_scales[0]:.0f}  skipped {stats.skipped_steps}")
+            scale, skipped = stats.loss_scales[0], stats.skipped_steps
+            print(f"step {step:4d}  loss {loss.item():.4f}  scale {scale:.0f}  skipped {skipped}")
 
     accuracy = ((model(x) > 0).float() == y).float().mean().item()
     print(f"weights: {next(model.parameters()).dtype}, masters: {next(amp.master_params(optimizer)).dtype}")
