@@ -30,7 +30,8 @@ setup(
     extras_require={
         # `ampinit migrate` rewrites source with libcst; nothing else needs it.
         "migrate": ["libcst>=1.1"],
-        "test": ["pytest>=7", "hypothesis>=6", "libcst>=1.1"],
+        # numpy: torch warns at import without it, and pytest turns warnings into errors.
+        "test": ["pytest>=7", "hypothesis>=6", "libcst>=1.1", "numpy"],
         "dev": ["mypy>=1.8", "ruff>=0.4"],
     },
     entry_points={"console_scripts": ["ampinit=ampinit.cli:main"]},
