@@ -1,4 +1,4 @@
-"""Small, deterministic training workloads for the amp benchmarks (and, later, ``ampinit demo``).
+"""Small, deterministic training workloads for `ampinit demo` and the amp benchmarks.
 
 Each builder returns a :class:`Workload`, a named tuple that unpacks as ``(model, inputs, target, loss_fn)``:
 
@@ -14,6 +14,8 @@ on the same starting point). The models use only standard layers, so every opt l
 * :func:`make_checkerboard`: a per-pixel network of 1x1 convolutions with BatchNorm that learns to draw an
   8 x 8 checkerboard from (x, y) coordinates: a mix of small matmuls and memory-bound BatchNorm/activation
   work, and BatchNorm is what O2/O5 keep in fp32.
+* :func:`make_classifier`: a synthetic classification dataset (train and held-out split) with an MLP to learn
+  it, for ``ampinit demo``: unlike the fixed-batch workloads it has a test set, so accuracy means something.
 """
 
 from __future__ import annotations
@@ -51,7 +53,8 @@ class MLP(nn.Module):
         self.head = nn.Linear(features, outputs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.body(x))
+        logits: torch.Tensor = self.head(self.body(x))
+        return logits
 
 
 def make_mlp(
@@ -128,7 +131,8 @@ class CheckerboardNet(nn.Module):
         self.net = nn.Sequential(*layers)
 
     def forward(self, coords: torch.Tensor) -> torch.Tensor:
-        return self.net(coords)
+        logits: torch.Tensor = self.net(coords)
+        return logits
 
 
 def coordinate_grid(height: int, width: int) -> torch.Tensor:
@@ -185,6 +189,66 @@ def make_checkerboard(
         jitter = (torch.rand(batch_size, 2, grid, grid) - 0.5) * (2.0 / grid)
     coords = (coordinate_grid(grid, grid) + jitter).clamp(-1.0, 1.0)
     return Workload(model, coords, checkerboard(coords, squares), nn.BCEWithLogitsLoss())
+
+
+# -- (c) classifier on a synthetic dataset ------------------------------------------------------------------
+class Classifier(NamedTuple):
+    """A model and a labelled dataset: train on ``(train_inputs, train_target)``, measure on the test split."""
+
+    model: nn.Module
+    train_inputs: torch.Tensor
+    train_target: torch.Tensor
+    test_inputs: torch.Tensor
+    test_target: torch.Tensor
+    loss_fn: LossFn
+
+
+def make_classifier(
+    seed: int = 0,
+    *,
+    train_size: int = 8192,
+    test_size: int = 2048,
+    in_features: int = 16,
+    hidden: int = 512,
+    depth: int = 3,
+    num_classes: int = 10,
+) -> Classifier:
+    """Gaussian points labelled by a fixed random two-layer "teacher" network, and an MLP to learn the labels.
+
+    The labels are the teacher's argmax, a nonlinear function of the input: learnable, but not in a few steps.
+    The model is ``Linear(in_features, hidden)`` followed by :class:`MLP` (``depth`` blocks of ``hidden``
+    features) and a ``num_classes`` head; the loss is cross-entropy.
+
+    Args:
+        seed: determines the weights, the points and the teacher.
+        train_size, test_size: points in each split.
+        in_features: dimension of the points.
+        hidden, depth: width and number of Linear + LayerNorm + GELU blocks of the model.
+        num_classes: number of labels.
+    """
+    _check_positive(
+        train_size=train_size,
+        test_size=test_size,
+        in_features=in_features,
+        hidden=hidden,
+        depth=depth,
+        num_classes=num_classes,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(in_features, hidden), MLP(hidden, depth, num_classes))
+        inputs = torch.randn(train_size + test_size, in_features)
+        teacher_in = torch.randn(in_features, 4 * num_classes) / math.sqrt(in_features)
+        teacher_out = torch.randn(4 * num_classes, num_classes)
+    labels = (torch.tanh(inputs @ teacher_in) @ teacher_out).argmax(dim=1)
+    return Classifier(
+        model,
+        inputs[:train_size],
+        labels[:train_size],
+        inputs[train_size:],
+        labels[train_size:],
+        nn.CrossEntropyLoss(),
+    )
 
 
 def _check_positive(**values: int) -> None:

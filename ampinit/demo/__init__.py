@@ -1,0 +1,13 @@
+"""``ampinit demo``: small tasks trained once per opt level, with a table, JSON, Markdown and a PNG.
+
+Run it as ``ampinit demo`` or ``python -m ampinit.demo`` (``--quick`` for a 30-second version); from Python::
+
+    from ampinit.demo import DemoConfig, run_demo
+    report = run_demo(DemoConfig(levels=("O0", "O5"), out=Path("out")))
+
+The task builders (also used by the benchmarks) are in :mod:`ampinit.demo.tasks`.
+"""
+
+from ampinit.demo.run import DemoConfig, DemoReport, RunResult, TaskReport, quick_config, run_demo
+
+__all__ = ["DemoConfig", "DemoReport", "RunResult", "TaskReport", "quick_config", "run_demo"]

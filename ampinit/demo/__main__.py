@@ -1,0 +1,5 @@
+import sys
+
+from ampinit.demo.cli import main
+
+sys.exit(main())

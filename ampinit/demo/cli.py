@@ -1,0 +1,183 @@
+"""The ``demo`` and ``doctor`` subcommands, for ``ampinit`` (``ampinit/cli.py``) and ``python -m ampinit.demo``.
+
+``add_demo_parser(subparsers)`` and ``add_doctor_parser(subparsers)`` each register one subcommand on an
+``argparse`` subparsers object and set ``func``: ``args.func(args)`` runs it and returns the exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from ampinit.demo.run import OPT_LEVELS, TASKS, DemoConfig, check_levels, quick_config, run_demo
+
+DEMO_DESCRIPTION = (
+    "Train a checkerboard CNN and an MLP classifier on built-in synthetic data once per opt level, print a table per "
+    "task (dtypes, final loss, accuracy, ms/step, speedup vs O0, peak memory, skipped steps, loss scale) and write "
+    "it as JSON and Markdown, with a PNG of the loss curves and the drawn checkerboards (PNG needs matplotlib)."
+)
+DOCTOR_DESCRIPTION = (
+    "Print the torch version, devices, autocast dtypes, whether bf16/fp16 matmuls are faster than fp32 here "
+    "(a short micro-benchmark), whether fused optimizers run here, and the recommended opt level."
+)
+
+
+def _level_list(text: str) -> tuple[str, ...]:
+    levels = tuple(dict.fromkeys(part.strip().upper() for part in text.replace(" ", ",").split(",") if part.strip()))
+    try:
+        check_levels(levels)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return levels
+
+
+def _task_list(text: str) -> tuple[str, ...]:
+    tasks = tuple(dict.fromkeys(part.strip() for part in text.replace(" ", ",").split(",") if part.strip()))
+    unknown = [task for task in tasks if task not in TASKS]
+    if unknown or not tasks:
+        raise argparse.ArgumentTypeError(f"unknown task {(unknown or [text])[0]!r}; allowed: {', '.join(TASKS)}")
+    return tasks
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
+    return value
+
+
+def configure_demo_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the demo's options to ``parser`` and set ``func``."""
+    levels = ",".join(OPT_LEVELS)
+    parser.add_argument(
+        "--levels", type=_level_list, default=OPT_LEVELS, help=f"comma-separated opt levels (default {levels})"
+    )
+    parser.add_argument(
+        "--tasks", type=_task_list, default=TASKS, help=f"comma-separated tasks (default {','.join(TASKS)})"
+    )
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where to train (default cpu)")
+    parser.add_argument(
+        "--out", type=Path, default=Path("ampinit-demo"), help="output directory (default ./ampinit-demo/)"
+    )
+    parser.add_argument("--quick", action="store_true", help="small tasks and 100 steps: under 30 seconds on a CPU")
+    parser.add_argument("--steps", type=_positive_int, help="steps per run (default 300, --quick 100)")
+    parser.add_argument(
+        "--fp16-steps",
+        type=_positive_int,
+        help="steps for O1-O3 (default: --steps, or --steps / 20 on a CPU without fp16 hardware)",
+    )
+    parser.add_argument(
+        "--time-budget",
+        type=_positive_float,
+        metavar="SECONDS",
+        help="training time for all runs together; a run that uses up its share stops early and says so "
+        "(default 140, --quick 12)",
+    )
+    parser.add_argument("--threads", type=_positive_int, help="torch CPU threads (default: torch's default)")
+    parser.add_argument("--seed", type=int, default=0, help="seed for weights and data (default 0)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    parser.set_defaults(func=demo_command)
+    return parser
+
+
+def add_demo_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``demo`` on an ``argparse`` subparsers object (``parser.add_subparsers()``)."""
+    parser = subparsers.add_parser(
+        "demo", help="train small models at every opt level and compare them", description=DEMO_DESCRIPTION
+    )
+    return configure_demo_parser(parser)
+
+
+def demo_config(args: argparse.Namespace) -> DemoConfig:
+    """The :class:`DemoConfig` that parsed demo options describe."""
+    settings: dict[str, Any] = {
+        "levels": args.levels,
+        "tasks": args.tasks,
+        "device": args.device,
+        "out": args.out,
+        "seed": args.seed,
+        "threads": args.threads,
+        "fp16_steps": args.fp16_steps,
+        "progress": not args.no_progress,
+        "plot": not args.no_plot,
+    }
+    if args.steps is not None:
+        settings["steps"] = args.steps
+    if args.time_budget is not None:
+        settings["time_budget_s"] = args.time_budget
+    return quick_config(**settings) if args.quick else DemoConfig(**settings)
+
+
+def demo_command(args: argparse.Namespace) -> int:
+    try:
+        config = demo_config(args)
+        run_demo(config)
+    except (ValueError, RuntimeError) as error:
+        sys.stderr.write(f"ampinit demo: error: {error}\n")
+        return 2
+    return 0
+
+
+def configure_doctor_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the doctor's options to ``parser`` and set ``func``."""
+    parser.add_argument(
+        "--budget",
+        type=_positive_float,
+        default=1.0,
+        metavar="SECONDS",
+        help="time for the matmul micro-benchmark (default 1)",
+    )
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.set_defaults(func=doctor_command)
+    return parser
+
+
+def add_doctor_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``doctor`` on an ``argparse`` subparsers object (``parser.add_subparsers()``)."""
+    parser = subparsers.add_parser(
+        "doctor",
+        help="what this machine offers for mixed precision, and which level to use",
+        description=DOCTOR_DESCRIPTION,
+    )
+    return configure_doctor_parser(parser)
+
+
+def doctor_command(args: argparse.Namespace) -> int:
+    from ampinit.doctor import diagnose, format_report
+
+    report = diagnose(budget_s=args.budget)
+    text = json.dumps(report.as_dict(), indent=1) if args.json else format_report(report)
+    sys.stdout.write(text + "\n")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m ampinit.demo [options]``: the demo; ``python -m ampinit.demo doctor``: the doctor."""
+    arguments = sys.argv[1:] if argv is None else argv
+    if arguments[:1] == ["doctor"]:
+        parser = configure_doctor_parser(argparse.ArgumentParser(prog="python -m ampinit.demo doctor"))
+        arguments = arguments[1:]
+    else:
+        parser = configure_demo_parser(
+            argparse.ArgumentParser(prog="python -m ampinit.demo", description=DEMO_DESCRIPTION)
+        )
+    args = parser.parse_args(arguments)
+    result: int = args.func(args)
+    return result
