@@ -563,8 +563,11 @@ def plan_steps(config: DemoConfig, level: str, fp16_emulated: bool) -> int:
     return max(MIN_STEPS + 2, config.steps // 20) if fp16_emulated else config.steps
 
 
-def run_demo(config: DemoConfig, stream: TextIO = sys.stdout, progress_stream: TextIO = sys.stderr) -> DemoReport:
-    """Run every task at every level, print the tables to ``stream``, write JSON, Markdown and PNG to ``out``."""
+def run_demo(config: DemoConfig, stream: TextIO | None = None, progress_stream: TextIO | None = None) -> DemoReport:
+    """Run every task at every level, print the tables to ``stream`` (stdout) and the progress bars to
+    ``progress_stream`` (stderr), and write JSON, Markdown and PNG into ``config.out``."""
+    stream = sys.stdout if stream is None else stream
+    progress_stream = sys.stderr if progress_stream is None else progress_stream
     started = time.perf_counter()
     device = torch.device(config.device)
     if device.type == "cuda" and not torch.cuda.is_available():
