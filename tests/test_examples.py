@@ -1,0 +1,151 @@
+"""Every example runs and shows what it claims, checked against a reference run (fp32, or the same data another way).
+
+All example runs share one subprocess (one torch import): each script runs there as ``__main__`` with its own
+``sys.argv``, as ``python examples/NAME.py ARGS`` would. One example also runs on its own, to prove that works.
+(``o2_master_weights.py`` is tested in test_docs.py.)
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+RUNS: dict[str, list[str]] = {
+    "o1 O1": ["o1_basic.py", "--steps", "60"],
+    "o1 O0": ["o1_basic.py", "--steps", "60", "--opt-level", "O0"],
+    "o5": ["o5_bf16.py", "--steps", "150"],
+    "accumulate O0 4x16": ["gradient_accumulation.py", "--opt-level", "O0", "--steps", "20"],
+    "accumulate O0 1x64": [
+        "gradient_accumulation.py",
+        "--opt-level",
+        "O0",
+        "--steps",
+        "20",
+        "--accumulate",
+        "1",
+        "--micro-batch",
+        "64",
+    ],
+    "accumulate O2 4x16": ["gradient_accumulation.py", "--opt-level", "O2", "--steps", "20"],
+    "clip O0": ["gradient_clipping.py", "--opt-level", "O0", "--steps", "20"],
+    "clip O2": ["gradient_clipping.py", "--opt-level", "O2", "--steps", "20"],
+    "gan O2": ["multiple_losses_gan.py", "--opt-level", "O2", "--steps", "300"],
+    "resume O2": ["checkpoint_resume.py", "--opt-level", "O2", "--steps", "10"],
+    "resume O5": ["checkpoint_resume.py", "--opt-level", "O5", "--steps", "10"],
+    "custom O4": ["custom_functions.py", "--opt-level", "O4"],
+}
+
+RUNNER = r"""
+import contextlib, io, json, runpy, sys, traceback
+results = {}
+for key, (script, *args) in json.loads(sys.argv[1]).items():
+    out = io.StringIO()
+    sys.argv = [script, *args]
+    error = None
+    with contextlib.redirect_stdout(out):
+        try:
+            runpy.run_path(script, run_name="__main__")
+        except BaseException:
+            error = traceback.format_exc()
+    results[key] = {"stdout": out.getvalue(), "error": error}
+sys.stdout.write(json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def outputs() -> dict[str, str]:
+    runs = {key: [f"examples/{script}", *args] for key, (script, *args) in RUNS.items()}
+    done = subprocess.run(
+        [sys.executable, "-c", RUNNER, json.dumps(runs)], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    results = json.loads(done.stdout)
+    return {key: result["stdout"] + (result["error"] or "") for key, result in results.items()}
+
+
+def number(text: str, pattern: str) -> float:
+    found = re.search(pattern, text)
+    assert found is not None, f"{pattern!r} not in:\n{text}"
+    return float(found.group(1))
+
+
+def test_every_example_is_tested() -> None:
+    scripts = {path.name for path in (ROOT / "examples").glob("*.py")}
+    assert scripts == {script for script, *_ in RUNS.values()} | {"o2_master_weights.py"}
+
+
+@pytest.mark.parametrize("key", list(RUNS))
+def test_example_ran(outputs: dict[str, str], key: str) -> None:
+    assert "Traceback" not in outputs[key], outputs[key]
+
+
+def test_o1_casts_matmuls_to_fp16_and_learns_like_fp32(outputs: dict[str, str]) -> None:
+    o1, o0 = outputs["o1 O1"], outputs["o1 O0"]
+    assert "weights: torch.float32, logits: torch.float16, loss: torch.float32" in o1
+    assert "weights: torch.float32, logits: torch.float32, loss: torch.float32" in o0
+    assert number(o1, r"train accuracy ([0-9.]+)") > 0.95
+    final = r"final loss ([0-9.]+)"
+    assert number(o1, final) == pytest.approx(number(o0, final), rel=0.1)
+
+
+def test_o5_follows_fp32_where_plain_bf16_stalls(outputs: dict[str, str]) -> None:
+    text = outputs["o5"]
+    assert "O5 weights: torch.bfloat16, master weights: torch.float32" in text
+    fp32, o5 = number(text, r"O0 +final loss ([0-9.]+)"), number(text, r"O5 +final loss ([0-9.]+)")
+    plain = number(text, r"pure bf16 final loss ([0-9.]+)")
+    assert o5 == pytest.approx(fp32, rel=0.01)
+    assert plain > 1.1 * fp32
+
+
+def test_accumulated_steps_equal_full_batch_steps(outputs: dict[str, str]) -> None:
+    final = r"final loss ([0-9.]+)"
+    reference = number(outputs["accumulate O0 1x64"], final)
+    assert number(outputs["accumulate O0 4x16"], final) == pytest.approx(reference, rel=1e-5)
+    assert number(outputs["accumulate O2 4x16"], final) == pytest.approx(reference, rel=1e-3)
+    assert "optimizer steps 20, skipped 0, loss scale 65536" in outputs["accumulate O2 4x16"]
+
+
+def test_clipping_sees_the_unscaled_norm(outputs: dict[str, str]) -> None:
+    # Skipped steps leave the weights alone, so O2's first applied step starts where O0's first step did.
+    pattern = r"first applied step \(\d+\): ([0-9.]+)"
+    assert number(outputs["clip O2"], pattern) == pytest.approx(number(outputs["clip O0"], pattern), rel=1e-3)
+    assert number(outputs["clip O2"], r"skipped (\d+) steps") >= 1  # the fp16 scale settles first
+
+
+def test_gan_keeps_one_scale_per_loss_and_learns(outputs: dict[str, str]) -> None:
+    text = outputs["gan O2"]
+    found = re.search(r"loss scales \(D real, D fake, G\): (\S+), (\S+), (\S+)", text)
+    assert found is not None, text
+    assert all(1 <= float(scale) <= 65536 for scale in found.groups())
+    mean = re.search(r"generated mean \((\S+), (\S+)\)", text)
+    assert mean is not None
+    assert abs(float(mean.group(1)) - 2.0) < 0.4 and abs(float(mean.group(2)) + 1.0) < 0.4
+
+
+@pytest.mark.parametrize("level", ["O2", "O5"])
+def test_resume_is_bitwise(outputs: dict[str, str], level: str) -> None:
+    assert "resumed run identical to the uninterrupted run: True" in outputs[f"resume {level}"]
+
+
+def test_custom_functions_under_o4(outputs: dict[str, str]) -> None:
+    under, after = outputs["custom O4"].split("after amp.deinitialize()")
+    assert "mylib.normalize_rows got torch.float32" in under
+    assert "mylib.mix got torch.bfloat16, torch.bfloat16" in under
+    assert "gated (decorated with half_function) got torch.bfloat16, torch.bfloat16" in under
+    assert "(originals restored: True, no policy)" in after
+    assert "bfloat16" not in after
+
+
+def test_an_example_runs_on_its_own() -> None:
+    done = subprocess.run(
+        [sys.executable, "examples/custom_functions.py"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert "mylib.mix got torch.float16, torch.float16" in done.stdout
