@@ -86,7 +86,7 @@ def test_json_says_what_ran(saved: dict[str, Any]) -> None:
             assert (run["compute_dtype"], run["weight_dtype"]) == (COMPUTE[level], WEIGHTS[level].split(" +")[0])
             assert run["master_weights"] == (level in ("O2", "O5"))
             emulated_fp16 = level in FP16_LEVELS and env["fp16_emulated"]
-            assert run["planned_steps"] == (5 if emulated_fp16 else 100)
+            assert run["planned_steps"] == (10 if emulated_fp16 else 100)
             assert run["steps"] == len(run["losses"]) and 3 <= run["steps"] <= run["planned_steps"]
             assert run["stopped_by_budget"] == (run["steps"] < run["planned_steps"])
             assert 0 <= run["skipped_steps"] <= run["steps"]
@@ -241,7 +241,7 @@ def test_config_errors_name_the_value() -> None:
 
 @pytest.mark.parametrize(
     ("level", "emulated", "fp16_steps", "expected"),
-    [("O0", True, None, 300), ("O1", True, None, 15), ("O2", False, None, 300), ("O3", True, 40, 40)],
+    [("O0", True, None, 300), ("O1", True, None, 30), ("O2", False, None, 300), ("O3", True, 40, 40)],
 )
 def test_fp16_levels_run_fewer_steps_only_where_fp16_is_emulated(
     level: str, emulated: bool, fp16_steps: int | None, expected: int

@@ -46,3 +46,22 @@ def test_master_weights_example_trains(level: str) -> None:
     )
     accuracy = float(re.search(r"train accuracy ([0-9.]+)", result.stdout).group(1))  # type: ignore[union-attr]
     assert accuracy > 0.9, result.stdout
+
+
+def test_readme_opens_with_the_demo_and_the_test_command() -> None:
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    first_block = re.search(r"```bash\n(.*?)```", text, re.S)
+    assert first_block is not None
+    commands = [line for line in first_block.group(1).splitlines() if not line.startswith("#")]
+    assert commands == [
+        'pip install torch==2.13.0 && pip install -e ".[demo]" && ampinit demo',
+        'pip install torch==2.13.0 && pip install -e ".[test,dev]" && python -m pytest -q',
+    ]
+
+
+def test_quickstart_example_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    text = (ROOT / "docs" / "quickstart.md").read_text(encoding="utf-8")
+    example = re.search(r"## 3\. Add amp to a training loop\n.*?```python\n(.*?)```", text, re.S)
+    assert example is not None
+    exec(compile(example.group(1), "quickstart example", "exec"), {})
+    assert "AmpStats(steps=10, skipped_steps=0, last_step_skipped=False" in capsys.readouterr().out

@@ -80,7 +80,7 @@ def configure_demo_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     parser.add_argument(
         "--fp16-steps",
         type=_positive_int,
-        help="steps for O1-O3 (default: --steps, or --steps / 20 on a CPU without fp16 hardware)",
+        help="steps for O1-O3 (default: --steps, or --steps / 10 on a CPU without fp16 hardware)",
     )
     parser.add_argument(
         "--time-budget",

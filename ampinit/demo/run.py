@@ -555,12 +555,12 @@ def _cpu_model() -> str:
 
 
 def plan_steps(config: DemoConfig, level: str, fp16_emulated: bool) -> int:
-    """Steps for one run: ``config.steps``, or for O1-O3 on emulated fp16 ``fp16_steps`` (default steps / 20)."""
+    """Steps for one run: ``config.steps``, or for O1-O3 on emulated fp16 ``fp16_steps`` (default steps / 10)."""
     if level not in FP16_LEVELS:
         return config.steps
     if config.fp16_steps is not None:
         return config.fp16_steps
-    return max(MIN_STEPS + 2, config.steps // 20) if fp16_emulated else config.steps
+    return max(MIN_STEPS + 2, config.steps // 10) if fp16_emulated else config.steps
 
 
 def run_demo(config: DemoConfig, stream: TextIO | None = None, progress_stream: TextIO | None = None) -> DemoReport:
@@ -750,7 +750,7 @@ def write_png(report: DemoReport, path: Path) -> None:
 
     boards = next((task for task in report.tasks if task.target is not None), None)
     columns = max(len(report.tasks), 1 + (len(boards.runs) if boards else 0))
-    figure = Figure(figsize=(max(8.0, 1.9 * columns), 6.0 if boards else 3.6), layout="constrained")
+    figure = Figure(figsize=(max(8.0, 1.9 * columns), 5.6 if boards else 3.6), layout="constrained")
     grid = figure.add_gridspec(2 if boards else 1, columns * len(report.tasks))
     for index, task in enumerate(report.tasks):
         axes = figure.add_subplot(grid[0, index * columns : (index + 1) * columns])
