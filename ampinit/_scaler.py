@@ -9,6 +9,7 @@ overflow (never below ``min_scale``) and doubles after ``growth_interval`` clean
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -18,6 +19,10 @@ from ampinit._loss_scale import DynamicLossScale
 
 # A growth interval no step count reaches: static scalers count clean steps but never grow.
 _NEVER = 2**31 - 1
+
+
+def _is_power_of_two(value: float) -> bool:
+    return value > 0 and math.isfinite(value) and math.frexp(value)[0] == 0.5
 
 
 class LossScaleAtMinimumError(FloatingPointError):
@@ -48,10 +53,26 @@ class LossScaler:
     def dynamic(self) -> bool:
         return self.config is not None
 
+    def unscales_exactly_in(self, dtype: torch.dtype) -> bool:
+        """Whether multiplying ``dtype`` grads by ``1/scale`` in ``dtype`` itself loses nothing.
+
+        True for a static scale of 1 (only the inf/NaN check remains), and for bfloat16 whenever every scale
+        this scaler can take is a power of two: bf16 has fp32's exponent range, so such a multiply only moves
+        the exponent. fp16's narrow range would flush small grads to zero, so fp16 is unscaled after widening.
+        """
+        if self.config is None and self._host_scale == 1.0:
+            return True
+        return dtype == torch.bfloat16 and self._powers_of_two
+
     @property
-    def unit(self) -> bool:
-        """A static scale of exactly 1: unscaling is only the inf/NaN check."""
-        return self.config is None and self._host_scale == 1.0
+    def _powers_of_two(self) -> bool:
+        if self.config is None:
+            return _is_power_of_two(self._host_scale)
+        cfg = self.config
+        return all(
+            _is_power_of_two(v)
+            for v in (self._host_scale, cfg.growth_factor, cfg.backoff_factor, cfg.max_scale, cfg.min_scale or 1.0)
+        )
 
     @property
     def device(self) -> torch.device | None:

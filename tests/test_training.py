@@ -120,12 +120,21 @@ def reference_master_training(
     return model
 
 
-@pytest.mark.parametrize(("level", "scale"), [("O2", 128.0), ("O5", 1.0), ("O2", 1.0)])
-def test_master_weight_levels_match_a_plain_reimplementation(level: str, scale: float) -> None:
+@pytest.mark.parametrize(
+    ("level", "dtype", "scale"),
+    [
+        ("O2", torch.float16, 128.0),
+        ("O2", torch.float16, 1.0),
+        ("O5", torch.bfloat16, 1.0),
+        ("O5", torch.bfloat16, 3.0),  # not a power of two: unscaled after widening
+        ("O2", torch.bfloat16, 1024.0),  # a power of two on bf16: unscaled before widening, still exact
+    ],
+)
+def test_master_weight_levels_match_a_plain_reimplementation(level: str, dtype: torch.dtype, scale: float) -> None:
     model, x, y = make_problem()
-    ref = reference_master_training(model, HALF[level], x, y, 6, scale)
+    ref = reference_master_training(model, dtype, x, y, 6, scale)
     opt = torch.optim.SGD(model.parameters(), 0.05, momentum=0.9)
-    amp.initialize(model, opt, opt_level=level, loss_scale=scale, verbosity=0)
+    amp.initialize(model, opt, opt_level=level, cast_model_type=dtype, loss_scale=scale, verbosity=0)
     amp_train(model, opt, x, y, 6)
     for p, r in zip(model.parameters(), ref.parameters()):
         assert p.dtype == r.dtype
