@@ -643,9 +643,10 @@ def _header(report: DemoReport) -> str:
     if env["device"] == "cpu":
         slow = env["fp16_matmul_slowdown_vs_fp32"]
         if env["fp16_emulated"]:
+            fewer = any(level in FP16_LEVELS for level in report.config["levels"])
             lines.append(
-                f"fp16 matmuls run {slow:.0f}x slower than fp32 on this CPU (no fp16 hardware): "
-                "O1-O3 run fewer steps, compare them at equal steps in the loss curves"
+                f"fp16 matmuls run {slow:.0f}x slower than fp32 on this CPU (no fp16 hardware)"
+                + (": O1-O3 run fewer steps, compare levels at equal steps (loss @ N, loss curves)" if fewer else "")
             )
         else:
             lines.append(f"fp16 matmul time vs fp32 on this CPU: {slow:.2f}x")
