@@ -12,9 +12,9 @@ from pathlib import Path
 from setuptools import find_packages, setup
 
 _HERE = Path(__file__).parent
-_VERSION = re.search(
-    r'^__version__ = "([^"]+)"', (_HERE / "ampinit" / "_version.py").read_text(), re.MULTILINE
-).group(1)  # type: ignore[union-attr]
+_VERSION = re.search(r'^__version__ = "([^"]+)"', (_HERE / "ampinit" / "_version.py").read_text(), re.MULTILINE).group(
+    1
+)  # type: ignore[union-attr]
 
 setup(
     name="ampinit",
@@ -33,6 +33,8 @@ setup(
         # numpy: torch warns at import without it, and pytest turns warnings into errors.
         "test": ["pytest>=7", "hypothesis>=6", "libcst>=1.1", "numpy"],
         "dev": ["mypy>=1.8", "ruff>=0.4"],
+        # `ampinit demo` draws its PNG with matplotlib and shows progress with tqdm; it runs without both.
+        "demo": ["matplotlib", "tqdm"],
     },
     entry_points={"console_scripts": ["ampinit=ampinit.cli:main"]},
     classifiers=[

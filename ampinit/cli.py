@@ -2,7 +2,9 @@
 
 * ``ampinit run script.py [args...]``: run a script as ``python script.py args...`` would (``sys.argv``,
   ``__main__``, ``sys.path[0]``), with ``import apex`` / ``import amp_C`` resolving to ampinit's Apex aliases;
-* ``ampinit migrate PATH... [--write] [--diff] [--to ampinit|torch]``: rewrite Apex code (see docs/migration.md).
+* ``ampinit migrate PATH... [--write] [--diff] [--to ampinit|torch]``: rewrite Apex code (see docs/migration.md);
+* ``ampinit demo``: train two small tasks at every opt level and report measured figures (docs/quickstart.md);
+* ``ampinit doctor``: what this machine offers for mixed precision and which level to pick.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import sys
 from collections.abc import Sequence
 
 from ampinit._version import __version__
+from ampinit.demo.cli import add_demo_parser, add_doctor_parser
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
         default="ampinit",
         help="ampinit (default): Apex API -> ampinit; torch: O0/O1 single-loss code -> torch.autocast + GradScaler",
     )
+    add_demo_parser(commands)
+    add_doctor_parser(commands)
     return parser
 
 
@@ -67,6 +72,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     sys.stdout.write(result.diff)
         sys.stdout.write(report.summary(written=args.write) + "\n")
         return 0
+    if hasattr(args, "func"):  # demo, doctor
+        code: int = args.func(args)
+        return code
     parser.print_help(sys.stdout)
     return 0
 
