@@ -13,7 +13,7 @@ runs in three moves, each a constant number of multi-tensor kernels per (device,
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -196,9 +196,3 @@ class OptimizerGrads:
                 model_param.grad = None
         elif grads:
             torch._foreach_zero_(grads)
-
-
-def params_of(optimizers: Iterable[torch.optim.Optimizer]) -> Iterator[torch.Tensor]:
-    for optimizer in optimizers:
-        for group in optimizer.param_groups:
-            yield from group["params"]

@@ -24,11 +24,6 @@ def register(session: AmpSession, owned: list[object]) -> None:
         _owner[obj] = session
 
 
-def claim(session: AmpSession, obj: object) -> None:
-    """Record one more object (e.g. an optimizer param group's owner) as belonging to ``session``."""
-    _owner[obj] = session
-
-
 def unregister(session: AmpSession) -> None:
     if session in _live:
         _live.remove(session)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import warnings
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +25,7 @@ from ampinit._distributed import agree_on_overflow_
 from ampinit._loss_scale import DynamicLossScale
 from ampinit._master_weights import OptimizerGrads
 from ampinit._model_cast import ModelCast, plan
-from ampinit._opt_levels import Properties, describe
+from ampinit._opt_levels import LEVELS, Properties, describe
 from ampinit._scaler import LossScaleAtMinimumError, LossScaler
 from ampinit._types import HALF_DTYPES
 
@@ -87,7 +89,6 @@ class AmpSession:
             LossScaler(_scale_setting(properties, min_loss_scale, max_loss_scale), i) for i in range(num_losses)
         ]
         self._grads: dict[int, OptimizerGrads] = {}
-        self._model_casts: list[ModelCast] = []
         self._cast_policy: CastPolicy | None = None
         self._undo: list[Callable[[], None]] = []
         self._skip_pending: dict[int, bool] = {}
@@ -136,7 +137,6 @@ class AmpSession:
         output_dtype = (cast_model_outputs or torch.float32) if model_dtype is not None else cast_model_outputs
         for model in self.models:
             cast = ModelCast(model, model_dtype, keep_bn, output_dtype, self.master_for)
-            self._model_casts.append(cast)
             self._undo.append(functools.partial(cast.undo, self.master_for))
             cast.apply()
 
@@ -208,8 +208,6 @@ class AmpSession:
     def _log_properties(self) -> None:
         if self.verbosity < 1 or not self.properties.enabled:
             return
-        from ampinit._opt_levels import LEVELS
-
         lines = [
             f"Selected optimization level {LEVELS[self.properties.opt_level].brief}",
             "After processing overrides, optimization options are:",
@@ -461,8 +459,6 @@ class AmpSession:
 
     def state_dict(self, destination: dict[str, Any] | None = None) -> dict[str, Any]:
         """Apex's amp state: ``{'loss_scaler0': {'loss_scale': float, 'unskipped': int}, ...}``."""
-        from collections import OrderedDict
-
         out: dict[str, Any] = OrderedDict() if destination is None else destination
         if not self.enabled:
             return out
@@ -472,8 +468,6 @@ class AmpSession:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load :meth:`state_dict` output, following Apex's rules (entries are matched by position)."""
-        import warnings
-
         if not self.enabled:
             return
         if len(state_dict) != len(self.scalers):
