@@ -283,19 +283,40 @@ def _explicit_dtype(op: torch._ops.OpOverload) -> Callable[[tuple[Any, ...], dic
     return lambda args, kwargs: False
 
 
+def _tensor_arguments(op: torch._ops.OpOverload) -> tuple[list[int], list[str]]:
+    """Positions and names of the op's Tensor-typed arguments (``Tensor``, ``Tensor?``, ``Tensor[]``...).
+
+    Read once from the schema, so that a call casts only those instead of inspecting every argument.
+    """
+    positions, names = [], []
+    for position, argument in enumerate(op._schema.arguments):
+        if "Tensor" in str(argument.type):
+            positions.append(position)
+            names.append(argument.name)
+    return positions, names
+
+
 def make_kernel(op: torch._ops.OpOverload, policy: Policy, device_type: str) -> Callable[..., Any]:
     """The autocast kernel of ``op`` on ``device_type``: cast by ``policy``, then run ``op`` below autocast."""
     excluded = DispatchKeySet(getattr(DispatchKey, AUTOCAST_KEYS[device_type]))
     explicit_dtype = _explicit_dtype(op)
+    tensor_positions, tensor_names = _tensor_arguments(op)
 
     def run(args: Any, kwargs: dict[str, Any]) -> Any:
         with torch._C._ExcludeDispatchKeyGuard(excluded):
             return op(*args, **kwargs)
 
     def cast_and_run(dtype: torch.dtype, lower: bool, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        args = _functions.cast_all(args, dtype, device_type, lower=lower)
-        kwargs = {k: _functions.cast_all(v, dtype, device_type, lower=lower) for k, v in kwargs.items()}
-        return run(args, kwargs)
+        cast_args = list(args)
+        for position in tensor_positions:
+            if position < len(cast_args) and cast_args[position] is not None:
+                cast_args[position] = _functions.cast_all(cast_args[position], dtype, device_type, lower=lower)
+        if kwargs:
+            kwargs = {
+                k: _functions.cast_all(v, dtype, device_type, lower=lower) if k in tensor_names else v
+                for k, v in kwargs.items()
+            }
+        return run(cast_args, kwargs)
 
     def lower_kernel(*args: Any, **kwargs: Any) -> Any:
         if not _applies() or explicit_dtype(args, kwargs):

@@ -99,7 +99,8 @@ def cast_lower(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def cast_all(value: Any, dtype: torch.dtype, device_type: str, *, lower: bool = False) -> Any:
     """``value`` with every eligible tensor (also inside lists and tuples) cast to ``dtype``."""
     if isinstance(value, torch.Tensor):
-        if not eligible(value, device_type) or value.dtype == dtype:
+        # Cheapest tests first: this runs on every argument of every listed op under the Apex policy.
+        if value.dtype == dtype or not eligible(value, device_type):
             return value
         return cast_lower(value, dtype) if lower else value.to(dtype)
     if type(value) in (list, tuple) and value:
