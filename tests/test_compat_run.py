@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from ampinit.cli import main
+from tests._torchrun import run_job
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples" / "legacy_apex"
@@ -84,7 +85,7 @@ def test_simple_distributed_runs_unchanged_on_two_processes() -> None:
         f"--master_port={_free_port()}",
         "-m", "ampinit", "run", str(EXAMPLES / "distributed_data_parallel.py"), "--iterations", "50",
     ]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, env=ENV, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = run_job(command, cwd=ROOT, env=ENV, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert "final loss" in result.stdout
     assert result.stderr.count("delay_allreduce=True: torch's DDP overlaps the allreduce") == 2  # once per process

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from tests import _dist_worker
+from tests._torchrun import run_job
 
 ROOT = Path(__file__).resolve().parent.parent
 # gloo otherwise binds to the interface the hostname resolves to; these jobs stay on loopback.
@@ -99,6 +100,6 @@ def test_ddp_example_under_torchrun() -> None:
         f"--master_port={free_port()}",
         "examples/distributed/train_ddp.py", "--opt-level", "O2", "--steps", "30",
     ]  # fmt: skip
-    result = subprocess.run(command, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=240)
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = run_job(command, cwd=ROOT, env=ENV, timeout=240)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert "ranks agree: True" in result.stdout, result.stdout + result.stderr

@@ -56,6 +56,8 @@ def main() -> None:
     if rank == 0:
         print(f"ranks agree: {all(torch.equal(g, gathered[0]) for g in gathered)}; final loss {loss.item():.4f}")
     amp.deinitialize()
+    # Leave together: a rank that tears its process group down while another is still talking to it can abort.
+    dist.barrier()
     dist.destroy_process_group()
 
 

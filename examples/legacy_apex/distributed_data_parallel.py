@@ -66,4 +66,5 @@ if args.local_rank == 0:
     print("final loss = ", loss)
 
 if args.distributed:
+    torch.distributed.barrier()
     torch.distributed.destroy_process_group()
