@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
@@ -58,6 +58,14 @@ class FusedOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.set_grad_none = set_grad_none
         self.implementation: Implementation = implementation
+
+    @staticmethod
+    def _evaluate(closure: Callable[[], float] | None) -> float | None:
+        """The loss from ``closure`` (run with gradients enabled, as torch.optim does), or None."""
+        if closure is None:
+            return None
+        with torch.enable_grad():
+            return closure()
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:
         """Clear gradients: set them to None if ``set_grad_none`` (the constructor flag), else zero them.

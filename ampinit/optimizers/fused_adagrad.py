@@ -117,10 +117,7 @@ class FusedAdagrad(FusedOptimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """One Adagrad step over every group."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = self._evaluate(closure)
         update = adagrad_multi_tensor if self.implementation == "multi_tensor" else adagrad_single_tensor
         for group in self.param_groups:
             params = self._params_with_grads(group)

@@ -182,10 +182,7 @@ class FusedAdam(FusedOptimizer):
         """
         if any(arg is not None for arg in (grads, output_params, scale, grad_norms)):
             raise RuntimeError(_DEPRECATED_STEP_ARGS)
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = self._evaluate(closure)
         update = adam_multi_tensor if self.implementation == "multi_tensor" else adam_single_tensor
         for group in self.param_groups:
             device = group["params"][0].device

@@ -206,10 +206,7 @@ class FusedLAMB(FusedOptimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """One LAMB step over every group."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = self._evaluate(closure)
         groups = [(group, self._params_with_grads(group)) for group in self.param_groups]
         device = self.param_groups[0]["params"][0].device
         grad_norm = global_grad_norm([p.grad for _, params in groups for p in params], device)  # type: ignore[misc]

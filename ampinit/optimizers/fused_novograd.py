@@ -195,10 +195,7 @@ class FusedNovoGrad(FusedOptimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """One NovoGrad step over every group."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = self._evaluate(closure)
         for group in self.param_groups:
             self._step_group(group, self._params_with_grads(group))
         return loss
