@@ -344,6 +344,7 @@ def make_kernel(op: torch._ops.OpOverload, policy: Policy, device_type: str) -> 
         dtypes = _functions.floating_dtypes((*args, *kwargs.values()), device_type)
         if any(dtype in _LOWER_PRECISION for dtype in dtypes):
             if not policy.allow_banned:
+                # A deliberate refusal, with Apex's exception type and message (code may catch either).
                 raise NotImplementedError(BANNED_BCE_MESSAGE)
             return cast_and_run(torch.float32, False, args, kwargs)
         return run(args, kwargs)

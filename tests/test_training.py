@@ -368,14 +368,12 @@ def test_raise_at_min_scale() -> None:
     opt = torch.optim.SGD(model.parameters(), 0.1)
     config = ampinit.DynamicLossScale(init_scale=4.0, min_scale=2.0, raise_at_min=True)
     amp.initialize(model, opt, opt_level="O2", loss_scale=config, verbosity=0)
-    for expected_scale in (2.0, 2.0):
-        with amp.scale_loss(mse(model(x), y), opt) as scaled:
-            scaled.backward()
-            model.fc1.weight.grad[0, 0] = float("inf")
-        opt.step()
-        assert amp.stats().loss_scales == (expected_scale,)
-        if expected_scale == 2.0:
-            break
+    # The first overflow backs 4.0 off to the floor; the next one, at the floor, raises.
+    with amp.scale_loss(mse(model(x), y), opt) as scaled:
+        scaled.backward()
+        model.fc1.weight.grad[0, 0] = float("inf")
+    opt.step()
+    assert amp.stats().loss_scales == (2.0,)
     with (
         pytest.raises(ampinit.LossScaleAtMinimumError, match=re.escape("already at its minimum loss scale 2.0")),
         amp.scale_loss(mse(model(x), y), opt) as scaled,
@@ -419,8 +417,6 @@ def test_per_loss_scalers_follow_apex_trace() -> None:
     model, x, y = make_problem()
     opt = torch.optim.SGD(model.parameters(), 0.01)
     amp.initialize(model, opt, opt_level="O1", num_losses=2, verbosity=0)
-    loss_scale = ampinit.DynamicLossScale(init_scale=2.0**8)  # small enough that fp16 never overflows here
-    del loss_scale
     trace = []
     for i in range(3):
         opt.zero_grad()
