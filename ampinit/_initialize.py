@@ -19,7 +19,7 @@ from ampinit._types import HALF_DTYPES
 
 _PARALLEL_WRAPPERS: tuple[type, ...] = (nn.DataParallel, nn.parallel.DistributedDataParallel)
 _NOT_INITIALIZED = (
-    "Invoked 'with amp.scale_loss`, but internal Amp state has not been initialized.  "
+    "Invoked `with amp.scale_loss`, but internal Amp state has not been initialized.  "
     "model, optimizer = amp.initialize(model, optimizer, opt_level=...) must be called before `with amp.scale_loss`."
 )
 
@@ -44,6 +44,8 @@ def initialize(
     cast_policy: CastPolicyName = "apex",
     allow_banned: bool = False,
     sync_free: bool = False,
+    skip_nonfinite: bool = True,
+    allow_half_model: bool = False,
 ) -> Any:
     """Prepare models and optimizers for mixed-precision training at ``opt_level``.
 
@@ -72,12 +74,24 @@ def initialize(
             that can skip inside their own kernel (``torch.optim.Adam/AdamW/SGD/Adagrad(fused=True)`` and
             ``ampinit.optimizers``); other optimizers still read it once per step. Overflows are then not
             logged, and ``DynamicLossScale(raise_at_min=True)`` is refused.
+        skip_nonfinite: ``True`` (default): at every level, an ``optimizer.step()`` whose gradients from
+            ``scale_loss`` hold inf/NaN is skipped (weights and optimizer state unchanged), also with a static
+            loss scale and at O0/O3/O4. ``False``: a static loss scale behaves as in Apex, which never checks:
+            every step is taken, inf/NaN included (O0/O3/O4 then do nothing at ``scale_loss``). A dynamic
+            scale always skips overflowing steps, whatever this is.
+        allow_half_model: accept models whose weights or buffers are already fp16 (Apex's
+            ``_amp_state.allow_incoming_model_not_fp32``). By default an fp16 model is refused, as in Apex,
+            because it usually means ``.half()`` was called by mistake before ``initialize``; bf16 and fp32
+            weights are always accepted.
 
     Returns:
         The models and optimizers, in the shape they were given. Optimizers are the same objects; with master
         weights their param groups now hold fp32 masters.
     """
     _check_number("num_losses", num_losses, minimum=1, integer=True)
+    for name, flag in (("skip_nonfinite", skip_nonfinite), ("allow_half_model", allow_half_model)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be True or False, got {flag!r}")
     _check_number("verbosity", verbosity, minimum=0, integer=True)
     model_list, models_were_list = _as_list(
         models, nn.Module, "models must be either a single model or a list of models."
@@ -109,7 +123,7 @@ def initialize(
             raise ValueError(f"cast_policy must be one of {list(CAST_POLICIES)}, got {cast_policy!r}")
         if cast_model_outputs is not None and not isinstance(cast_model_outputs, torch.dtype):
             raise TypeError(f"cast_model_outputs must be a torch.dtype or None, got {cast_model_outputs!r}")
-        _check_models(model_list)
+        _check_models(model_list, allow_half_model)
         _check_sharding(model_list, properties)
         _check_optimizers(optimizer_list)
 
@@ -125,6 +139,7 @@ def initialize(
         cast_policy=cast_policy,
         allow_banned=bool(allow_banned),
         sync_free=bool(sync_free),
+        skip_nonfinite=skip_nonfinite,
     )
     return _same_shape(models, optimizers, model_list, optimizer_list, models_were_list, optimizers_were_list)
 
@@ -135,7 +150,12 @@ def _as_list(value: Any, kind: type, message: str) -> tuple[list[Any], bool]:
         return [value], False
     if isinstance(value, list) and all(isinstance(v, kind) for v in value):
         return list(value), True
-    raise TypeError(message)
+    wrong = next((v for v in value if not isinstance(v, kind)), value) if isinstance(value, list) else value
+    received = f"{type(wrong).__module__}.{type(wrong).__qualname__}"
+    hint = ""
+    if isinstance(wrong, (nn.Module, torch.optim.Optimizer)):
+        hint = " (are the arguments swapped? The order is amp.initialize(models, optimizers, ...))"
+    raise TypeError(f"{message} Received {received}{' in the list' if wrong is not value else ''}{hint}")
 
 
 def _as_optimizer_list(optimizers: Any) -> tuple[list[torch.optim.Optimizer], bool]:
@@ -174,7 +194,7 @@ def _check_loss_scale_bounds(setting: Any, min_loss_scale: float | None, max_los
         raise ValueError(f"min_loss_scale ({min_loss_scale!r}) must not exceed max_loss_scale ({max_loss_scale!r})")
 
 
-def _check_models(models: list[nn.Module]) -> None:
+def _check_models(models: list[nn.Module], allow_half_model: bool = False) -> None:
     for model in models:
         if isinstance(model, _PARALLEL_WRAPPERS):
             raise RuntimeError(
@@ -183,11 +203,13 @@ def _check_models(models: list[nn.Module]) -> None:
             )
         for kind, named in (("param", model.named_parameters()), ("buffer", model.named_buffers())):
             for name, tensor in named:
-                if tensor.dtype in HALF_DTYPES:
+                if tensor.dtype == torch.float16 and not allow_half_model:
                     raise RuntimeError(
                         f"Found {kind} {name} with type {tensor.type()}, expected torch.FloatTensor.\n"
                         "When using amp.initialize, you do not need to call .half() on your model\n"
-                        "before passing it, no matter what optimization level you choose."
+                        "before passing it, no matter what optimization level you choose.\n"
+                        "To train a model that is fp16 on purpose, pass allow_half_model=True (Apex: set "
+                        "amp._amp_state.allow_incoming_model_not_fp32 = True)."
                     )
 
 

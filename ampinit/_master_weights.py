@@ -13,12 +13,12 @@ runs in three moves, each a constant number of multi-tensor kernels per (device,
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-from ampinit import _multi_tensor
+from ampinit import _fused_step, _multi_tensor
 from ampinit._scaler import LossScaler
 from ampinit._types import HALF_DTYPES
 
@@ -143,13 +143,17 @@ class OptimizerGrads:
             _multi_tensor.add_(acc_dst, acc_src)
         else:
             _multi_tensor.copy_(copy_dst, copy_src)
+            scaler.unscale_([*copy_dst, *direct])
             if acc_dst:
                 # Master grads already hold unscaled values from an earlier backward. Bringing them to the
                 # current scale, adding the new scaled grads and unscaling the sum is exact for power-of-two
-                # scales (what dynamic scaling produces) and needs no fp32 temporary for the new grads.
+                # scales (what dynamic scaling produces) and needs no fp32 temporary for the new grads. Only
+                # this backward's grads are checked (Apex's rule): an inf kept from an earlier block was
+                # counted by that block's scaler, and must not make this one back off or skip again.
+                scaler.check_(acc_src)
                 _multi_tensor.mul_(acc_dst, scaler.scale_tensor)
                 _multi_tensor.add_(acc_dst, acc_src)
-            scaler.unscale_([*copy_dst, *acc_dst, *direct])
+                scaler.unscale_unchecked_(acc_dst)
         self._merge_stash()
         self.has_scaled_grads = False
         self.unscaled_since_step = True
@@ -179,10 +183,17 @@ class OptimizerGrads:
         """Whether half model grads exist that never went through ``scale_loss`` to their masters."""
         return not self.unscaled_since_step and any(p.grad is not None for p, _ in self.pairs())
 
-    def after_step(self, stepped: bool) -> None:
-        """Copy updated masters into the model (if the step ran) and release the master grads (as Apex does)."""
+    def fused_step(self, original: Callable[..., Any], found_inf: torch.Tensor | None) -> bool:
+        """Step the optimizer and write the half weights in one kernel per list, if it can (see ``_fused_step``)."""
+        return self.master_weights and _fused_step.try_step(self.optimizer, self._model_of, original, found_inf)
+
+    def after_step(self, stepped: bool, weights_written: bool = False) -> None:
+        """Copy updated masters into the model (if the step ran) and release the master grads (as Apex does).
+
+        ``weights_written``: the fused step already wrote the half weights.
+        """
         pairs = list(self.pairs())
-        if stepped and pairs:
+        if stepped and pairs and not weights_written:
             _multi_tensor.copy_([p for p, _ in pairs], [m for _, m in pairs])
         for _, master in pairs:
             master.grad = None

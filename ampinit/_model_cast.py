@@ -68,8 +68,12 @@ class ModelCast:
         keep_batchnorm_fp32: bool,
         output_dtype: torch.dtype | None,
         master_of: MasterLookup,
+        guard_device: bool = False,
     ) -> None:
         self.model = model
+        # Refuse a forward after the model moved devices (the session asks for it when fp32 masters would stay
+        # behind, or when a cast policy chose its devices from where the model was).
+        self.guard_device = guard_device
         self.dtype = dtype
         self.keep_batchnorm_fp32 = keep_batchnorm_fp32
         self.output_dtype = output_dtype
@@ -77,17 +81,27 @@ class ModelCast:
         # id(module) -> (module, {attribute name: (is a parameter, dtype before the cast)})
         self._original: dict[int, tuple[nn.Module, dict[str, tuple[bool, torch.dtype]]]] = {}
         self._handles: list[RemovableHandle] = []
+        # One parameter and the device it had at initialize(): a forward that finds it elsewhere means the model
+        # was moved after initialize(), leaving the fp32 masters (and the optimizer's state) on the old device.
+        self._probe: tuple[nn.Module, str, torch.device] | None = None
 
     # -- apply / undo -------------------------------------------------------------------------------------
     def apply(self) -> None:
+        if self.guard_device:
+            # Looked up by name at each check: a move between tensor types (to "meta", say) replaces Parameters.
+            for owner in self.model.modules():
+                name, probe = next(((n, p) for n, p in owner._parameters.items() if p is not None), ("", None))
+                if probe is not None:
+                    self._probe = (owner, name, probe.device)
+                    break
         if self.dtype is not None:
             self._cast_weights(self.dtype)
             self._handles.append(self.model.register_forward_pre_hook(self._cast_inputs, with_kwargs=True))
             for module in self.model.modules():
                 self._handles.append(_register_state_dict_post_hook(module, self._state_dict_to_original_dtype))
-                self._handles.append(
-                    module.register_load_state_dict_pre_hook(self._load_into_masters)  # type: ignore[no-untyped-call]
-                )
+                self._handles.append(_register_load_state_dict_pre_hook(module, self._load_into_masters))
+        elif self._probe is not None:
+            self._handles.append(self.model.register_forward_pre_hook(self._check_device))
         if self.output_dtype is not None:
             self._handles.append(self.model.register_forward_hook(self._cast_outputs))
 
@@ -110,6 +124,10 @@ class ModelCast:
                         buffer = module._buffers[name]
                         assert buffer is not None
                         module._buffers[name] = buffer.to(dtype)
+        if self._original:
+            # The weights got new storage: regroup RNN weights into one cuDNN buffer, or every later forward on
+            # CUDA warns that they are "not part of single contiguous chunk of memory" (and runs slower).
+            _flatten_rnns(self.model)
         self._original.clear()
 
     def _cast_weights(self, dtype: torch.dtype) -> None:
@@ -138,13 +156,25 @@ class ModelCast:
                     module._buffers[name] = converted_buffers[id(buffer)]
                 if originals:
                     self._original[id(module)] = (module, originals)
-            for module in self.model.modules():
-                if isinstance(module, nn.RNNBase):
-                    module.flatten_parameters()
+            _flatten_rnns(self.model)
 
     # -- hooks ----------------------------------------------------------------------------------------------
+    def _check_device(self, module: nn.Module, args: Any) -> None:
+        if self._probe is None:
+            return
+        owner, name, device = self._probe
+        param = owner._parameters.get(name)
+        if param is not None and param.device != device:
+            raise RuntimeError(
+                f"{type(module).__name__} was moved from {device} to {param.device} after "
+                "amp.initialize(): its fp32 master weights, optimizer state and cast policy stayed with the old "
+                "device. Move the model to its device before amp.initialize() (Apex's rule), or deinitialize() "
+                "and initialize it again."
+            )
+
     def _cast_inputs(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
         assert self.dtype is not None
+        self._check_device(module, args)
         return cast_floating(args, self.dtype), cast_floating(kwargs, self.dtype)
 
     def _cast_outputs(self, module: nn.Module, args: Any, output: Any) -> Any:
@@ -187,6 +217,23 @@ class ModelCast:
                 value = state_dict.get(prefix + name)
                 if master is not None and isinstance(value, torch.Tensor) and value.shape == master.shape:
                     master.copy_(value)
+
+
+def _flatten_rnns(model: nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module, nn.RNNBase):
+            module.flatten_parameters()
+
+
+def _register_load_state_dict_pre_hook(module: nn.Module, hook: Callable[..., None]) -> RemovableHandle:
+    register = getattr(module, "register_load_state_dict_pre_hook", None)
+    if register is None:  # torch < 2.5: the private spelling, which passes the module only when asked to
+        return cast(
+            RemovableHandle,
+            module._register_load_state_dict_pre_hook(hook, with_module=True),  # type: ignore[no-untyped-call]
+        )
+    handle: RemovableHandle = register(hook)
+    return handle
 
 
 def _register_state_dict_post_hook(module: nn.Module, hook: Callable[..., None]) -> RemovableHandle:

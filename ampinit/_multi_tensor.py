@@ -44,13 +44,22 @@ def unscale_and_check_(grads: Sequence[torch.Tensor], found_inf: torch.Tensor, i
     """
     for (device, _), (group,) in group_by_device_and_dtype(grads).items():
         flag = found_inf if found_inf.device == device else torch.zeros_like(found_inf, device=device)
-        scale = inv_scale.to(device, non_blocking=True)
+        scale = to_device(inv_scale, device)
         if _HAS_UNSCALE_KERNEL:
             torch._amp_foreach_non_finite_check_and_unscale_(group, flag, scale)
         else:  # pragma: no cover - only on a torch without the private kernel
             _unscale_and_check_reference(group, flag, scale)
         if flag is not found_inf:
-            found_inf.add_(flag.to(found_inf.device, non_blocking=True)).clamp_(max=1.0)
+            found_inf.add_(to_device(flag, found_inf.device)).clamp_(max=1.0)
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` on ``device``, asynchronously where that is safe.
+
+    A copy *to* an accelerator is stream-ordered: the kernels that read it run after it. A copy to the CPU is
+    not: with ``non_blocking=True`` the host could read the buffer before the copy lands, so it blocks.
+    """
+    return tensor.to(device, non_blocking=device.type != "cpu")
 
 
 def _unscale_and_check_reference(grads: TensorList, found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:

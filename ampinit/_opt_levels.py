@@ -145,10 +145,17 @@ _FUNCTION_CAST_LEVELS = ("O1", "O4")
 
 
 def unknown_level_message(opt_level: object) -> str:
-    return (
+    message = (
         f"Unexpected optimization level {opt_level}. Options are 'O0', 'O1', 'O2', 'O3', 'O4', 'O5'.  "
         "Note that in `O0`, `O1`, etc., the prefix O is the letter O, not the number zero."
     )
+    if isinstance(opt_level, str):
+        # "o2", "02", " O2": a near miss of a valid level gets the level it most likely meant.
+        guess = opt_level.strip().upper()
+        guess = "O" + guess[1:] if guess[:1] == "0" else guess
+        if guess in LEVELS:
+            message += f" Did you mean {guess!r}?"
+    return message
 
 
 def resolve(opt_level: object, overrides: Mapping[str, Any]) -> Properties:

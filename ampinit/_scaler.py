@@ -47,6 +47,7 @@ class LossScaler:
         self._hysteresis_left: torch.Tensor | None = None
         self._found_inf: torch.Tensor | None = None
         self._inv_scale: torch.Tensor | None = None
+        self._one: torch.Tensor | None = None
 
     # -- state ---------------------------------------------------------------------------------------------
     @property
@@ -86,6 +87,7 @@ class LossScaler:
         self._unskipped = torch.tensor(self._host_unskipped, dtype=torch.int32, device=device)
         self._hysteresis_left = torch.tensor(self._host_hysteresis, dtype=torch.int32, device=device)
         self._found_inf = torch.zeros(1, dtype=torch.float32, device=device)
+        self._one = torch.ones((), dtype=torch.float32, device=device)
         self._refresh_inv_scale()
 
     def _refresh_inv_scale(self) -> None:
@@ -128,7 +130,9 @@ class LossScaler:
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss.float() * scale``: the tensor to call ``backward()`` on."""
         self.materialize(loss.device)
-        return loss.float() * self.scale_tensor.to(loss.device, non_blocking=True)
+        if self.config is None and self._host_scale == 1.0:
+            return loss.float()  # the same values and grads, without a multiply in the graph
+        return loss.float() * _multi_tensor.to_device(self.scale_tensor, loss.device)
 
     def clear_overflow(self) -> None:
         self.found_inf.zero_()
@@ -137,6 +141,17 @@ class LossScaler:
         """Unscale ``grads`` in place and raise the overflow flag if any is inf/NaN."""
         if grads:
             _multi_tensor.unscale_and_check_(grads, self.found_inf, self.inv_scale)
+
+    def check_(self, grads: list[torch.Tensor]) -> None:
+        """Raise the overflow flag if any of ``grads`` is inf/NaN, leaving their values as they are (times 1)."""
+        if grads:
+            assert self._one is not None, "materialize() first"
+            _multi_tensor.unscale_and_check_(grads, self.found_inf, self._one)
+
+    def unscale_unchecked_(self, grads: list[torch.Tensor]) -> None:
+        """Unscale ``grads`` in place without touching the overflow flag (values already checked elsewhere)."""
+        if grads:
+            _multi_tensor.mul_(grads, self.inv_scale)
 
     def update(self) -> None:
         """Fold this step's overflow flag into the scale, on device (no host sync)."""

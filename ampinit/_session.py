@@ -75,9 +75,11 @@ class AmpSession:
         cast_policy: CastPolicyName = "apex",
         allow_banned: bool = False,
         sync_free: bool = False,
+        skip_nonfinite: bool = True,
     ) -> None:
         self.properties = properties
         self.sync_free = sync_free
+        self.skip_nonfinite = skip_nonfinite
         self.cast_policy_name = cast_policy
         self.allow_banned = allow_banned
         self.models = list(models)
@@ -136,7 +138,9 @@ class AmpSession:
 
         output_dtype = (cast_model_outputs or torch.float32) if model_dtype is not None else cast_model_outputs
         for model in self.models:
-            cast = ModelCast(model, model_dtype, keep_bn, output_dtype, self.master_for)
+            # Masters, and a cast policy's devices, stay where the model was at initialize().
+            guard = props.uses_master_weights or props.cast_dtype is not None
+            cast = ModelCast(model, model_dtype, keep_bn, output_dtype, self.master_for, guard_device=guard)
             self._undo.append(functools.partial(cast.undo, self.master_for))
             cast.apply()
 
@@ -300,7 +304,8 @@ class AmpSession:
                 f"so loss_id must be an int in [0, {self.num_losses})"
             )
         scaler = self.scalers[loss_id]
-        if self.properties.short_circuits:
+        if self.properties.short_circuits and not self.skip_nonfinite:
+            # Apex's short cut (no masters, static scale 1): grads are neither scaled nor checked.
             try:
                 with self.disable_casts():
                     yield loss.float()
@@ -344,6 +349,8 @@ class AmpSession:
         the overflow can be logged. In sync-free mode it stays on the device and reaches the optimizer's own
         kernel (see :meth:`_step`).
         """
+        if scaler.config is None and not self.skip_nonfinite:
+            scaler.clear_overflow()  # Apex: a static scale never skips, and counts every unscale step as clean
         agree_on_overflow_(scaler.found_inf)
         if self.sync_free:
             scaler.update()
@@ -411,13 +418,18 @@ class AmpSession:
                 "(O2/O5), call backward inside `with amp.scale_loss(loss, optimizer) as scaled_loss:`."
             )
         result = None
+        fused = False
         if not skip:
             with self.disable_casts():
-                result = (
-                    original(*args, **kwargs) if flag is None else _step_with_flag(opt, original, flag, args, kwargs)
-                )
+                fused = closure is None and grads.fused_step(original, flag)
+                if not fused:
+                    result = (
+                        original(*args, **kwargs)
+                        if flag is None
+                        else _step_with_flag(opt, original, flag, args, kwargs)
+                    )
         # After a skip decided on the device the masters are unchanged, so copying them back is harmless.
-        grads.after_step(stepped=not skip)
+        grads.after_step(stepped=not skip, weights_written=fused)
         self._clear_cast_cache()
         self._steps += 1
         self._last_step_optimizer = id(opt)

@@ -19,7 +19,16 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor
 
-from ampinit.optimizers._tensor_lists import flag_if, fp32_copies, group_indices, pick, total_norm
+from ampinit.optimizers._tensor_lists import (
+    device_scalar,
+    flag_if,
+    fp32_copies,
+    group_indices,
+    l2_norms,
+    pick,
+    total_norm,
+    write_back,
+)
 from ampinit.optimizers.fused_adagrad import adagrad_multi_tensor
 from ampinit.optimizers.fused_adam import adam_multi_tensor
 from ampinit.optimizers.fused_lamb import lamb_multi_tensor
@@ -31,15 +40,20 @@ __all__ = [
     "amp_C",
     "multi_tensor_adagrad",
     "multi_tensor_adam",
+    "multi_tensor_adam_capturable",
+    "multi_tensor_adam_capturable_master",
     "multi_tensor_applier",
     "multi_tensor_axpby",
     "multi_tensor_l2norm",
+    "multi_tensor_l2norm_mp",
     "multi_tensor_l2norm_scale",
     "multi_tensor_lamb",
+    "multi_tensor_lamb_mp",
     "multi_tensor_novograd",
     "multi_tensor_scale",
     "multi_tensor_sgd",
     "multi_tensor_unscale_l2norm",
+    "update_scale_hysteresis",
 ]
 
 R = TypeVar("R")
@@ -139,12 +153,8 @@ def multi_tensor_axpby(
 
 
 def _norms(tensors: Sequence[Tensor]) -> list[Tensor]:
-    """Float32 L2 norm of each tensor, in input order."""
-    norms: list[Tensor] = [torch.empty(0)] * len(tensors)
-    for indices in group_indices([tensors]).values():
-        for i, norm in zip(indices, torch._foreach_norm(pick(tensors, indices), 2, dtype=torch.float32)):
-            norms[i] = norm
-    return norms
+    """Float32 L2 norm of each tensor, in input order (fp32 sums of squares per chunk, as Apex)."""
+    return l2_norms(tensors)
 
 
 def _norm_result(
@@ -225,7 +235,7 @@ def multi_tensor_adam(
         g,
         m,
         v,
-        step=torch.tensor(float(step), device=p[0].device),
+        step=device_scalar(float(step), p[0].device),
         lr=lr,
         beta1=beta1,
         beta2=beta2,
@@ -319,7 +329,7 @@ def multi_tensor_lamb(
         g,
         m,
         v,
-        step=torch.tensor(float(step), device=p[0].device),
+        step=device_scalar(float(step), p[0].device),
         lr=lr,
         beta1=beta1,
         beta2=beta2,
@@ -361,7 +371,7 @@ def multi_tensor_novograd(
         g,
         m,
         grad_norms,
-        step=torch.tensor(float(step), device=grad_norms.device),
+        step=device_scalar(float(step), grad_norms.device),
         lr=lr,
         beta1=beta1,
         beta2=beta2,
@@ -372,6 +382,251 @@ def multi_tensor_novograd(
         moment_mode=mode,
         norm_type=norm_type,
     )
+
+
+def _not_flagged(noop_flag: Tensor, device: torch.device) -> Tensor:
+    """0-d bool on ``device``: true while the flag is clear (read on the device, never on the host)."""
+    return noop_flag.reshape(()).to(device).eq(0)
+
+
+def multi_tensor_l2norm_mp(
+    chunk_size: int, noop_flag: Tensor, tensor_lists: TensorLists, per_tensor: bool | None = False
+) -> tuple[Tensor, Tensor]:
+    """Apex's mixed-precision-LAMB variant of :func:`multi_tensor_l2norm` (same arguments and results).
+
+    Apex's kernel leaves its outputs unwritten when the flag is already set; here they are always the norms.
+    """
+    return multi_tensor_l2norm(chunk_size, noop_flag, tensor_lists, per_tensor)
+
+
+def update_scale_hysteresis(
+    current_scale: Tensor,
+    growth_tracker: Tensor,
+    hysteresis_tracker: Tensor,
+    found_inf: Tensor,
+    growth_factor: float,
+    backoff_factor: float,
+    growth_interval: int,
+    hysteresis: int,
+) -> Tensor:
+    """Loss-scale update with hysteresis (Megatron's and NeMo's scaler), in place on the device; returns
+    ``current_scale``.
+
+    An overflow (``found_inf > 0``) first counts ``hysteresis_tracker`` down; while it stays above 0 the scale
+    is kept and only ``growth_tracker`` is reset. Otherwise the scale is multiplied by ``backoff_factor``
+    (overflow) or, after ``growth_interval`` clean steps in a row, by ``growth_factor`` unless that is not
+    finite in float32. A clean step resets ``hysteresis_tracker`` to ``hysteresis``. The products are
+    formed in float64 and rounded to float32, as Apex's kernel does.
+    """
+    found = found_inf.reshape(()).to(current_scale.device)
+    tracker = hysteresis_tracker.reshape(())
+    counted = torch.where(found > 0, tracker - 1, tracker)
+    hold = (found > 0) & (counted > 0)
+    backoff = ~hold & (found != 0)
+    successful = growth_tracker.reshape(()) + 1
+    grow = ~hold & ~backoff & (successful == growth_interval)
+    scale = current_scale.reshape(())
+    grown = (scale.double() * growth_factor).float()
+    shrunk = (scale.double() * backoff_factor).float()
+    new_scale = torch.where(backoff, shrunk, torch.where(grow & grown.isfinite(), grown, scale))
+    new_growth = torch.where(hold | backoff | grow, torch.zeros_like(successful), successful)
+    new_hysteresis = torch.where(found <= 0, torch.full_like(counted, hysteresis), counted)
+    current_scale.copy_(new_scale.reshape(current_scale.shape))
+    growth_tracker.copy_(new_growth.reshape(growth_tracker.shape))
+    hysteresis_tracker.copy_(new_hysteresis.reshape(hysteresis_tracker.shape))
+    return current_scale
+
+
+def _adam_capturable(
+    noop_flag: Tensor,
+    tensor_lists: TensorLists,
+    lr: Tensor,
+    beta1: float,
+    beta2: float,
+    epsilon: float,
+    step: Tensor,
+    mode: int,
+    bias_correction: int,
+    weight_decay: float,
+    inv_scale: Tensor,
+) -> None:
+    """Apex's capturable Adam kernels: every input that changes per step is a device tensor, so one
+    captured graph replays correctly; nothing is read on the host."""
+    masters = len(tensor_lists) == 5
+    for (device, _), indices in group_indices(tensor_lists).items():
+        g, p, m, v = (pick(t, indices) for t in tensor_lists[:4])
+        skip = ~_not_flagged(noop_flag, device)
+        # The kernel multiplies the gradients by inv_scale and stores them back, then works in float32.
+        wg = fp32_copies(g)
+        torch._foreach_mul_(wg, inv_scale.to(device=device, dtype=torch.float32).reshape(()))
+        source = pick(tensor_lists[4], indices) if masters else p
+        wp, wm, wv = fp32_copies(source), fp32_copies(m), fp32_copies(v)
+        if mode == 0 and weight_decay != 0:
+            torch._foreach_add_(wg, wp, alpha=weight_decay)
+        torch._foreach_mul_(wm, beta1)
+        torch._foreach_add_(wm, wg, alpha=1 - beta1)
+        torch._foreach_mul_(wv, beta2)
+        torch._foreach_addcmul_(wv, wg, wg, value=1 - beta2)
+        t = step.to(device=device, dtype=torch.float64).reshape(())
+        one = torch.ones((), dtype=torch.float32, device=device)
+        bc1 = (1 - beta1**t).float() if bias_correction == 1 else one
+        bc2 = (1 - beta2**t).float() if bias_correction == 1 else one
+        denom = torch._foreach_div(wv, bc2)
+        torch._foreach_sqrt_(denom)
+        torch._foreach_add_(denom, epsilon)
+        update = torch._foreach_div(wm, bc1)
+        torch._foreach_div_(update, denom)
+        if mode == 1 and weight_decay != 0:
+            torch._foreach_add_(update, wp, alpha=weight_decay)
+        torch._foreach_mul_(update, lr.to(device=device, dtype=torch.float32).reshape(()))
+        torch._foreach_sub_(wp, update)
+        if mode == 0 and weight_decay != 0:
+            # The gradient stored back is the unscaled one, without the L2 term.
+            wg = fp32_copies(g)
+            torch._foreach_mul_(wg, inv_scale.to(device=device, dtype=torch.float32).reshape(()))
+        write_back(g, wg, skip)
+        write_back(p, wp, skip)
+        write_back(m, wm, skip)
+        write_back(v, wv, skip)
+        if masters:
+            write_back(pick(tensor_lists[4], indices), wp, skip)
+
+
+def multi_tensor_adam_capturable(
+    chunk_size: int,
+    noop_flag: Tensor,
+    tensor_lists: TensorLists,
+    lr: Tensor,
+    beta1: float,
+    beta2: float,
+    epsilon: float,
+    step: Tensor,
+    mode: int,
+    bias_correction: int,
+    weight_decay: float,
+    inv_scale: Tensor,
+) -> None:
+    """Adam on lists ``[g, p, m, v]`` with ``lr``, ``step`` and ``inv_scale`` as device tensors.
+
+    Gradients are multiplied by ``inv_scale`` and stored back; ``mode`` 0 is L2, 1 is AdamW. Nothing changes
+    when the flag is set (Apex's FusedAdam passes its overflow flag here).
+    """
+    if not _check_lists("multi_tensor_adam_capturable", tensor_lists, (4,)):
+        return
+    _adam_capturable(
+        noop_flag, tensor_lists, lr, beta1, beta2, epsilon, step, mode, bias_correction, weight_decay, inv_scale
+    )
+
+
+def multi_tensor_adam_capturable_master(
+    chunk_size: int,
+    noop_flag: Tensor,
+    tensor_lists: TensorLists,
+    lr: Tensor,
+    beta1: float,
+    beta2: float,
+    epsilon: float,
+    step: Tensor,
+    mode: int,
+    bias_correction: int,
+    weight_decay: float,
+    inv_scale: Tensor,
+) -> None:
+    """:func:`multi_tensor_adam_capturable` on ``[g, p, m, v, p_master]``: the update runs on the float32
+    ``p_master``, and ``p`` receives it rounded to its own dtype."""
+    if not _check_lists("multi_tensor_adam_capturable_master", tensor_lists, (5,)):
+        return
+    _adam_capturable(
+        noop_flag, tensor_lists, lr, beta1, beta2, epsilon, step, mode, bias_correction, weight_decay, inv_scale
+    )
+
+
+def multi_tensor_lamb_mp(
+    chunk_size: int,
+    noop_flag: Tensor,
+    tensor_lists: TensorLists,
+    lr: Tensor,
+    beta1: float,
+    beta2: float,
+    epsilon: float,
+    step: Tensor,
+    bias_correction: int,
+    weight_decay: float,
+    grad_averaging: int,
+    mode: int,
+    global_grad_norm: Tensor,
+    max_grad_norm: Tensor,
+    use_nvlamb: bool | None,
+    found_inf: Tensor,
+    inv_scale: Tensor,
+) -> None:
+    """Apex's mixed-precision LAMB on ``[g, p, m, v]`` (float32 or half ``p``) or ``[g, p, m, v, p_model]``
+    (float32 master ``p``, ``p_model`` receives it rounded).
+
+    Three stages, each skipped when the flag is set by then, as Apex's kernels are: (1) per-tensor norms of
+    ``p`` (a non-finite one sets the flag); (2) ``g*inv_scale``, divided by ``global_grad_norm /
+    max_grad_norm`` when that exceeds 1, drives the Adam moments, and ``g`` is overwritten with the update
+    (weight decay inside it for ``mode`` 1, in the gradient for ``mode`` 0); (3) the update norms (a non-finite
+    one sets the flag) give the trust ratio ``lr * ||p|| / ||update||`` (when ``use_nvlamb`` or
+    ``weight_decay != 0`` and both are nonzero, else ``lr``), and ``p -= ratio * update``. ``found_inf`` is
+    accepted and unused, as in Apex (the caller copies it into the flag).
+    """
+    if not _check_lists("multi_tensor_lamb_mp", tensor_lists, (4, 5)):
+        return
+    g, p, m, v = tensor_lists[:4]
+    p_norms = _norms(p)
+    flag_if(noop_flag, torch.stack([n.to(noop_flag.device) for n in p_norms]).isfinite().all().logical_not())
+    beta3 = 1 - beta1 if grad_averaging == 1 else 1.0
+    updates: list[Tensor] = [torch.empty(0)] * len(g)
+    for (device, _), indices in group_indices([g, p, m, v]).items():
+        run = _not_flagged(noop_flag, device)
+        wg = fp32_copies(pick(g, indices))
+        torch._foreach_mul_(wg, inv_scale.to(device=device, dtype=torch.float32).reshape(()))
+        norm = global_grad_norm.to(device=device, dtype=torch.float32).reshape(())
+        limit = max_grad_norm.to(device=device, dtype=torch.float32).reshape(())
+        torch._foreach_div_(wg, torch.where(norm > limit, norm / limit, torch.ones_like(norm)))
+        wp = fp32_copies(pick(p, indices))
+        wm, wv = fp32_copies(pick(m, indices)), fp32_copies(pick(v, indices))
+        if mode == 0 and weight_decay != 0:
+            torch._foreach_add_(wg, wp, alpha=weight_decay)
+        torch._foreach_mul_(wm, beta1)
+        torch._foreach_add_(wm, wg, alpha=beta3)
+        torch._foreach_mul_(wv, beta2)
+        torch._foreach_addcmul_(wv, wg, wg, value=1 - beta2)
+        t = step.to(device=device, dtype=torch.float64).reshape(())
+        one = torch.ones((), dtype=torch.float32, device=device)
+        bc1 = (1 - beta1**t).float() if bias_correction == 1 else one
+        bc2 = (1 - beta2**t).float() if bias_correction == 1 else one
+        denom = torch._foreach_div(wv, bc2)
+        torch._foreach_sqrt_(denom)
+        torch._foreach_add_(denom, epsilon)
+        update = torch._foreach_div(wm, bc1)
+        torch._foreach_div_(update, denom)
+        if mode == 1 and weight_decay != 0:
+            torch._foreach_add_(update, wp, alpha=weight_decay)
+        skip = ~run
+        write_back(pick(g, indices), update, skip)
+        write_back(pick(m, indices), wm, skip)
+        write_back(pick(v, indices), wv, skip)
+        for i in indices:
+            updates[i] = g[i]
+    u_norms = _norms(updates)
+    flag_if(noop_flag, torch.stack([n.to(noop_flag.device) for n in u_norms]).isfinite().all().logical_not())
+    for (device, _), indices in group_indices([g, p]).items():
+        skip = ~_not_flagged(noop_flag, device)
+        learning_rate = lr.to(device=device, dtype=torch.float32).reshape(())
+        wp = fp32_copies(pick(p, indices))
+        ratios = []
+        for i in indices:
+            pn, un = p_norms[i].to(device), u_norms[i].to(device)
+            if use_nvlamb or weight_decay != 0:
+                ratios.append(torch.where((pn != 0) & (un != 0), learning_rate * (pn / un), learning_rate))
+            else:
+                ratios.append(learning_rate)
+        torch._foreach_sub_(wp, torch._foreach_mul(fp32_copies(pick(g, indices)), ratios))
+        write_back(pick(p, indices), wp, skip)
+        if len(tensor_lists) == 5:
+            write_back(pick(tensor_lists[4], indices), wp, skip)
 
 
 amp_C = types.SimpleNamespace(
@@ -385,4 +640,9 @@ amp_C = types.SimpleNamespace(
     multi_tensor_adagrad=multi_tensor_adagrad,
     multi_tensor_lamb=multi_tensor_lamb,
     multi_tensor_novograd=multi_tensor_novograd,
+    multi_tensor_l2norm_mp=multi_tensor_l2norm_mp,
+    multi_tensor_lamb_mp=multi_tensor_lamb_mp,
+    multi_tensor_adam_capturable=multi_tensor_adam_capturable,
+    multi_tensor_adam_capturable_master=multi_tensor_adam_capturable_master,
+    update_scale_hysteresis=update_scale_hysteresis,
 )

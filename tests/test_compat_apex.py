@@ -100,7 +100,7 @@ def test_initialize_returns_apex_shapes_and_accepts_larc() -> None:
 
 
 def test_scale_loss_before_initialize_is_apexs_error() -> None:
-    with pytest.raises(RuntimeError, match=re.escape("Invoked 'with amp.scale_loss`, but internal Amp state")):
+    with pytest.raises(RuntimeError, match=re.escape("Invoked `with amp.scale_loss`, but internal Amp state")):
         with amp.scale_loss(torch.ones(()), torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=1.0)):
             pass
 
@@ -143,10 +143,12 @@ def test_allow_incoming_model_not_fp32_accepts_a_half_model_at_o2() -> None:
     amp._amp_state.allow_incoming_model_not_fp32 = True
     try:
         amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O2", verbosity=0)
-        assert model.fc1.weight.dtype == torch.float16 and model.bn.weight.dtype == torch.float32
+        # Apex's convert_network leaves affine BatchNorm as it comes: half here, with an fp32 master.
+        assert model.fc1.weight.dtype == torch.float16 and model.bn.weight.dtype == torch.float16
         ampinit.deinitialize()
-        with pytest.raises(RuntimeError, match=re.escape("opt_level='O1' (cast_model_type=None) keeps the model's")):
-            amp.initialize(model.half(), opt_level="O1")
+        amp.initialize(model.half(), opt_level="O1", verbosity=0)  # Apex accepted it at O1 too (cast around it)
+        assert model.fc1.weight.dtype == torch.float16
+        ampinit.deinitialize()
     finally:
         amp._amp_state.allow_incoming_model_not_fp32 = False
 
@@ -295,14 +297,14 @@ def process_group(tmp_path: pytest.TempPathFactory) -> Iterator[None]:
 
 def test_ddp_explains_apex_only_arguments_once_and_honours_the_reduction(process_group: None) -> None:
     distributed._warned.clear()
-    message = "these Apex-only arguments are accepted and have no effect: delay_allreduce=True"
+    message = "these Apex-only arguments are accepted and have no effect: num_allreduce_streams=2"
     with pytest.warns(UserWarning, match=re.escape(message)):
         ddp = compat.parallel.DistributedDataParallel(
-            nn.Linear(3, 1), delay_allreduce=True, gradient_predivide_factor=4.0
+            nn.Linear(3, 1), num_allreduce_streams=2, gradient_predivide_factor=4.0
         )
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        compat.parallel.DistributedDataParallel(nn.Linear(3, 1), delay_allreduce=True)  # explained already
+        compat.parallel.DistributedDataParallel(nn.Linear(3, 1), num_allreduce_streams=2)  # explained already
     x = torch.randn(5, 3)
     ddp(x).sum().backward()
     reference = nn.Linear(3, 1)

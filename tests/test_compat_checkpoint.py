@@ -38,7 +38,7 @@ def apex_o2_checkpoint() -> dict[str, Any]:
         buffer,
     )
     buffer.seek(0)
-    return torch.load(buffer)  # type: ignore[no-any-return]
+    return torch.load(buffer, weights_only=True)  # type: ignore[no-any-return]
 
 
 def test_apex_o2_checkpoint_resumes_with_same_scale_masters_and_state() -> None:

@@ -125,11 +125,14 @@ class TestErrors:
         ):
             amp.initialize(SmallNet(), "opt", opt_level="O1")
 
-    @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-    def test_half_model_is_refused(self, dtype: torch.dtype) -> None:
-        model = SmallNet().to(dtype)
+    @pytest.mark.parametrize("level", ["O0", "O1", "O2", "O3", "O4", "O5"])
+    def test_fp16_model_is_refused_unless_allowed(self, level: str) -> None:
+        # Apex refused a param or buffer whose type names 'Half' (fp16), unless allow_incoming_model_not_fp32.
+        model = SmallNet()
+        model.bn.half()
         with pytest.raises(RuntimeError, match=re.escape("you do not need to call .half() on your model")):
-            amp.initialize(model, opt_level="O2", verbosity=0)
+            amp.initialize(model, opt_level=level, verbosity=0)
+        assert model.fc1.weight.dtype == torch.float32 and ampinit.current_session() is None
 
     def test_non_float_optimizer_params_are_refused(self) -> None:
         model = SmallNet()
@@ -138,9 +141,53 @@ class TestErrors:
             amp.initialize(model, opt, opt_level="O2", verbosity=0)
 
     def test_cpu_params_are_fine(self) -> None:
+        # Apex refused non-CUDA parameters; here O2 on CPU casts the model and keeps CPU fp32 masters that are
+        # exactly the weights it was given.
         model = SmallNet()
-        amp.initialize(model, sgd(model), opt_level="O2", verbosity=0)
-        amp.deinitialize()
+        original = {name: p.detach().clone() for name, p in model.named_parameters()}
+        opt = sgd(model)
+        amp.initialize(model, opt, opt_level="O2", verbosity=0)
+        try:
+            for name, param in model.named_parameters():
+                assert param.device.type == "cpu"
+                assert param.dtype == (torch.float32 if name.startswith("bn.") else torch.float16), name
+            masters = list(amp.master_params(opt))
+            assert len(masters) == len(original)
+            for master, expected in zip(masters, original.values()):
+                assert master.device.type == "cpu" and master.dtype == torch.float32
+                assert torch.equal(master, expected)
+        finally:
+            amp.deinitialize()
+
+    @pytest.mark.parametrize(("bad", "meant"), [("o2", "O2"), ("02", "O2"), (" O5", "O5"), ("o0", "O0")])
+    def test_near_miss_level_gets_a_suggestion(self, bad: str, meant: str) -> None:
+        with pytest.raises(RuntimeError, match=re.escape(f"Did you mean {meant!r}?")):
+            amp.initialize(SmallNet(), opt_level=bad, verbosity=0)
+
+    def test_unknown_level_without_a_near_miss_gets_no_suggestion(self) -> None:
+        with pytest.raises(RuntimeError, match="Unexpected optimization level O9") as info:
+            amp.initialize(SmallNet(), opt_level="O9", verbosity=0)
+        assert "Did you mean" not in str(info.value)
+
+    def test_swapped_arguments_name_what_was_received(self) -> None:
+        model = SmallNet()
+        opt = sgd(model)
+        with pytest.raises(TypeError) as info:
+            amp.initialize(opt, model, opt_level="O1", verbosity=0)  # type: ignore[arg-type]
+        message = str(info.value)
+        assert "models must be either a single model or a list of models. Received torch.optim.sgd.SGD" in message
+        assert "are the arguments swapped?" in message
+        with pytest.raises(TypeError, match=re.escape("Received builtins.str in the list")):
+            amp.initialize([model, "model"], opt_level="O1", verbosity=0)
+
+    def test_scale_loss_message_has_matching_quotes(self) -> None:
+        model = SmallNet()
+        with pytest.raises(RuntimeError) as info:
+            with amp.scale_loss(model(torch.randn(4, 8)).sum(), sgd(model)):
+                pass
+        message = str(info.value)
+        assert message.startswith("Invoked `with amp.scale_loss`, but internal Amp state has not been initialized.")
+        assert message.count("`") % 2 == 0 and "'" not in message
 
     def test_loss_id_out_of_range(self) -> None:
         model, x, _ = make_problem()

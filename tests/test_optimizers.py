@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from ampinit.optimizers import FusedAdagrad, FusedAdam, FusedLAMB, FusedNovoGrad, FusedSGD
+from tests._device import device_under_test
 
 STEPS = 7
 SIZES = (0, 1, 7, 300)
@@ -25,12 +26,12 @@ TOL = {torch.float32: (2e-5, 1e-5), torch.float16: (4e-3, 4e-3), torch.bfloat16:
 
 def make_params(dtype: torch.dtype, sizes: tuple[int, ...] = SIZES, seed: int = 0) -> list[Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(n, generator=gen).to(dtype).requires_grad_() for n in sizes]
+    return [torch.randn(n, generator=gen).to(device_under_test(), dtype).requires_grad_() for n in sizes]
 
 
 def make_grads(params: list[Tensor], steps: int = STEPS, seed: int = 1) -> list[list[Tensor]]:
     gen = torch.Generator().manual_seed(seed)
-    return [[torch.randn(p.shape, generator=gen).to(p.dtype) for p in params] for _ in range(steps)]
+    return [[torch.randn(p.shape, generator=gen).to(p.device, p.dtype) for p in params] for _ in range(steps)]
 
 
 def run(optimizer: torch.optim.Optimizer, params: list[Tensor], grads: list[list[Tensor]], after: Any = None) -> None:
@@ -498,7 +499,7 @@ def test_state_dict_round_trip(name: str, dtype: torch.dtype) -> None:
     buffer = io.BytesIO()
     torch.save(first.state_dict(), buffer)
     fresh = FACTORIES[name](resumed, "multi_tensor")
-    fresh.load_state_dict(torch.load(io.BytesIO(buffer.getvalue())))
+    fresh.load_state_dict(torch.load(io.BytesIO(buffer.getvalue()), weights_only=True))
     assert all(t.dtype == torch.float32 for s in fresh.state.values() for k, t in s.items() if k != "step")
     run(fresh, resumed, grads[3:])
     assert_bitwise([p.detach() for p in resumed], [p.detach() for p in straight])

@@ -15,6 +15,7 @@ from torch import nn
 
 import ampinit
 from ampinit import amp
+from tests._device import device_under_test, on_device
 from tests.conftest import SmallNet, make_problem
 
 LEVELS = ["O0", "O1", "O2", "O3", "O4", "O5"]
@@ -51,7 +52,7 @@ def params_of(model: nn.Module) -> dict[str, torch.Tensor]:
 
 # -- each level against its reference -------------------------------------------------------------------------
 def test_o0_is_plain_fp32_training() -> None:
-    model, x, y = make_problem()
+    model, x, y = on_device(make_problem())
     ref = copy.deepcopy(model)
     opt, ref_opt = torch.optim.AdamW(model.parameters(), 1e-2), torch.optim.AdamW(ref.parameters(), 1e-2)
     amp.initialize(model, opt, opt_level="O0", verbosity=0)
@@ -67,7 +68,7 @@ def test_o0_is_plain_fp32_training() -> None:
 
 @pytest.mark.parametrize(("level", "dtype"), [("O1", torch.float16), ("O4", torch.bfloat16)])
 def test_function_cast_levels_match_native_autocast(level: str, dtype: torch.dtype) -> None:
-    model, x, y = make_problem()
+    model, x, y = on_device(make_problem())
     ref = copy.deepcopy(model)
     opt, ref_opt = torch.optim.SGD(model.parameters(), 0.05), torch.optim.SGD(ref.parameters(), 0.05)
     # With PyTorch's own op lists the O1/O4 engine must be native autocast (+ GradScaler), step for step.
@@ -76,11 +77,11 @@ def test_function_cast_levels_match_native_autocast(level: str, dtype: torch.dty
     stats = amp.stats()
     amp.deinitialize()
 
-    scaler = torch.amp.GradScaler("cpu", enabled=level == "O1")
+    scaler = torch.amp.GradScaler(device_under_test().type, enabled=level == "O1")
     ref_losses = []
     for _ in range(6):
         ref_opt.zero_grad()
-        with torch.autocast("cpu", dtype=dtype):
+        with torch.autocast(device_under_test().type, dtype=dtype):
             loss = mse(ref(x), y)
         scaler.scale(loss).backward()
         scaler.step(ref_opt)
@@ -131,7 +132,7 @@ def reference_master_training(
     ],
 )
 def test_master_weight_levels_match_a_plain_reimplementation(level: str, dtype: torch.dtype, scale: float) -> None:
-    model, x, y = make_problem()
+    model, x, y = on_device(make_problem())
     ref = reference_master_training(model, dtype, x, y, 6, scale)
     opt = torch.optim.SGD(model.parameters(), 0.05, momentum=0.9)
     amp.initialize(model, opt, opt_level=level, cast_model_type=dtype, loss_scale=scale, verbosity=0)
@@ -144,7 +145,7 @@ def test_master_weight_levels_match_a_plain_reimplementation(level: str, dtype: 
 
 @pytest.mark.parametrize("level", ["O2", "O5"])
 def test_master_weight_levels_track_fp32_training(level: str) -> None:
-    model, x, y = make_problem()
+    model, x, y = on_device(make_problem())
     ref = copy.deepcopy(model)
     opt, ref_opt = torch.optim.Adam(model.parameters(), 1e-2), torch.optim.Adam(ref.parameters(), 1e-2)
     amp.initialize(model, opt, opt_level=level, verbosity=0)
@@ -163,7 +164,7 @@ def test_master_weight_levels_track_fp32_training(level: str) -> None:
 
 
 def test_o3_is_plain_half_training() -> None:
-    model, x, y = make_problem()
+    model, x, y = on_device(make_problem())
     ref = copy.deepcopy(model).half()
     opt, ref_opt = torch.optim.SGD(model.parameters(), 0.05), torch.optim.SGD(ref.parameters(), 0.05)
     amp.initialize(model, opt, opt_level="O3", verbosity=0)
@@ -298,7 +299,7 @@ def state_snapshot(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("level", ["O1", "O2", "O5", "O3-dynamic"])
 def test_overflow_skips_step_bitwise_and_backs_off(level: str) -> None:
-    model, x, y = make_problem()
+    model, x, y = on_device(make_problem())
     opt = torch.optim.Adam(model.parameters(), 1e-3, eps=1e-4)  # eps=1e-8 underflows in pure fp16 (O3)
     opt_level, overrides = (level, {}) if "-" not in level else ("O3", {"loss_scale": "dynamic"})
     amp.initialize(model, opt, opt_level=opt_level, verbosity=0, **overrides)
@@ -467,7 +468,7 @@ def test_gan_style_models_optimizers_and_losses() -> None:
 @pytest.mark.parametrize("level", ["O1", "O2", "O5"])
 @pytest.mark.parametrize("delay", [True, False])
 def test_accumulation_equals_one_big_backward(level: str, delay: bool) -> None:
-    model, x, y = make_problem(n=64)
+    model, x, y = on_device(make_problem(n=64))
     model.eval()  # BatchNorm in eval mode: per-micro-batch statistics would differ from the full batch
     twin = copy.deepcopy(model)
     opt, twin_opt = torch.optim.SGD(model.parameters(), 0.1), torch.optim.SGD(twin.parameters(), 0.1)
@@ -567,7 +568,7 @@ def test_o1_scope_forward_loss_step_and_threads() -> None:
 
 # -- checkpoints -------------------------------------------------------------------------------------------------
 def build(level: str) -> tuple[nn.Module, torch.optim.Optimizer]:
-    model, _, _ = make_problem(seed=3)
+    model = on_device(make_problem(seed=3)[0])
     opt = torch.optim.AdamW(model.parameters(), 1e-2, eps=1e-4)  # eps=1e-8 underflows in pure fp16 (O3)
     amp.initialize(
         model,
@@ -581,7 +582,7 @@ def build(level: str) -> tuple[nn.Module, torch.optim.Optimizer]:
 
 @pytest.mark.parametrize("level", LEVELS)
 def test_checkpoint_resume_is_bitwise(level: str) -> None:
-    _, x, y = make_problem(seed=3)
+    _, x, y = on_device(make_problem(seed=3))
     model, opt = build(level)
     amp_train(model, opt, x, y, 3)
     buffer = io.BytesIO()

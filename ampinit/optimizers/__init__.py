@@ -8,7 +8,8 @@ parameters. See ``docs/optimizers.md``.
 from ampinit.optimizers.fused_adagrad import FusedAdagrad
 from ampinit.optimizers.fused_adam import FusedAdam
 from ampinit.optimizers.fused_lamb import FusedLAMB
+from ampinit.optimizers.fused_mixed_precision_lamb import FusedMixedPrecisionLamb
 from ampinit.optimizers.fused_novograd import FusedNovoGrad
 from ampinit.optimizers.fused_sgd import FusedSGD
 
-__all__ = ["FusedAdagrad", "FusedAdam", "FusedLAMB", "FusedNovoGrad", "FusedSGD"]
+__all__ = ["FusedAdagrad", "FusedAdam", "FusedLAMB", "FusedMixedPrecisionLamb", "FusedNovoGrad", "FusedSGD"]

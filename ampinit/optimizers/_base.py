@@ -4,16 +4,19 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Any, Literal, Union, get_args
 
 import torch
 from torch import Tensor
+
+from ampinit.optimizers._tensor_lists import device_scalar
 
 Implementation = Literal["multi_tensor", "single_tensor"]
 IMPLEMENTATIONS: tuple[str, ...] = get_args(Implementation)
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-ParamsT = Iterable[Tensor] | Iterable[dict[str, Any]]
+# A module-level alias is evaluated at import time, so it spells the union without ``|`` (Python 3.9).
+ParamsT = Union[Iterable[Tensor], Iterable[dict[str, Any]]]
 
 
 @dataclass(frozen=True)
@@ -131,7 +134,7 @@ def group_step(group: dict[str, Any], device: torch.device) -> Tensor:
     """
     step = group.get("step", 0)
     if not isinstance(step, Tensor):
-        step = torch.tensor(float(step), dtype=torch.float32, device=device)
+        step = device_scalar(float(step), device)
     elif step.device != device or step.dtype != torch.float32:
         step = step.to(device=device, dtype=torch.float32)
     group["step"] = step

@@ -15,7 +15,7 @@ from ampinit.optimizers._base import (
     check_hyperparameters,
     group_step,
 )
-from ampinit.optimizers._tensor_lists import fp32_work, group_indices, pick, write_back
+from ampinit.optimizers._tensor_lists import device_scalar, fp32_work, group_indices, pick, write_back
 
 _DEPRECATED_STEP_ARGS = (
     "FusedAdam has been updated.  Simply initialize it identically to torch.optim.Adam, "
@@ -60,7 +60,7 @@ def adam_multi_tensor(
             wp = pick(masters, indices) if masters is not None else fp32_work(p)
             wg, wm, wv = fp32_work(g), fp32_work(m), fp32_work(v)
         # 1 - beta**inf == 1 exactly, which turns the kernel's bias corrections into no-ops.
-        this_step = step.to(device) if bias_correction else torch.tensor(float("inf"), device=device)
+        this_step = step.to(device) if bias_correction else device_scalar(float("inf"), device)
         kernel(
             wp,
             wg,
@@ -133,9 +133,14 @@ class FusedAdam(FusedOptimizer):
     ``adam_w_mode=True`` (the default) decouples weight decay as AdamW does; ``False`` adds it to the
     gradient (L2, as ``torch.optim.Adam``). ``bias_correction=False`` drops Adam's bias corrections.
     State per parameter: ``exp_avg`` and ``exp_avg_sq`` (float32); the step counter is per group in
-    ``group['step']``, a 0-d float32 tensor. ``capturable`` is accepted for Apex compatibility (every step is
-    free of host syncs anyway); ``master_weights=True`` (with ``capturable``) keeps a float32 copy of each
-    half parameter in ``state['master_param']`` (saved with the state, unlike Apex) and updates that copy.
+    ``group['step']``, a 0-d float32 tensor. ``capturable=True`` makes each group's ``lr`` a 0-d device
+    tensor, as Apex does, so that ``step()`` can be captured in a CUDA graph and replayed with the current
+    learning rate. Every step is capturable: it never reads a tensor on the host (no ``.item()``, no
+    ``bool()`` of a tensor, no ``torch.tensor(x, device=...)`` copies; skipping and step counting happen on the
+    device), and it allocates only from the caching allocator; state is created on the first step, so that
+    step must run before capture (the usual warm-up). ``master_weights=True`` (with ``capturable``) keeps a
+    float32 copy of each half parameter in ``state['master_param']`` (saved with the state, unlike Apex) and
+    updates that copy.
     ``implementation`` selects torch's fused kernels (``"multi_tensor"``) or the per-tensor reference.
     """
 
@@ -165,6 +170,14 @@ class FusedAdam(FusedOptimizer):
         self.adam_w_mode = 1 if adam_w_mode else 0
         self.capturable = capturable
         self.master_weights = master_weights
+        if capturable:
+            # As in Apex, the learning rate becomes a device tensor: a captured CUDA graph then reads its current
+            # value at each replay (torch's LR schedulers fill tensor learning rates in place) instead of the
+            # number baked in at capture.
+            for group in self.param_groups:
+                if group["params"] and not isinstance(group["lr"], Tensor):
+                    device = group["params"][0].device
+                    group["lr"] = torch.full((), float(group["lr"]), dtype=torch.float32, device=device)
 
     @torch.no_grad()
     def step(  # type: ignore[override]
@@ -185,6 +198,9 @@ class FusedAdam(FusedOptimizer):
         loss = self._evaluate(closure)
         update = adam_multi_tensor if self.implementation == "multi_tensor" else adam_single_tensor
         for group in self.param_groups:
+            # Empty groups are skipped, as in Apex and torch.optim; a group of frozen parameters only counts a step.
+            if not group["params"]:
+                continue
             device = group["params"][0].device
             scaling = self._amp_scaling(device)
             step = group_step(group, device)

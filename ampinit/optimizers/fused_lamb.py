@@ -20,6 +20,7 @@ from ampinit.optimizers._tensor_lists import (
     fp32_copies,
     fp32_work,
     group_indices,
+    l2_norms,
     pick,
     total_norm,
     write_back,
@@ -83,8 +84,8 @@ def lamb_multi_tensor(
         if adam_w_mode and weight_decay != 0:
             torch._foreach_add_(update, wp, alpha=weight_decay)
         if use_nvlamb or weight_decay != 0:
-            p_norm = torch.stack(torch._foreach_norm(wp))
-            u_norm = torch.stack(torch._foreach_norm(update))
+            p_norm = torch.stack(l2_norms(wp))
+            u_norm = torch.stack(l2_norms(update))
             ratio = torch.where((p_norm != 0) & (u_norm != 0), lr * p_norm / u_norm, lr)
             torch._foreach_sub_(wp, torch._foreach_mul(update, list(ratio.unbind())))
         else:
@@ -141,7 +142,7 @@ def lamb_single_tensor(
             update = update + weight_decay * p
         ratio: Tensor | float = lr
         if use_nvlamb or weight_decay != 0:
-            p_norm, u_norm = p.norm(), update.norm()
+            p_norm, u_norm = l2_norms([p, update])
             ratio = torch.where((p_norm != 0) & (u_norm != 0), lr * p_norm / u_norm, lr)
         skip = None if found_inf is None else found_inf.to(device).bool()
         write_back([param, exp_avg, exp_avg_sq], [p - ratio * update, m, v], skip)
@@ -151,10 +152,7 @@ def lamb_single_tensor(
 
 def global_grad_norm(grads: Sequence[Tensor], device: torch.device) -> Tensor:
     """L2 norm (shape [1], float32, on ``device``) of all ``grads`` together."""
-    norms: list[Tensor] = []
-    for indices in group_indices([grads]).values():
-        norms.extend(torch._foreach_norm(pick(grads, indices), 2, dtype=torch.float32))
-    return total_norm(norms, device)
+    return total_norm(l2_norms(grads), device)
 
 
 class FusedLAMB(FusedOptimizer):
@@ -207,8 +205,11 @@ class FusedLAMB(FusedOptimizer):
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """One LAMB step over every group."""
         loss = self._evaluate(closure)
-        groups = [(group, self._params_with_grads(group)) for group in self.param_groups]
-        device = self.param_groups[0]["params"][0].device
+        # Empty groups are skipped, as in Apex and torch.optim; a group of frozen parameters only counts a step.
+        groups = [(group, self._params_with_grads(group)) for group in self.param_groups if group["params"]]
+        if not groups:
+            return loss
+        device = groups[0][0]["params"][0].device
         grad_norm = global_grad_norm([p.grad for _, params in groups for p in params], device)  # type: ignore[misc]
         scale = self._amp_scaling(device).grad_scale
         if scale is not None:

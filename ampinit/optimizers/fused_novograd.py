@@ -16,7 +16,7 @@ from ampinit.optimizers._base import (
     check_hyperparameters,
     group_step,
 )
-from ampinit.optimizers._tensor_lists import fp32_copies, fp32_work, write_back
+from ampinit.optimizers._tensor_lists import fp32_copies, fp32_work, l2_norms, write_back
 
 # Apex keeps one norm tensor per dtype in group['exp_avg_sq']: [fp16, fp32]. bf16 is ampinit's third slot.
 NORM_SLOTS = (torch.float16, torch.float32, torch.bfloat16)
@@ -27,7 +27,7 @@ UNSET_NORM = -1.0
 def layer_norms(grads: Sequence[Tensor], norm_type: int) -> Tensor:
     """Per-tensor norms (L2 for ``norm_type`` 2, max-abs for 0) of float32 ``grads`` as one 1-D tensor."""
     if norm_type == 2:
-        return torch.stack(torch._foreach_norm(list(grads), 2))
+        return torch.stack(l2_norms(grads))
     # The infinity norm of an empty tensor is undefined in torch; Apex's kernel reports 0 for it.
     nonempty = [g if g.numel() else g.new_zeros(1) for g in grads]
     return torch.stack(torch._foreach_norm(nonempty, float("inf")))
@@ -130,7 +130,7 @@ def novograd_single_tensor(
             g = g / grad_scale.to(device)
         # max() of an empty tensor is an error; Apex's kernel reports 0 for it.
         empty = g.numel() == 0
-        layer = g.norm() if norm_type == 2 or empty else g.abs().max()
+        layer = l2_norms([g])[0] if norm_type == 2 or empty else g.abs().max()
         norm = blend_norms(grad_norms[i], layer, beta2, norm_type)
         new_norms.append(norm)
         denom = (norm / (1 - beta2**t).sqrt() if bias_correction else norm) + eps
@@ -197,7 +197,9 @@ class FusedNovoGrad(FusedOptimizer):
         """One NovoGrad step over every group."""
         loss = self._evaluate(closure)
         for group in self.param_groups:
-            self._step_group(group, self._params_with_grads(group))
+            # Empty groups are skipped, as in Apex and torch.optim; a group of frozen parameters only counts a step.
+            if group["params"]:
+                self._step_group(group, self._params_with_grads(group))
         return loss
 
     def _step_group(self, group: dict[str, Any], params: list[Tensor]) -> None:

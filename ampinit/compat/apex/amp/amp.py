@@ -40,6 +40,12 @@ class _DeviceMarker(nn.Module):
         self.register_buffer("marker", torch.empty(0, device=device), persistent=False)
 
 
+def cast_devices() -> list[str]:
+    """Where ``amp.init()`` casts: CUDA on a machine that has it (Apex only ever cast CUDA tensors, so CPU code
+    beside it keeps running in fp32), the CPU on a machine without one (ampinit's CPU extension)."""
+    return ["cuda"] if torch.cuda.is_available() else ["cpu"]
+
+
 def init(
     enabled: bool = True,
     loss_scale: float | str = "dynamic",
@@ -47,16 +53,15 @@ def init(
     verbose: bool = False,
     allow_banned: bool = False,
 ) -> AmpHandle | NoOpHandle:
-    """Apex's old ``amp.init()``: switch O1 function casts on (for the CPU, and CUDA when present).
+    """Apex's old ``amp.init()``: switch O1 function casts on (see :func:`cast_devices` for where).
 
     Returns the handle; ``handle._deactivate()`` switches the casts off again. ``enable_caching`` is accepted and
     ignored (ampinit's weight-cast cache is always safe to use), and ``verbose`` does not print each cast.
     """
     if not enabled:
         return NoOpHandle()
-    devices = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
     ampinit.initialize(
-        [_DeviceMarker(d) for d in devices],
+        [_DeviceMarker(d) for d in cast_devices()],
         opt_level="O1",
         loss_scale=loss_scale,
         verbosity=0,

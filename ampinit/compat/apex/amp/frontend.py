@@ -3,9 +3,10 @@
 Apex's loose inputs are converted here, once, and everything else is ampinit's strict core:
 
 * LARC-wrapped optimizers: the inner optimizer goes to ampinit, the LARC object comes back in its place;
-* ``_amp_state.allow_incoming_model_not_fp32``: a half-precision model is accepted at the levels that cast the
-  model anyway (O0, O2, O3, O5), by bringing it to fp32 first; Apex built its masters from the half values too,
-  so the result is the same.
+* ``_amp_state.allow_incoming_model_not_fp32``: models whose weights are already fp16, bf16 or mixed are
+  accepted at every level, as in Apex. The level then does what it does to any model: O0/O2/O3/O5 cast it
+  (O2/O5 build fp32 masters from the half values, as Apex did), O1/O4 and ``cast_model_type=False`` leave it
+  as it is and cast around it.
 """
 
 from __future__ import annotations
@@ -13,17 +14,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
 
 import ampinit
 from ampinit import Properties
-from ampinit._types import HALF_DTYPES
 from ampinit.compat.apex.amp._amp_state import _amp_state
 from ampinit.compat.apex.amp.handle import unwrap_optimizer
 
 __all__ = ["Properties", "initialize", "load_state_dict", "state_dict"]
-
-_FUNCTION_CAST_LEVELS = ("O1", "O4")
 
 
 def initialize(
@@ -44,8 +41,6 @@ def initialize(
 ) -> Any:
     """Apex's ``amp.initialize``: same signature, defaults and return shape (see :func:`ampinit.initialize`)."""
     inner = _unwrap_optimizers(optimizers)
-    if _amp_state.allow_incoming_model_not_fp32 and enabled:
-        _upcast_half_models(models, opt_level, cast_model_type)
     result = ampinit.initialize(
         models,
         inner,
@@ -61,6 +56,7 @@ def initialize(
         verbosity=verbosity,
         min_loss_scale=min_loss_scale,
         max_loss_scale=max_loss_scale,
+        allow_half_model=bool(_amp_state.allow_incoming_model_not_fp32),
     )
     if optimizers is None or inner is optimizers:
         return result
@@ -73,25 +69,6 @@ def _unwrap_optimizers(optimizers: Any) -> Any:
         unwrapped = [unwrap_optimizer(o) for o in optimizers]
         return optimizers if all(a is b for a, b in zip(unwrapped, optimizers)) else unwrapped
     return unwrap_optimizer(optimizers) if optimizers is not None else None
-
-
-def _upcast_half_models(models: Any, opt_level: str, cast_model_type: Any) -> None:
-    model_list = models if isinstance(models, list) else [models]
-    half = [m for m in model_list if isinstance(m, nn.Module) and _has_half_tensors(m)]
-    if not half:
-        return
-    if opt_level in _FUNCTION_CAST_LEVELS or cast_model_type is False:
-        raise RuntimeError(
-            f"_amp_state.allow_incoming_model_not_fp32 is set and a model has half-precision weights, but "
-            f"opt_level={opt_level!r} (cast_model_type={cast_model_type!r}) keeps the model's own weights: pass an "
-            "fp32 model, or use opt_level='O2'/'O3', which cast the model themselves."
-        )
-    for model in half:
-        model.float()
-
-
-def _has_half_tensors(model: nn.Module) -> bool:
-    return any(t.dtype in HALF_DTYPES for t in (*model.parameters(), *model.buffers()))
 
 
 def state_dict(destination: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from ampinit import _multi_tensor
+
 __all__ = ["DynamicLossScaler", "LossScaler"]
 
 
@@ -49,7 +51,17 @@ class DynamicLossScaler(LossScaler):
         self.scale_window = scale_window
 
     def has_overflow(self, params: Iterable[torch.Tensor]) -> bool:
-        return any(p.grad is not None and self._has_inf_or_nan(p.grad) for p in params)
+        # One host read per device, not one per gradient (Apex's loop synchronised once per tensor): the max-abs
+        # of every grad is computed in one multi-tensor kernel per (device, dtype) group and checked on device.
+        grads = [p.grad for p in params if p.grad is not None]
+        flags = [
+            torch.stack([n.float() for n in torch._foreach_norm(group, ord=float("inf"))]).isfinite().all()
+            for (_, (group,)) in _multi_tensor.group_by_device_and_dtype(grads).items()
+        ]
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for flag in flags:
+            by_device.setdefault(flag.device, []).append(flag)
+        return not all(bool(torch.stack(same).all()) for same in by_device.values())
 
     @staticmethod
     def _has_inf_or_nan(x: torch.Tensor) -> bool:

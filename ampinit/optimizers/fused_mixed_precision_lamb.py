@@ -1,0 +1,191 @@
+"""FusedMixedPrecisionLamb: Apex's LAMB with device-side lr/step and optional float32 masters of
+reduced-precision parameters, on :func:`ampinit.multi_tensor.multi_tensor_lamb_mp`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ampinit.optimizers._base import ParamsT, check_hyperparameters
+
+
+class FusedMixedPrecisionLamb(torch.optim.Optimizer):
+    """Apex's ``FusedMixedPrecisionLamb``: same constructor, defaults, state and ``step(closure, grad_scaler)``.
+
+    ``group['lr']`` and ``group['step']`` are device tensors (float32 and int32 of shape [1]) so a step never
+    reads the host. With ``reduced_precision_dtype`` set, parameters of that dtype get float32 masters,
+    created from the parameters at the first ``step()`` (kept in ``param_groups_full_precision`` and, as in
+    Apex, not saved in ``state_dict``); the update runs on the masters and is rounded into the parameters.
+    Moments are float32 for those parameters and in the parameter dtype for the others, as in Apex.
+
+    ``step(grad_scaler=scaler)`` is Apex's calling convention: ``torch.amp.GradScaler.step`` passes itself
+    (with torch's own FutureWarning about it), its overflow flag skips the step on the device and the
+    gradients are unscaled inside the update. Without a scaler the ``grad_scale``/``found_inf`` attributes
+    of torch's newer protocol are used when set.
+    """
+
+    _step_supports_amp_scaling = True
+
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: float = 1e-3,
+        step: int = 0,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0.01,
+        amsgrad: bool = False,
+        adam_w_mode: bool = True,
+        grad_averaging: bool = True,
+        max_grad_norm: float = 1.0,
+        use_nvlamb: bool = False,
+        reduced_precision_dtype: torch.dtype | None = None,
+    ) -> None:
+        if amsgrad:
+            raise RuntimeError("FusedLAMB does not support the AMSGrad variant.")
+        check_hyperparameters(lr=lr, eps=eps, betas=betas, weight_decay=weight_decay)
+        defaults = dict(
+            lr=torch.full((), lr, dtype=torch.float32),
+            step=torch.full((1,), step, dtype=torch.int32),
+            bias_correction=bias_correction,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            grad_averaging=grad_averaging,
+            max_grad_norm=max_grad_norm,
+        )
+        super().__init__(params, defaults)
+        firsts = [group["params"][0] for group in self.param_groups if group["params"]]
+        device = firsts[0].device if firsts else torch.device("cpu")
+        for group in self.param_groups:
+            group["lr"] = group["lr"].to(device)
+            group["step"] = group["step"].to(device)
+        self._dummy_overflow_buf = torch.zeros(1, dtype=torch.int32, device=device)
+        self._device = device
+        self.reduced_precision_dtype = reduced_precision_dtype
+        self.param_groups_full_precision: list[dict[str, list[Tensor | None]]] = []
+        self.adam_w_mode = 1 if adam_w_mode else 0
+        self.use_nvlamb = use_nvlamb
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """As torch's, but tensor defaults (``lr``, ``step``) are cloned so groups never share them."""
+        missing = [name for name in self.defaults if name not in param_group]
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        for name in missing:
+            if isinstance(self.defaults[name], Tensor):
+                group[name] = self.defaults[name].clone()
+        # A group's own float lr becomes a tensor like the default's (Apex would replace it with the default).
+        if not isinstance(group["lr"], Tensor):
+            group["lr"] = torch.full((), float(group["lr"]), dtype=torch.float32)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load as torch does, but keep every state tensor in its saved dtype (float32 moments of
+        reduced-precision parameters stay float32, as Apex's override does) and unshared."""
+        super().load_state_dict(state_dict)
+        saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        params = [p for group in self.param_groups for p in group["params"]]
+        for saved_id, param in zip(saved_ids, params):
+            for key, value in state_dict["state"].get(saved_id, {}).items():
+                if isinstance(value, Tensor):
+                    self.state[param][key] = value.to(device=param.device, copy=True)
+        for group in self.param_groups:
+            for key in ("lr", "step"):
+                if isinstance(group[key], Tensor):
+                    group[key] = group[key].to(self._device, copy=True)
+
+    def _setup_full_precision_params(self) -> None:
+        for group in self.param_groups:
+            reduced = self.reduced_precision_dtype
+            masters: list[Tensor | None] = [
+                p.detach().clone().to(torch.float32) if reduced is not None and p.dtype == reduced else None
+                for p in group["params"]
+            ]
+            self.param_groups_full_precision.append({"params": masters})
+
+    @torch.no_grad()
+    def step(  # type: ignore[override]
+        self, closure: Callable[[], float] | None = None, grad_scaler: Any = None
+    ) -> float | None:
+        """One LAMB step over every group (Apex's ``step``); see the class docstring for ``grad_scaler``."""
+        # Imported here: ampinit.multi_tensor imports this package's modules.
+        from ampinit.multi_tensor import multi_tensor_l2norm_mp, multi_tensor_lamb_mp
+
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        # Masters are made at the first step, not in the constructor, so that parameters broadcast by DDP
+        # after construction are the ones copied (Apex's reason).
+        if not self.param_groups_full_precision:
+            self._setup_full_precision_params()
+        grads = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.dtype != group["params"][0].dtype:
+                    raise TypeError(
+                        f"FusedMixedPrecisionLamb wants one dtype per param group, got {group['params'][0].dtype} "
+                        f"and {p.dtype}"
+                    )
+                if p.grad is not None:
+                    grads.append(p.grad)
+        device = self._device
+        if grad_scaler is not None:
+            found_inf = grad_scaler._check_inf_per_device(self)[device].reshape(1)
+            scale = grad_scaler._get_scale_async().reshape(1)
+        else:
+            found = getattr(self, "found_inf", None)
+            given = getattr(self, "grad_scale", None)
+            found_inf = torch.zeros(1, device=device) if found is None else found.to(device).reshape(1)
+            scale = torch.ones(1, device=device) if given is None else given.to(device).reshape(1).float()
+        inv_scale = scale.double().reciprocal().float()
+        self._dummy_overflow_buf.copy_(found_inf.ne(0))
+        # The norm is taken of the scaled gradients, so the limit is scaled too.
+        max_grad_norm = self.defaults["max_grad_norm"] * scale
+        grad_norm = multi_tensor_l2norm_mp(0, self._dummy_overflow_buf, [grads], False)[0]
+        for group, full in zip(self.param_groups, self.param_groups_full_precision):
+            beta1, beta2 = group["betas"]
+            group["step"] += self._dummy_overflow_buf.ne(1).to(group["step"].dtype)
+            lists: list[list[Tensor]] = [[], [], [], []]
+            if self.reduced_precision_dtype is not None:
+                lists.append([])
+            for p, master in zip(group["params"], full["params"]):
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("FusedMixedPrecisionLamb does not support sparse gradients")
+                state = self.state[p]
+                if not state:
+                    dtype = torch.float32 if master is not None else p.dtype
+                    state["exp_avg"] = torch.zeros_like(p, dtype=dtype)
+                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype)
+                lists[0].append(p.grad)
+                lists[1].append(master if master is not None else p)
+                lists[2].append(state["exp_avg"])
+                lists[3].append(state["exp_avg_sq"])
+                if self.reduced_precision_dtype is not None:
+                    lists[4].append(p)
+            multi_tensor_lamb_mp(
+                0,
+                self._dummy_overflow_buf,
+                lists,
+                group["lr"],
+                beta1,
+                beta2,
+                group["eps"],
+                group["step"],
+                1 if group["bias_correction"] else 0,
+                group["weight_decay"],
+                1 if group["grad_averaging"] else 0,
+                self.adam_w_mode,
+                grad_norm,
+                max_grad_norm,
+                self.use_nvlamb,
+                found_inf,
+                inv_scale,
+            )
+        return loss
