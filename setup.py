@@ -26,12 +26,22 @@ setup(
     python_requires=">=3.9",
     packages=find_packages(include=["ampinit", "ampinit.*"]),
     package_data={"ampinit": ["py.typed"]},
-    install_requires=["torch>=2.4", "packaging"],
+    # numpy: without it every `import torch` prints "Failed to initialize NumPy" (and pytest, which turns
+    # warnings into errors, fails), so the minimal install must bring it.
+    install_requires=["torch>=2.13", "packaging", "numpy"],
     extras_require={
         # `ampinit migrate` rewrites source with libcst; nothing else needs it.
         "migrate": ["libcst>=1.1"],
         # numpy: torch warns at import without it, and pytest turns warnings into errors.
-        "test": ["pytest>=7", "hypothesis>=6", "libcst>=1.1", "numpy"],
+        # triton: the master-step kernels are tested on CPU through its interpreter. It requires no torch (so it
+        # never swaps the pinned wheel) and installs in about a minute; wheels exist for Linux only.
+        "test": [
+            "pytest>=7",
+            "hypothesis>=6",
+            "libcst>=1.1",
+            "numpy",
+            'triton; sys_platform == "linux" and (platform_machine == "x86_64" or platform_machine == "aarch64")',
+        ],
         "dev": ["mypy>=1.8", "ruff>=0.4"],
         # `ampinit demo` draws its PNG with matplotlib and shows progress with tqdm; it runs without both.
         "demo": ["matplotlib", "tqdm"],

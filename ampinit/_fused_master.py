@@ -1,0 +1,156 @@
+"""The master-weight optimizer step as one operation: the reference, and the dispatch to the Triton kernels.
+
+With master weights (O2/O5) a step, unfused, is: widen the half grads to fp32 and unscale them, check them for
+inf/NaN, run the optimizer on the fp32 masters, and copy the masters back into the half model weights. The
+functions here do all of it in one call, per list of tensors:
+
+- :func:`check_finite_` raises the overflow flag if any (still scaled, still half) grad is inf or NaN;
+- :func:`adam_` and :func:`sgd_` read each grad in its own dtype, multiply it by ``inv_scale``, update the
+  fp32 master and the optimizer state, and write the master, rounded to nearest-even, into the half weight; they
+  do nothing at all when ``found_inf`` is nonzero.
+
+The functions in this module are the *reference*: plain torch ops in a fixed order, each op rounded to fp32 (no
+fused multiply-add), so that ``ampinit._triton_master``'s kernels, which take the same arguments, reproduce them
+bit for bit. The per-element math is that of torch's fused CPU kernels (``m*beta1 + g*(1-beta1)``, ``v*beta2 +
+g*g*(1-beta2)``, ``sqrt(v)/sqrt(bc2) + eps``), with the bias corrections computed once per tensor in float64 by
+:func:`adam_step_scalars`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ampinit._types import TensorList
+
+
+def triton_available() -> bool:
+    """Whether ``triton`` can be imported (it ships with torch's CUDA wheels; never with the CPU ones)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def adam_step_scalars(steps: Sequence[torch.Tensor], beta1: float, beta2: float, lr: float) -> torch.Tensor:
+    """``[[step_size, sqrt(bias_correction2)], ...]`` in fp32, one row per tensor, from its step count.
+
+    Computed on the steps' device in float64 (as torch's Adam does on the host), then rounded once to fp32: no
+    host synchronisation, so a step count that a skipped step did not advance stays correct on the device.
+    """
+    step = torch.stack([s.reshape(()) for s in steps]).double()
+    bias_correction1 = 1 - torch.pow(beta1, step)
+    bias_correction2 = 1 - torch.pow(beta2, step)
+    return torch.stack([lr / bias_correction1, bias_correction2.sqrt()], dim=1).float()
+
+
+def check_finite_(grads: TensorList, found_inf: torch.Tensor) -> None:
+    """Set ``found_inf`` (a one-element fp32 tensor) to 1.0 if any grad holds an inf or NaN; never clear it."""
+    if not grads:
+        return
+    bad = torch.stack([g.isfinite().all().logical_not() for g in grads]).any()
+    found_inf.copy_(torch.maximum(found_inf, bad.to(found_inf.dtype).reshape(found_inf.shape)))
+
+
+# Square root and division correctly rounded to fp32, as the kernels' sqrt_rn and div_rn: through float64, whose
+# 53 bits make the second rounding harmless. torch's own fp32 versions on CPU are not always so: its vectorised
+# sqrt can be one ulp off, and a division by a scalar multiplies by the reciprocal.
+def _sqrt(x: torch.Tensor) -> torch.Tensor:
+    return x.double().sqrt().float()
+
+
+def _div(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return (x.double() / y.double()).float()
+
+
+def _skipped(found_inf: torch.Tensor | None) -> bool:
+    return found_inf is not None and bool(found_inf.reshape(-1)[0].item() != 0)
+
+
+def _unscaled(grad: torch.Tensor, inv_scale: torch.Tensor | None, maximize: bool) -> torch.Tensor:
+    g = grad.float()
+    if inv_scale is not None:
+        g = g * inv_scale.reshape(())
+    elif g is grad:
+        g = g.clone()
+    return -g if maximize else g
+
+
+def adam_(
+    weights: TensorList,
+    grads: TensorList,
+    masters: TensorList,
+    exp_avgs: TensorList,
+    exp_avg_sqs: TensorList,
+    step_scalars: torch.Tensor,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    decoupled: bool,
+    maximize: bool,
+    inv_scale: torch.Tensor | None,
+    found_inf: torch.Tensor | None,
+) -> None:
+    """One Adam (``decoupled=False``) or AdamW step of fp32 ``masters`` from ``grads``, written into ``weights``.
+
+    ``step_scalars`` comes from :func:`adam_step_scalars` (one row per tensor). ``weights`` may be empty (no
+    write-back), or hold the half model weights, one per master.
+    """
+    if _skipped(found_inf):
+        return
+    with torch.no_grad():
+        for i, (grad, master, m, v) in enumerate(zip(grads, masters, exp_avgs, exp_avg_sqs)):
+            g = _unscaled(grad, inv_scale, maximize)
+            p = master
+            if weight_decay != 0:
+                if decoupled:
+                    p = p * (1 - lr * weight_decay)
+                else:
+                    g = g + p * weight_decay
+            m.copy_(m * beta1 + g * (1 - beta1))
+            v.copy_(v * beta2 + (g * g) * (1 - beta2))
+            denom = _div(_sqrt(v), step_scalars[i, 1]) + eps
+            master.copy_(p - _div(step_scalars[i, 0] * m, denom))
+            if weights:
+                weights[i].copy_(master)
+
+
+def sgd_(
+    weights: TensorList,
+    grads: TensorList,
+    masters: TensorList,
+    momentum_buffers: TensorList,
+    *,
+    lr: float,
+    momentum: float,
+    dampening: float,
+    nesterov: bool,
+    weight_decay: float,
+    maximize: bool,
+    first_step: bool,
+    inv_scale: torch.Tensor | None,
+    found_inf: torch.Tensor | None,
+) -> None:
+    """One SGD step (torch's rule; with ``momentum`` the buffers are set to the grad on ``first_step``).
+
+    ``momentum_buffers`` is empty when ``momentum == 0``.
+    """
+    if _skipped(found_inf):
+        return
+    with torch.no_grad():
+        for i, (grad, master) in enumerate(zip(grads, masters)):
+            g = _unscaled(grad, inv_scale, maximize)
+            if weight_decay != 0:
+                g = g + master * weight_decay
+            if momentum != 0:
+                buf = momentum_buffers[i]
+                buf.copy_(g if first_step else buf * momentum + g * (1 - dampening))
+                g = g + buf * momentum if nesterov else buf
+            master.copy_(master + g * -lr)
+            if weights:
+                weights[i].copy_(master)

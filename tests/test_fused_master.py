@@ -1,0 +1,390 @@
+"""The master-step Triton kernels against the pure-torch reference, bit for bit, on CPU through Triton's interpreter.
+
+Every comparison is bitwise: the kernels do the reference's fp32 operations in the same order, each rounded
+(no fused multiply-add), with correctly rounded division and square root, so no ulp of slack is needed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Iterator
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+
+from ampinit import _fused_master as ref
+
+pytest.importorskip("triton", reason="triton is not installed (pip install triton); the kernels are tested through it")
+
+SIZES = [1, 7, 1024, 1025, 3000]
+
+
+@pytest.fixture(scope="module")
+def kernels() -> Iterator[ModuleType]:
+    """``ampinit._triton_master`` with its kernels built for the interpreter (the flag is read at decoration)."""
+    previous = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import ampinit._triton_master as module
+
+        yield importlib.reload(module)
+    finally:
+        if previous is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = previous
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    assert a.dtype == b.dtype and a.shape == b.shape
+    view = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}[a.dtype]
+    return torch.equal(a.view(view), b.view(view))
+
+
+def assert_same(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert same_bits(x, y), (x, y)
+
+
+def clone(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [t.clone() for t in tensors]
+
+
+def make(seed: int, weight_dtype: torch.dtype, grad_dtype: torch.dtype, scale: float) -> dict[str, list[torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    masters = [torch.randn(n, generator=gen) for n in SIZES]
+    return {
+        "weights": [m.to(weight_dtype) for m in masters],
+        "grads": [(torch.randn(n, generator=gen) * scale).to(grad_dtype) for n in SIZES],
+        "masters": masters,
+        "m": [torch.randn(n, generator=gen) * 0.1 for n in SIZES],
+        "v": [torch.rand(n, generator=gen) * 0.01 for n in SIZES],
+    }
+
+
+def run_both(kernels: ModuleType, name: str, state: dict[str, list[torch.Tensor]], *args: Any, **kwargs: Any) -> None:
+    """Run the reference on ``state`` and the kernel on a copy; every tensor must end up with the same bits."""
+    copy = {key: clone(value) for key, value in state.items()}
+    lists = [state[key] for key in state]
+    getattr(ref, name)(*lists, *args, **kwargs)
+    getattr(kernels, name)(*[copy[key] for key in copy], *args, **kwargs)
+    for key in state:
+        assert_same(copy[key], state[key])
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("grad_dtype", ["half", torch.float32])
+@pytest.mark.parametrize(
+    ("weight_decay", "decoupled", "maximize"), [(0.0, True, False), (0.05, True, False), (0.05, False, True)]
+)
+def test_adam_matches_reference(
+    kernels: ModuleType,
+    weight_dtype: torch.dtype,
+    grad_dtype: Any,
+    weight_decay: float,
+    decoupled: bool,
+    maximize: bool,
+) -> None:
+    half_grads = grad_dtype == "half"
+    state = make(0, weight_dtype, weight_dtype if half_grads else torch.float32, 1024.0 if half_grads else 1.0)
+    inv_scale = torch.full((1,), 1 / 1024.0) if half_grads else None
+    found_inf = torch.zeros(1)
+    # Step counts differ per tensor (a parameter added later, or without a grad on some steps).
+    steps = [torch.tensor(float(k)) for k in (1, 2, 3, 10, 1000)]
+    for _ in range(3):
+        for s in steps:
+            s += 1
+        scalars = ref.adam_step_scalars(steps, 0.9, 0.999, 1e-3)
+        run_both(
+            kernels,
+            "adam_",
+            state,
+            scalars,
+            lr=1e-3,
+            beta1=0.9,
+            beta2=0.999,
+            eps=1e-8,
+            weight_decay=weight_decay,
+            decoupled=decoupled,
+            maximize=maximize,
+            inv_scale=inv_scale,
+            found_inf=found_inf,
+        )
+
+
+def test_adam_without_weights_updates_only_masters(kernels: ModuleType) -> None:
+    state = make(1, torch.bfloat16, torch.float32, 1.0)
+    state["weights"] = []
+    scalars = ref.adam_step_scalars([torch.tensor(1.0)] * len(SIZES), 0.9, 0.999, 1e-2)
+    run_both(
+        kernels,
+        "adam_",
+        state,
+        scalars,
+        lr=1e-2,
+        beta1=0.9,
+        beta2=0.999,
+        eps=1e-8,
+        weight_decay=0.0,
+        decoupled=True,
+        maximize=False,
+        inv_scale=None,
+        found_inf=None,
+    )
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    ("momentum", "dampening", "nesterov", "weight_decay"),
+    [(0.0, 0.0, False, 0.0), (0.9, 0.0, False, 0.0), (0.9, 0.1, False, 1e-4), (0.9, 0.0, True, 1e-4)],
+)
+def test_sgd_matches_reference(
+    kernels: ModuleType,
+    weight_dtype: torch.dtype,
+    momentum: float,
+    dampening: float,
+    nesterov: bool,
+    weight_decay: float,
+) -> None:
+    state = make(2, weight_dtype, weight_dtype, 256.0)
+    state.pop("v")
+    if momentum == 0:
+        state["m"] = []
+    inv_scale = torch.full((1,), 1 / 256.0)
+    for step in range(3):
+        run_both(
+            kernels,
+            "sgd_",
+            state,
+            lr=0.1,
+            momentum=momentum,
+            dampening=dampening,
+            nesterov=nesterov,
+            weight_decay=weight_decay,
+            maximize=step == 2,
+            first_step=step == 0,
+            inv_scale=inv_scale,
+            found_inf=torch.zeros(1),
+        )
+
+
+def test_a_raised_flag_changes_nothing(kernels: ModuleType) -> None:
+    state = make(3, torch.float16, torch.float16, 1.0)
+    before = {key: clone(value) for key, value in state.items()}
+    scalars = ref.adam_step_scalars([torch.tensor(1.0)] * len(SIZES), 0.9, 0.999, 1e-3)
+    kernels.adam_(
+        *state.values(),
+        scalars,
+        lr=1e-3,
+        beta1=0.9,
+        beta2=0.999,
+        eps=1e-8,
+        weight_decay=0.01,
+        decoupled=True,
+        maximize=False,
+        inv_scale=torch.ones(1),
+        found_inf=torch.ones(1),
+    )
+    kernels.sgd_(
+        state["weights"],
+        state["grads"],
+        state["masters"],
+        state["m"],
+        lr=0.1,
+        momentum=0.9,
+        dampening=0.0,
+        nesterov=False,
+        weight_decay=0.0,
+        maximize=False,
+        first_step=False,
+        inv_scale=None,
+        found_inf=torch.ones(1),
+    )
+    for key in state:
+        assert_same(state[key], before[key])
+
+
+# numpy, under the interpreter, warns when 65520 rounds to fp16's inf (as it must).
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
+def test_weights_round_to_nearest_even(kernels: ModuleType) -> None:
+    """fp32 -> bf16/fp16 as torch rounds: ties to even, overflow to inf, NaN stays NaN (the interpreter truncates)."""
+    one = 1.0
+    bf16_ties = [one + 2**-8, one + 2**-8 + 2**-9, one + 2**-9, -(one + 3 * 2**-9), 3.3895e38, 1e-40, float("nan")]
+    fp16_ties = [one + 2**-11, one + 3 * 2**-11, 65520.0, 1e-6, float("-inf")]
+    for dtype, values in ((torch.bfloat16, bf16_ties), (torch.float16, fp16_ties)):
+        masters = [torch.tensor(values), torch.randn(5000) * torch.logspace(-20, 20, 5000)]
+        weights = [torch.zeros(len(values), dtype=dtype), torch.zeros(5000, dtype=dtype)]
+        # lr 0, no decay: the master stays exactly as it is and is only written out.
+        kernels.sgd_(
+            weights,
+            [torch.zeros_like(m) for m in masters],
+            masters,
+            [],
+            lr=0.0,
+            momentum=0.0,
+            dampening=0.0,
+            nesterov=False,
+            weight_decay=0.0,
+            maximize=False,
+            first_step=False,
+            inv_scale=None,
+            found_inf=None,
+        )
+        for master, weight in zip(masters, weights):
+            expected = master.to(dtype)
+            # NaN's bits are torch's choice per code path (0x7FC0 scalar, 0xFFFF vectorised on AVX2): NaN-ness only.
+            nan = expected.isnan()
+            assert torch.equal(weight.isnan(), nan)
+            assert same_bits(weight[~nan], expected[~nan])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("bad", [None, float("inf"), float("-inf"), float("nan")])
+def test_check_finite_matches_reference(kernels: ModuleType, dtype: torch.dtype, bad: float | None) -> None:
+    grads = [torch.randn(n).to(dtype) for n in SIZES]
+    if bad is not None:
+        grads[3][1024] = bad  # the first element of a tensor's second block
+    before = clone(grads)
+    flags = torch.zeros(1), torch.zeros(1)
+    ref.check_finite_(grads, flags[0])
+    kernels.check_finite_(grads, flags[1])
+    assert flags[0].item() == flags[1].item() == (0.0 if bad is None else 1.0)
+    assert_same(grads, before)  # a check, not an unscale: the grads are untouched
+
+
+def test_check_finite_never_clears_the_flag(kernels: ModuleType) -> None:
+    flag = torch.ones(1)
+    kernels.check_finite_([torch.ones(10, dtype=torch.bfloat16)], flag)
+    assert flag.item() == 1.0
+
+
+def test_lists_of_mixed_dtypes_are_refused(kernels: ModuleType) -> None:
+    with pytest.raises(ValueError, match="one dtype per list"):
+        kernels.check_finite_([torch.ones(3, dtype=torch.float16), torch.ones(3, dtype=torch.bfloat16)], torch.zeros(1))
+
+
+# -- the fused step inside amp ----------------------------------------------------------------------------------
+HALF = {"O2": torch.float16, "O5": torch.bfloat16}
+
+
+def train(
+    monkeypatch: pytest.MonkeyPatch,
+    backend: ModuleType | None,
+    level: str,
+    make_opt: Any,
+    sync_free: bool = False,
+    poison_step: int | None = None,
+) -> tuple[list[torch.Tensor], dict[str, Any], int]:
+    """Four amp steps; the fused step runs on ``backend`` (None: torch's own step). Returns weights, state, launches."""
+    from torch import nn
+
+    from ampinit import _fused_step, amp
+
+    calls = []
+
+    def kernels(device: torch.device) -> ModuleType | None:
+        calls.append(device)
+        return backend
+
+    monkeypatch.setattr(_fused_step, "_kernels", kernels)
+    gen = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+    opt = make_opt(model.parameters())
+    model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0, sync_free=sync_free)
+    session = amp.current_session()
+    assert session is not None
+    try:
+        for step in range(4):
+            data = torch.randn(32, 8, generator=gen)
+            with amp.scale_loss(model(data).float().pow(2).mean(), opt) as scaled:
+                scaled.backward()
+                if step == poison_step:
+                    model[0].weight.grad[0, 0] = float("inf")
+            opt.step()
+            opt.zero_grad()
+        masters = [p.detach().clone() for p in amp.master_params(opt)]
+        weights = [p.detach().clone() for p in model.parameters()]
+        state = opt.state_dict()
+    finally:
+        session.close()
+    return [*weights, *masters], state, len(calls)
+
+
+OPTIMIZERS = {
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, fused=True),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.01, maximize=True, fused=True),
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=1e-4, fused=True),
+    "sgd-nesterov": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, fused=True),
+    "sgd-plain": lambda ps: torch.optim.SGD(ps, lr=0.1, fused=True),
+}
+
+
+def state_tensors(state: dict[str, Any]) -> list[torch.Tensor]:
+    return [v for _, per_param in sorted(state["state"].items()) for _, v in sorted(per_param.items())]
+
+
+@pytest.mark.parametrize("level", ["O2", "O5"])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.parametrize("sync_free", [False, True])
+def test_amp_fused_step_matches_the_reference_step(
+    kernels: ModuleType, monkeypatch: pytest.MonkeyPatch, level: str, name: str, sync_free: bool
+) -> None:
+    tensors, state, launches = train(monkeypatch, kernels, level, OPTIMIZERS[name], sync_free)
+    ref_tensors, ref_state, _ = train(monkeypatch, ref, level, OPTIMIZERS[name], sync_free)
+    assert launches > 0
+    assert_same(tensors, ref_tensors)
+    assert_same(state_tensors(state), state_tensors(ref_state))
+
+
+@pytest.mark.parametrize("level", ["O2", "O5"])
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+def test_amp_fused_step_agrees_with_torch_and_keeps_its_state_layout(
+    kernels: ModuleType, monkeypatch: pytest.MonkeyPatch, level: str, name: str
+) -> None:
+    tensors, state, _ = train(monkeypatch, kernels, level, OPTIMIZERS[name])
+    torch_tensors, torch_state, _ = train(monkeypatch, None, level, OPTIMIZERS[name])
+    # torch's fused CPU kernels round differently (their scalar tails run in float64): close, not bitwise.
+    for ours, theirs in zip(tensors, torch_tensors):
+        torch.testing.assert_close(ours.float(), theirs.float(), rtol=1e-2, atol=1e-3)
+    assert state["param_groups"] == torch_state["param_groups"]
+    assert state["state"].keys() == torch_state["state"].keys()
+    for index, ours in state["state"].items():
+        theirs = torch_state["state"][index]
+        assert ours.keys() == theirs.keys()
+        for key in ours:
+            assert (ours[key].dtype, ours[key].shape, ours[key].device) == (
+                theirs[key].dtype,
+                theirs[key].shape,
+                theirs[key].device,
+            )
+            if key == "step":
+                assert torch.equal(ours[key], theirs[key])
+
+
+def test_amp_fused_step_skips_an_overflow_on_the_device(kernels: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An inf grad on step 2 (sync-free: the kernel reads the flag): as if step 2 never happened, step counts too."""
+    tensors, state, _ = train(monkeypatch, kernels, "O2", OPTIMIZERS["adamw"], sync_free=True, poison_step=2)
+    ref_tensors, ref_state, _ = train(monkeypatch, ref, "O2", OPTIMIZERS["adamw"], sync_free=True, poison_step=2)
+    assert_same(tensors, ref_tensors)
+    assert_same(state_tensors(state), state_tensors(ref_state))
+    assert all(per_param["step"].item() == 3.0 for per_param in state["state"].values())
+
+
+@pytest.mark.parametrize(
+    "make_opt",
+    [
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2),  # not fused: torch's numerics were asked for
+        lambda ps: torch.optim.Adam(ps, lr=1e-2, amsgrad=True, fused=True),
+        lambda ps: torch.optim.RMSprop(ps, lr=1e-2),
+    ],
+)
+def test_amp_fused_step_leaves_other_optimizers_to_torch(
+    kernels: ModuleType, monkeypatch: pytest.MonkeyPatch, make_opt: Any
+) -> None:
+    _, _, launches = train(monkeypatch, kernels, "O2", make_opt)
+    assert launches == 0
