@@ -21,7 +21,8 @@ A :class:`CastPolicy` does four things:
 The extra kernels are process-wide, like any dispatcher registration: they are registered when the first
 ``apex`` policy activates, reference-counted per device type, and removed when the last one deactivates. They
 cast only in threads where an ``apex`` policy is the innermost one on (the initializing thread, or a session
-model's forward); elsewhere they behave as the device's native autocast does.
+model's forward), and in threads with no policy of their own while they run a backward (autograd's device
+threads: checkpoint recompute); elsewhere they behave as the device's native autocast does.
 """
 
 from __future__ import annotations
@@ -77,9 +78,26 @@ def _activated_stack() -> list[CastPolicy]:
     return stack
 
 
+# Every policy active in the process, in activation order (a thread of autograd's engine has none of its own).
+_open: list[CastPolicy] = []
+_open_lock = threading.Lock()
+
+
 def _innermost() -> CastPolicy | None:
+    """The policy the extra kernels follow in this thread.
+
+    The thread's innermost one; in a thread with none, while autograd runs a backward there (the engine's
+    device threads, which run CUDA backward and so recompute checkpointed forwards, or a backward started in
+    another thread), the process's latest active policy: torch.utils.checkpoint restores the forward's
+    autocast state for the recompute, and the recompute must cast the same ops as the forward did.
+    """
     stack: list[CastPolicy] | None = getattr(_scopes, "stack", None)
-    return stack[-1] if stack else None
+    if stack:
+        return stack[-1]
+    if _open and torch._C._current_graph_task_id() != -1:
+        with _open_lock:
+            return _open[-1] if _open else None
+    return None
 
 
 class CastPolicy:
@@ -140,6 +158,8 @@ class CastPolicy:
         torch.autocast_increment_nesting()
         _activated_stack().append(self)
         _scope_stack().append(self)
+        with _open_lock:
+            _open.append(self)
         self._thread = threading.get_ident()
 
     def deactivate(self) -> None:
@@ -157,6 +177,8 @@ class CastPolicy:
                 if stack[index] is self:
                     del stack[index]
                     break
+            with _open_lock:
+                _open.remove(self)
             if torch.autocast_decrement_nesting() == 0:
                 torch.clear_autocast_cache()
             _functions.clear_cache()

@@ -9,13 +9,21 @@ element on the device: it adds no host synchronisation of its own.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.distributed as dist
 
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # pragma: no cover - torch builds without distributed support
-    DTensor = None  # type: ignore[assignment,misc]
+
+def _dtensor_type() -> type | None:
+    """``DTensor`` if ``torch.distributed.tensor`` has been imported, else ``None``.
+
+    Importing it here would cost ``import ampinit`` about half a second (it pulls in sympy), and no tensor can be
+    a ``DTensor`` before its module is imported (FSDP2 and tensor parallelism import it), so looking it up in
+    ``sys.modules`` answers the same question for free.
+    """
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
 
 
 def world_size() -> int:
@@ -32,12 +40,14 @@ def agree_on_overflow_(flag: torch.Tensor) -> None:
 
 def is_sharded(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is a ``DTensor`` (an FSDP2 / tensor-parallel shard)."""
-    return DTensor is not None and isinstance(tensor, DTensor)
+    dtensor = _dtensor_type()
+    return dtensor is not None and isinstance(tensor, dtensor)
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
     """The rank-local tensor behind a ``DTensor`` (in-place changes reach the shard); other tensors as they are."""
-    if DTensor is not None and isinstance(tensor, DTensor):
-        shard: torch.Tensor = tensor.to_local()
+    dtensor = _dtensor_type()
+    if dtensor is not None and isinstance(tensor, dtensor):
+        shard: torch.Tensor = tensor.to_local()  # type: ignore[attr-defined]
         return shard
     return tensor

@@ -159,7 +159,10 @@ def accumulate_with_no_sync(rank: int, world: int, out: Path) -> None:
 
 
 def fsdp2(rank: int, world: int, out: Path) -> None:
-    from torch.distributed.fsdp import fully_shard
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # torch < 2.6 has FSDP2 only under its composable API path
+        from torch.distributed._composable.fsdp import fully_shard  # type: ignore[no-redef]
 
     x, y = shard(rank, world)
     for level in ("O1", "O4"):

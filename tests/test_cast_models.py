@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ampinit as amp
+from tests._device import on_device
 
 LEVELS = [pytest.param("O1", torch.float16, id="O1-fp16"), pytest.param("O4", torch.bfloat16, id="O4-bf16")]
 TOL = {torch.float16: {"rtol": 3e-2, "atol": 3e-2}, torch.bfloat16: {"rtol": 1e-1, "atol": 1e-1}}
@@ -205,10 +206,10 @@ def test_model_forward_follows_the_apex_policy_in_other_threads(level: str, dtyp
 @pytest.mark.parametrize(("level", "dtype"), LEVELS)
 def test_compiled_model_gives_the_same_dtypes(level: str, dtype: torch.dtype) -> None:
     torch._dynamo.reset()
-    model = Head()
+    model = on_device(Head())
     amp.initialize(model, opt_level=level, verbosity=0)
     try:
-        x = g(2, 6)
+        x = on_device(g(2, 6))
         eager = model(x)
         compiled = torch.compile(model, backend="aot_eager")
         out = compiled(x)

@@ -3,7 +3,7 @@ the expected dtype and against an fp32 computation of the same op for the numeri
 
 from __future__ import annotations
 
-import contextlib
+import itertools
 import re
 import threading
 from collections.abc import Callable, Iterator
@@ -91,16 +91,38 @@ def test_lists_are_apexs_lists() -> None:
     assert every_name <= set(c.APEX_TO_ATEN), "every Apex name is mapped to the aten ops that carry it"
 
 
-def test_cuda_reference_lists_are_cudas_registrations() -> None:
-    """The copy of PyTorch's CUDA lists matches this build's AutocastCUDA registrations (a fact of torch)."""
-    for op in (*_cast_lists.PYTORCH_CUDA_LOWER, *_cast_lists.PYTORCH_CUDA_FP32, *_cast_lists.PYTORCH_CUDA_PROMOTE):
-        packet = getattr(torch.ops.aten, op)
-        names = [f"aten::{op}" if o == "default" else f"aten::{op}.{o}" for o in packet.overloads()]
-        registered = []
-        for name in names:
-            with contextlib.suppress(RuntimeError):
-                registered.append(torch._C._dispatch_has_kernel_for_dispatch_key(name, "AutocastCUDA"))
-        assert any(registered), op
+# PyTorch's documented CUDA autocast lists (docs "Automatic Mixed Precision package", "CUDA Op-Specific
+# Behavior"), written here by hand under their aten names. Names with no aten op of their own (composites such as
+# cross_entropy, normalize, softmin, and the Python operators __pow__, __rdiv__...) are left out: they dispatch to
+# ops in these lists. GRUCell/LSTMCell/RNNCell are the aten *_cell ops; multi_dot is linalg_multi_dot; grid_sample
+# is grid_sampler.
+DOCUMENTED_CUDA_FP16 = {
+    "addbmm", "addmm", "addmv", "addr", "baddbmm", "bmm", "chain_matmul", "linalg_multi_dot", "conv1d", "conv2d",
+    "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "gru_cell", "linear", "lstm_cell",
+    "matmul", "mm", "mv", "prelu", "rnn_tanh_cell", "rnn_relu_cell",
+}  # fmt: skip
+DOCUMENTED_CUDA_FP32 = {
+    "acos", "asin", "binary_cross_entropy_with_logits", "cosh", "cosine_embedding_loss", "cdist",
+    "cosine_similarity", "cumprod", "cumsum", "dist", "erfinv", "exp", "expm1", "group_norm", "hinge_embedding_loss",
+    "kl_div", "l1_loss", "layer_norm", "log", "log_softmax", "log10", "log1p", "log2", "margin_ranking_loss",
+    "mse_loss", "multilabel_margin_loss", "multi_margin_loss", "nll_loss", "norm", "pdist", "poisson_nll_loss",
+    "pow", "prod", "reciprocal", "rsqrt", "sinh", "smooth_l1_loss", "soft_margin_loss", "softmax", "softplus", "sum",
+    "renorm", "tan", "triplet_margin_loss",
+}  # fmt: skip
+DOCUMENTED_CUDA_WIDEST = {
+    "addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "grid_sampler", "index_put", "scatter_add", "tensordot",
+}  # fmt: skip
+
+
+def test_cuda_reference_lists_hold_pytorchs_documented_lists() -> None:
+    """ampinit's copy of PyTorch's CUDA lists (what ``cast_policy="apex"`` keeps on CUDA) contains every op the
+    PyTorch documentation lists, each under the same policy."""
+    assert set(_cast_lists.PYTORCH_CUDA_LOWER) >= DOCUMENTED_CUDA_FP16
+    assert set(_cast_lists.PYTORCH_CUDA_FP32) >= DOCUMENTED_CUDA_FP32
+    assert set(_cast_lists.PYTORCH_CUDA_PROMOTE) >= DOCUMENTED_CUDA_WIDEST
+    lists = (_cast_lists.PYTORCH_CUDA_LOWER, _cast_lists.PYTORCH_CUDA_FP32, _cast_lists.PYTORCH_CUDA_PROMOTE)
+    for one, other in itertools.combinations(lists, 2):
+        assert not set(one) & set(other), "an op has one policy"
 
 
 def test_plan_adds_only_what_the_device_lacks() -> None:
@@ -399,3 +421,63 @@ def test_disable_casts_covers_the_new_kernels_and_restores_on_error(session: tor
         raise KeyError
     assert torch.softmax(h, -1).dtype == torch.float32
     assert torch.mv(g(3, 4), g(4)).dtype == session
+
+
+class _Checkpointed(nn.Module):
+    """Linear -> (LayerNorm -> GELU -> Linear, checkpointed or not): the segment holds ops only Apex casts on CPU."""
+
+    def __init__(self, checkpoint: str | None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(16, 32)
+        self.segment = nn.Sequential(nn.LayerNorm(32), nn.GELU(), nn.Linear(32, 8))
+        self.checkpoint = checkpoint
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        if self.checkpoint is None:
+            return self.segment(h)
+        reentrant = self.checkpoint == "reentrant"
+        out: torch.Tensor = torch.utils.checkpoint.checkpoint(self.segment, h, use_reentrant=reentrant)
+        return out
+
+
+def _grads_with_backward_in(checkpoint: str | None, other_thread: bool) -> list[torch.Tensor]:
+    model = _Checkpointed(checkpoint)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O4", verbosity=0)
+    try:
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        loss = model(x).float().pow(2).sum()
+        errors: list[BaseException] = []
+
+        def backward() -> None:
+            try:
+                with amp.scale_loss(loss, optimizer) as scaled:
+                    scaled.backward()
+            except BaseException as error:  # re-raised in the test's thread
+                errors.append(error)
+
+        if other_thread:
+            thread = threading.Thread(target=backward)
+            thread.start()
+            thread.join()
+        else:
+            backward()
+        if errors:
+            raise errors[0]
+        return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    finally:
+        amp.deinitialize()
+
+
+@pytest.mark.parametrize("checkpoint", ["reentrant", "non-reentrant"])
+def test_checkpoint_recompute_in_another_thread_casts_like_the_forward(checkpoint: str) -> None:
+    # CUDA backward, and with it the checkpoint's recompute, runs on autograd's device thread; on the CPU a
+    # backward started in another thread shows the same: the recompute must cast as the forward did (LayerNorm
+    # and GELU in fp32), or its values and dtypes differ from the forward's.
+    reference = _grads_with_backward_in(None, other_thread=False)
+    grads = _grads_with_backward_in(checkpoint, other_thread=True)
+    assert len(grads) == len(reference) == 6
+    for grad, expected in zip(grads, reference):
+        assert torch.equal(grad, expected)

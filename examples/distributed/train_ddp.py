@@ -2,7 +2,8 @@
 
 Run on CPU with two processes:
     torchrun --nproc_per_node=2 examples/distributed/train_ddp.py --opt-level O5
-On GPUs, the same script picks nccl and one GPU per process.
+On GPUs, the same script picks nccl and one GPU per process; with fewer GPUs than processes (e.g. two processes
+on a 1-GPU machine) the processes share the GPUs and use gloo.
 
 The order matters, as in Apex: amp.initialize() first, then wrap the returned model in DDP.
 """
@@ -20,16 +21,37 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ampinit import amp
 
 
+def pick_device() -> tuple[torch.device, str]:
+    """This rank's device and the process-group backend.
+
+    One GPU per rank (the usual torchrun layout) uses nccl. With fewer GPUs than ranks on the node, ranks share
+    GPUs round-robin (LOCAL_RANK % device_count) and use gloo, since nccl refuses two ranks on one GPU.
+    """
+    if not torch.cuda.is_available():
+        return torch.device("cpu"), "gloo"
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    ranks_on_node = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    count = torch.cuda.device_count()
+    device = torch.device("cuda", local_rank % count)
+    torch.cuda.set_device(device)
+    return device, "nccl" if ranks_on_node <= count else "gloo"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--opt-level", default="O2", choices=["O0", "O1", "O2", "O3", "O4", "O5"])
     parser.add_argument("--steps", type=int, default=100)
     args = parser.parse_args()
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:  # plain `python`: torch would say "RANK expected"
+        parser.exit(
+            2,
+            "train_ddp.py runs one process per rank: launch it with torchrun, for example\n"
+            "  torchrun --nproc_per_node=2 examples/distributed/train_ddp.py --opt-level O5\n",
+        )
 
-    cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")
+    device, backend = pick_device()
+    dist.init_process_group(backend)
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
 
     torch.manual_seed(0)  # the same initial weights on every rank (DDP also broadcasts them from rank 0)
     model = nn.Sequential(nn.Linear(32, 128), nn.LayerNorm(128), nn.GELU(), nn.Linear(128, 1)).to(device)

@@ -1,0 +1,171 @@
+"""What only a CUDA device can show: no host sync in sync-free mode under CUDA's sync-debug mode, a CUDA-graph
+captured FusedAdam step, cuDNN RNNs after teardown, an NCCL job, parameters split between the CPU and CUDA,
+and amp.init() casting CUDA only. Every test here skips unless the suite runs with ``--device cuda``."""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from ampinit import _multi_tensor, amp
+from ampinit.compat.apex import amp as apex_amp
+from ampinit.optimizers import FusedAdam
+from tests._device import requires_cuda
+from tests.conftest import make_problem
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def cuda_problem() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    model, x, y = make_problem()
+    return model.cuda(), x.cuda(), y.cuda()
+
+
+@requires_cuda("torch.cuda.set_sync_debug_mode")
+@pytest.mark.parametrize("level", ["O1", "O2", "O4", "O5"])
+def test_sync_free_steps_never_synchronise(level: str) -> None:
+    model, x, y = cuda_problem()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    amp.initialize(model, opt, opt_level=level, verbosity=0, sync_free=True)
+    try:
+        for _ in range(2):  # the first step creates optimizer state and master-grad buffers: warm up
+            opt.zero_grad()
+            with amp.scale_loss(nn.functional.mse_loss(model(x).float(), y), opt) as scaled:
+                scaled.backward()
+            opt.step()
+        previous = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(3):
+                opt.zero_grad()
+                with amp.scale_loss(nn.functional.mse_loss(model(x).float(), y), opt) as scaled:
+                    scaled.backward()
+                opt.step()
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+    finally:
+        amp.deinitialize()
+
+
+@requires_cuda("CUDA graphs")
+def test_capturable_fused_adam_step_replays_in_a_cuda_graph() -> None:
+    torch.manual_seed(0)
+    params = [
+        torch.randn(64, 32, device="cuda", requires_grad=True),
+        torch.randn(32, device="cuda", requires_grad=True),
+    ]
+    reference = [p.detach().clone().requires_grad_() for p in params]
+    grads = [torch.randn_like(p) for p in params]
+    opt = FusedAdam(params, lr=1e-2, capturable=True)
+    ref_opt = torch.optim.Adam(reference, lr=1e-2)
+    for p, r, g in zip(params, reference, grads):
+        p.grad, r.grad = g.clone(), g.clone()
+    # Warm up on a side stream (creates the state), then capture one step and replay it.
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        opt.step()
+    torch.cuda.current_stream().wait_stream(side)
+    ref_opt.step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        opt.step()
+    for _ in range(4):
+        graph.replay()
+        ref_opt.step()
+    torch.cuda.synchronize()
+    for p, r in zip(params, reference):
+        torch.testing.assert_close(p, r)
+
+
+@requires_cuda("cuDNN RNN weight buffers")
+@pytest.mark.parametrize("rnn", [nn.LSTM, nn.GRU])
+def test_cudnn_rnn_runs_without_warnings_after_teardown(rnn: type[nn.RNNBase]) -> None:
+    model = rnn(8, 16, num_layers=2).cuda()
+    x = torch.randn(5, 3, 8, device="cuda")
+    amp.initialize(model, opt_level="O2", verbosity=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(x)
+        amp.deinitialize()
+        out, _ = model(x)  # "not part of single contiguous chunk of memory" would be an error here
+    assert out.dtype == torch.float32
+
+
+@requires_cuda("NCCL")
+def test_ddp_example_with_nccl_on_one_gpu() -> None:
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "--master_addr=127.0.0.1",
+        "--master_port=29517", "examples/distributed/train_ddp.py", "--opt-level", "O2", "--steps", "20",
+    ]  # fmt: skip
+    result = subprocess.run(command, cwd=ROOT, env=dict(os.environ), capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "ranks agree: True" in result.stdout
+
+
+@requires_cuda("parameters on the CPU and on CUDA")
+@pytest.mark.parametrize("level", ["O1", "O2", "O5"])
+def test_model_split_across_cpu_and_cuda_matches_fp32(level: str) -> None:
+    class Split(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.cpu_part = nn.Linear(8, 16)
+            self.cuda_part = nn.Linear(16, 4).cuda()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.cuda_part(torch.relu(self.cpu_part(x.cpu())).cuda())
+
+    torch.manual_seed(0)
+    model = Split()
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(32, 8), torch.randn(32, 4, device="cuda")
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05)
+    amp.initialize(model, opt, opt_level=level, verbosity=0)
+    try:
+        for _ in range(5):
+            opt.zero_grad()
+            with amp.scale_loss(nn.functional.mse_loss(model(x).float(), y), opt) as scaled:
+                scaled.backward()
+            opt.step()
+            ref_opt.zero_grad()
+            nn.functional.mse_loss(reference(x), y).backward()
+            ref_opt.step()
+    finally:
+        amp.deinitialize()
+    for p, r in zip(model.parameters(), reference.parameters()):
+        assert p.device == r.device
+        torch.testing.assert_close(p.float(), r, rtol=3e-2, atol=3e-2)
+
+
+@requires_cuda("a CPU/CUDA copy of the loss scale")
+def test_unscale_is_exact_with_grads_and_scale_on_different_devices() -> None:
+    gen = torch.Generator().manual_seed(0)
+    for grad_device, scale_device in (("cpu", "cuda"), ("cuda", "cpu")):
+        grads = [torch.randn(1000, generator=gen).to(grad_device) * 2.0**10 for _ in range(4)]
+        expected = [g.cpu() * 2.0**-10 for g in grads]  # a power of two: exact
+        grads[-1][7] = float("inf")
+        expected[-1][7] = float("inf")
+        found_inf = torch.zeros(1, device=scale_device)
+        _multi_tensor.unscale_and_check_(grads, found_inf, torch.full((), 2.0**-10, device=scale_device))
+        assert found_inf.item() == 1.0
+        for g, e in zip(grads, expected):
+            assert torch.equal(g.cpu(), e)
+
+
+@requires_cuda("amp.init() on a GPU machine")
+def test_amp_init_casts_cuda_and_leaves_the_cpu_alone() -> None:
+    handle = apex_amp.init()
+    try:
+        assert torch.is_autocast_enabled("cuda")
+        assert not torch.is_autocast_enabled("cpu")  # Apex only ever cast CUDA tensors
+    finally:
+        handle._deactivate()
