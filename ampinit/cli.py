@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import runpy
 import sys
@@ -63,6 +64,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "run":
         return run_script(args.script, args.args)
     if args.command == "migrate":
+        if importlib.util.find_spec("libcst") is None:
+            sys.stderr.write(
+                "ampinit migrate: error: it rewrites code with libcst, which is not installed; "
+                "install it with: pip install 'ampinit[migrate]' (or pip install libcst)\n"
+            )
+            return 2
         from ampinit.migrate import migrate_paths
 
         report = migrate_paths(args.paths, to=args.to, write=args.write)
@@ -75,8 +82,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if hasattr(args, "func"):  # demo, doctor
         code: int = args.func(args)
         return code
-    parser.print_help(sys.stdout)
-    return 0
+    # No command: like argparse's own usage errors, print the usage to stderr and exit with status 2.
+    parser.print_help(sys.stderr)
+    return 2
 
 
 def run_script(script: str, args: Sequence[str]) -> int:

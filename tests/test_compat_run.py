@@ -88,4 +88,4 @@ def test_simple_distributed_runs_unchanged_on_two_processes() -> None:
     result = run_job(command, cwd=ROOT, env=ENV, timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert "final loss" in result.stdout
-    assert result.stderr.count("delay_allreduce=True: torch's DDP overlaps the allreduce") == 2  # once per process
+    assert "delay_allreduce" not in result.stderr  # honoured (find_unused_parameters=True), nothing to explain

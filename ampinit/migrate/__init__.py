@@ -11,6 +11,7 @@ from collections.abc import Iterable, Iterator
 from typing import Literal
 
 from ampinit.migrate._report import FileResult, Report, Site
+from ampinit.migrate._to_ampinit import COMMENT_PREFIX
 from ampinit.migrate.checkpoint import convert_apex_checkpoint, grad_scaler_state
 
 __all__ = [
@@ -37,11 +38,47 @@ def migrate_source(source: str, to: Destination = "ampinit", path: str = "<strin
     if to == "torch":
         native, sites, refused = migrate_module_to_torch(source)
         if refused:
-            return FileResult(path, source, source, sites, refused=True)
+            return _earlier_notes(FileResult(path, source, source, sites, refused=True))
         migrated, more = migrate_module(native)
-        return FileResult(path, source, migrated, sites + more)
+        return _checked(FileResult(path, source, migrated, sites + more))
     migrated, sites = migrate_module(source)
-    return FileResult(path, source, migrated, sites)
+    return _checked(FileResult(path, source, migrated, sites))
+
+
+def _earlier_notes(result: FileResult) -> FileResult:
+    """``# ampinit:`` notes that an earlier migration left in the file still need a human: report them (once per
+    statement: a note this run raised again is not counted twice)."""
+    lines = result.original.splitlines()
+    human = {site.line for site in result.sites if site.needs_human}
+    extra: list[Site] = []
+    for index, text in enumerate(lines):
+        stripped = text.strip()
+        if not stripped.startswith(COMMENT_PREFIX):
+            continue
+        statement = index + 1
+        while statement < len(lines) and lines[statement].strip().startswith("#"):
+            statement += 1
+        if statement + 1 in human:
+            continue
+        extra.append(Site(index + 1, f"left by an earlier migration: {stripped[len(COMMENT_PREFIX) :]}", True))
+    if not extra:
+        return result
+    sites = sorted(result.sites + extra, key=lambda site: site.line)
+    return FileResult(result.path, result.original, result.migrated, sites, result.refused)
+
+
+def _checked(result: FileResult) -> FileResult:
+    """The codemod's last check: a result that would import a name that does not exist is refused, unchanged."""
+    from ampinit.migrate._resolve import unresolved_imports
+
+    result = _earlier_notes(result)
+    if not result.changed:
+        return result
+    broken = unresolved_imports(result.migrated, result.original)
+    if not broken:
+        return result
+    sites = [Site(1, f"{reason} at line {line} of the migrated file: left unchanged", True) for line, reason in broken]
+    return FileResult(result.path, result.original, result.original, sites, refused=True)
 
 
 def python_files(paths: Iterable[str]) -> Iterator[str]:

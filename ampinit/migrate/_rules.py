@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
+from functools import cache
 
 import ampinit.amp
 import ampinit.optimizers
@@ -34,6 +36,25 @@ class Target:
         """The module to ``import`` so that :attr:`expression` resolves."""
         return "torch" if self.module.startswith("torch") else self.module
 
+    @property
+    def resolves(self) -> bool:
+        """Whether the new home exists in the installed ampinit/torch (the codemod never emits one that does not)."""
+        return resolves(self.module, self.name)
+
+
+@cache
+def resolves(module: str, name: str | None = None) -> bool:
+    """Whether ``import module`` works and ``module.name`` (``name`` may be dotted) is an attribute of it."""
+    try:
+        found: object = importlib.import_module(module)
+    except ImportError:
+        return False
+    for part in (name or "").split(".") if name else []:
+        if not hasattr(found, part):
+            return False
+        found = getattr(found, part)
+    return True
+
 
 AMP_NAMES = frozenset(ampinit.amp.__all__)
 OPTIMIZER_NAMES = frozenset(ampinit.optimizers.__all__)
@@ -52,6 +73,7 @@ TARGETS: dict[str, Target] = {
     "apex.parallel.convert_syncbn_model": Target("torch.nn", "SyncBatchNorm.convert_sync_batchnorm"),
     "apex.parallel.ReduceOp": Target("torch.distributed", "ReduceOp"),
     "apex.fp16_utils.clip_grad_norm": Target("torch.nn.utils", "clip_grad_norm_"),
+    "apex.optimizers.FP16_Optimizer": Target(f"{COMPAT}.fp16_utils", "FP16_Optimizer"),  # its older home
     **{f"apex.amp.{name}": Target("ampinit.amp", name) for name in AMP_NAMES},
     **{f"apex.optimizers.{name}": Target("ampinit.optimizers", name) for name in OPTIMIZER_NAMES},
     **{f"apex.multi_tensor_apply.{name}": Target("ampinit.multi_tensor", name) for name in MULTI_TENSOR_APPLY_NAMES},
@@ -78,9 +100,12 @@ DDP_NAMES = frozenset({"apex.parallel.DistributedDataParallel", "apex.parallel.d
 SYNCBN_NAMES = frozenset({"apex.parallel.SyncBatchNorm"})
 CONVERT_SYNCBN = "apex.parallel.convert_syncbn_model"
 
+# Apex's delay_allreduce=True is what Apex users set for models with parameters that get no gradient; torch's DDP
+# needs find_unused_parameters=True for those (it fails on the second iteration otherwise).
+DDP_RENAMED = {"delay_allreduce": "find_unused_parameters"}
+
 # Apex DDP arguments that torch's DDP lacks, and what dropping them means.
 DDP_DROPPED_SILENTLY = {
-    "delay_allreduce": "torch's DDP overlaps the allreduce with backward; same gradients",
     "message_size": "bucket size; torch's DDP uses bucket_cap_mb (MiB) instead",
     "num_allreduce_streams": "Apex's stream scheduling",
     "allreduce_communicators": "Apex's stream scheduling",
@@ -95,6 +120,14 @@ DDP_DROPPED_WITH_EFFECT = {
     "gradient_average_split_factor": "deprecated in Apex; torch's DDP always averages",
     "allreduce_always_fp32": "torch's DDP reduces in the gradients' dtype; register a comm hook to reduce in fp32",
 }
+
+#: Optimizer wrappers that only Apex's amp.initialize (ampinit's Apex layer) accepts: a file that uses one keeps
+#: ``amp`` on that layer, where ``ampinit run`` already trains it.
+OPTIMIZER_WRAPPERS = ("apex.parallel.LARC",)
+WRAPPER_INFO = (
+    "this file wraps its optimizer in Apex's LARC, which only the Apex-compatible amp.initialize accepts: amp is kept "
+    "on ampinit's Apex layer (ampinit.compat.apex.amp)"
+)
 
 SPECIAL_NOTES = {
     "apex.fp16_utils.FP16_Optimizer": (
@@ -113,9 +146,11 @@ def target_for(qualified: str) -> Target:
     if found is not None:
         return found
     module, _, name = qualified.rpartition(".")
+    if qualified in ("amp_C", "apex_C"):
+        return Target(COMPAT, qualified)
+    if module in ("amp_C", "apex_C"):  # ``from amp_C import multi_tensor_l2norm``
+        return Target(f"{COMPAT}.{module}", name)
     new_module = COMPAT + module[len("apex") :] if module.startswith("apex") else COMPAT
-    if qualified == "amp_C":
-        return Target(COMPAT, "amp_C")
     note = SPECIAL_NOTES.get(qualified)
     info = None if note else "no ampinit or torch equivalent: kept through ampinit's Apex layer (ampinit.compat.apex)"
     return Target(new_module, name, note=note, info=info)

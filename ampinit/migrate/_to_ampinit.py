@@ -88,7 +88,7 @@ def apex_bindings(module: cst.Module) -> dict[str, str]:
 
 
 def is_apex(name: str) -> bool:
-    return name == "apex" or name.startswith("apex.") or name == "amp_C"
+    return name == "apex" or name.startswith(("apex.", "amp_C.", "apex_C.")) or name in ("amp_C", "apex_C")
 
 
 def _asname(alias: cst.ImportAlias) -> str:
@@ -100,9 +100,17 @@ def _asname(alias: cst.ImportAlias) -> str:
 class Binding:
     local: str
     qualified: str
-    kind: str  # "direct", "inline" or "package"
+    kind: str  # "direct", "inline", "package" or "keep" (no new home exists: the Apex import stays)
     target: Target | None = None
     imports: set[str] = field(default_factory=set)  # for package bindings: the modules their chains need
+    unresolved: set[str] = field(default_factory=set)  # package bindings: chains with no new home (import kept)
+
+
+def unresolved_note(qualified: str) -> str:
+    return (
+        f"ampinit provides no {qualified}, so this Apex name is left as it is (the codemod never writes an import "
+        "that does not resolve): replace it by hand"
+    )
 
 
 def stats_rewrite(node: cst.CSTNode, amp_locals: set[str]) -> cst.BaseExpression | None:
@@ -252,7 +260,9 @@ class _ToAmpinit(cst.CSTTransformer):
             out.insert(0, updated_node.with_changes(body=kept))
         if not out:
             return cst.RemoveFromParent()
-        out[0] = out[0].with_changes(leading_lines=updated_node.leading_lines)
+        out[0] = out[0].with_changes(
+            leading_lines=updated_node.leading_lines, trailing_whitespace=updated_node.trailing_whitespace
+        )  # keeps a trailing comment (a noqa, a type: ignore)
         return cst.FlattenSentinel(out)
 
     def _rewrite_import(
@@ -265,8 +275,12 @@ class _ToAmpinit(cst.CSTTransformer):
             if not _rules_is_apex(base):
                 return None
             if isinstance(small.names, cst.ImportStar):
-                self._site(statement, f"from {base} import *", "star import from Apex: import the names you use")
-                return None
+                home = _rules.COMPAT + base[len("apex") :] if base.startswith("apex") else f"{_rules.COMPAT}.{base}"
+                if not _rules.resolves(home):
+                    self._site(statement, f"from {base} import *", unresolved_note(base))
+                    return None
+                self._site(statement, f"from {base} import * -> from {home} import *")
+                return [cst.SimpleStatementLine([small.with_changes(module=expression(home))])]
             names = [(f"{base}.{dotted(a.name)}", a) for a in small.names]
         else:
             return None
@@ -288,6 +302,13 @@ class _ToAmpinit(cst.CSTTransformer):
             binding = self.bindings.get(local)
             if binding is None:
                 continue
+            if binding.kind == "keep" or binding.unresolved:
+                out.append(cst.SimpleStatementLine([small.with_changes(names=_fix_commas([alias]))]))
+                if binding.kind == "keep":
+                    self._site(statement, binding.qualified, unresolved_note(binding.qualified))
+                    continue
+                if not binding.imports:
+                    continue
             out.extend(self._binding_imports(binding, statement))
         return _dedupe(out)
 
@@ -305,6 +326,22 @@ class _ToAmpinit(cst.CSTTransformer):
         if binding.kind == "package":
             self._site(statement, f"import {binding.qualified} -> " + (", ".join(f"import {m}" for m in imports)))
         return [import_statement(Target(m)) for m in fresh]
+
+    # -- availability guards ---------------------------------------------------------------------------------------
+    def visit_Comparison(self, node: cst.Comparison) -> None:
+        membership = any(isinstance(c.operator, (cst.In, cst.NotIn)) for c in node.comparisons)
+        if membership and isinstance(node.left, cst.SimpleString) and _names_apex(node.left):
+            self._site(node, f"{cst.Module([]).code_for_node(node)}", GUARD_NOTE)
+
+    def visit_Call(self, node: cst.Call) -> None:
+        name = dotted(node.func) or ""
+        last = name.rpartition(".")[2]
+        first = node.args[0].value if node.args else None
+        if last in ("find_spec", "find_loader", "import_module") and isinstance(first, cst.SimpleString):
+            if _names_apex(first) and last != "import_module":
+                self._site(node, f"{name}({first.value})", GUARD_NOTE)
+        elif last == "is_apex_available":
+            self._site(node, f"{name}()", GUARD_NOTE)
 
     # -- uses ------------------------------------------------------------------------------------------------------
     def leave_Attribute(self, original_node: cst.Attribute, updated_node: cst.Attribute) -> cst.BaseExpression:
@@ -324,6 +361,10 @@ class _ToAmpinit(cst.CSTTransformer):
             return updated_node
         target, depth = chain_target(binding, name)
         if target is None:
+            return updated_node
+        if not target.resolves:
+            if not _is_call_func(self, original_node):
+                self._site(original_node, name, unresolved_note(_chain_name(binding, name, depth)))
             return updated_node
         result: cst.BaseExpression = expression(target.expression)
         trailing: list[cst.Name] = []
@@ -377,8 +418,12 @@ class _ToAmpinit(cst.CSTTransformer):
             return self._drop_named(original_node, updated_node, "convert_syncbn_model", {"channel_last"}, 2)
         binding = self.bindings.get((dotted(original_node.func) or "").split(".")[0])
         if binding is not None and binding.kind in ("inline", "package"):
-            target, _ = chain_target(binding, dotted(original_node.func) or "")
+            target, depth = chain_target(binding, dotted(original_node.func) or "")
             note = target.note if target is not None else None
+            if target is not None and not target.resolves:
+                name = dotted(original_node.func) or ""
+                self._site(original_node, name, unresolved_note(_chain_name(binding, name, depth)))
+                return updated_node
             self._site(original_node, f"{dotted(original_node.func)}(...) -> {dotted(updated_node.func)}(...)", note)
         return updated_node
 
@@ -400,6 +445,10 @@ class _ToAmpinit(cst.CSTTransformer):
             keyword = arg.keyword.value if arg.keyword is not None else None
             if keyword is None and index < positional:
                 kept.append(arg)
+            elif keyword in _rules.DDP_RENAMED:
+                renamed = _rules.DDP_RENAMED[keyword]
+                kept.append(arg.with_changes(keyword=cst.Name(renamed)))
+                dropped.append(f"{keyword} -> {renamed}")
             elif keyword in _rules.DDP_DROPPED_WITH_EFFECT:
                 dropped.append(keyword)
                 notes.append(f"dropped Apex-only {keyword}=: {_rules.DDP_DROPPED_WITH_EFFECT[keyword]}")
@@ -410,7 +459,11 @@ class _ToAmpinit(cst.CSTTransformer):
                 notes.append(f"dropped positional argument {index + 1} (an Apex-only option)")
             else:
                 kept.append(arg)
-        message = f"apex {what} -> torch {what}" + (f" (dropped {', '.join(dropped)})" if dropped else "")
+        renames = [d for d in dropped if " -> " in d]
+        dropped = [d for d in dropped if " -> " not in d]
+        details = [f"dropped {', '.join(dropped)}"] if dropped else []
+        details += renames
+        message = f"apex {what} -> torch {what}" + (f" ({'; '.join(details)})" if details else "")
         self._site(original, message, "; ".join(notes) or None)
         return updated.with_changes(args=_fix_commas(kept))
 
@@ -435,6 +488,27 @@ class _ToAmpinit(cst.CSTTransformer):
 def _is_call_func(transformer: _ToAmpinit, node: cst.CSTNode) -> bool:
     parent = transformer.get_metadata(ParentNodeProvider, node)
     return isinstance(parent, cst.Call) and parent.func is node
+
+
+GUARD_NOTE = (
+    "an Apex availability guard: after the migration apex is not installed, so this test says no and the code "
+    "takes its no-Apex path although ampinit provides what it guarded; replace the test (True) or remove it"
+)
+GUARD_WORDS = ("find_spec", "find_loader", "sys.modules", "is_apex_available")
+
+
+def _names_apex(node: cst.SimpleString) -> bool:
+    try:
+        value = node.evaluated_value
+    except Exception:  # an f-string or bytes: not a module name
+        return False
+    return isinstance(value, str) and is_apex(value)
+
+
+def _chain_name(binding: Binding, name: str, depth: int) -> str:
+    """The Apex name a chain's mapped prefix stands for (``apex.normalization.FusedLayerNorm``)."""
+    parts = [binding.qualified, *name.split(".")[1:]]
+    return ".".join(parts[: len(parts) - depth] if depth else parts)
 
 
 def _rules_is_apex(name: str) -> bool:
@@ -510,6 +584,10 @@ def classify(module: cst.Module, wrapper: MetadataWrapper) -> tuple[dict[str, Bi
     collector = _Collector(raw)
     wrapper.visit(collector)
     bindings: dict[str, Binding] = {}
+    # ``from apex.parallel.LARC import LARC``, or ``apex.parallel.LARC.LARC(...)`` through ``import apex``
+    wrapped = any(q.startswith(_rules.OPTIMIZER_WRAPPERS) for q in raw.values()) or (
+        any(q in _rules.PACKAGES for q in raw.values()) and ".LARC" in module.code
+    )
     for local, qualified in raw.items():
         used = collector.used.get(local, set())
         if qualified in _rules.PACKAGES:
@@ -519,10 +597,15 @@ def classify(module: cst.Module, wrapper: MetadataWrapper) -> tuple[dict[str, Bi
         else:
             target = _rules.target_for(qualified)
             surface = _rules.MODULE_SURFACES.get(qualified)
-            unknown = sorted(used - surface) if surface is not None else []
+            # dunders (``amp.__dict__``, ``__version__``...) exist on every module: not names outside the API
+            unknown = sorted(u for u in used - surface if not u.startswith("__")) if surface is not None else []
             if unknown:
                 target = _rules.compat_target(qualified, unknown)
+            elif qualified == "apex.amp" and wrapped:
+                target = Target(_rules.COMPAT, "amp", info=_rules.WRAPPER_INFO)
             kind = "direct" if target.importable else "inline"
+            if not target.resolves:
+                kind = "keep"
             binding = Binding(local, qualified, kind, target, {"torch"} if kind == "inline" else set())
         bindings[local] = binding
     return bindings, collector
@@ -551,8 +634,10 @@ class _ImportNeeds(cst.CSTVisitor):
         if name is None or binding is None or binding.kind != "package":
             return
         target, _ = chain_target(binding, name)
-        if target is not None:
+        if target is not None and target.resolves:
             binding.imports.add(target.root_import)
+        elif target is not None:
+            binding.unresolved.add(name)
 
     def visit_Name(self, node: cst.Name) -> None:
         binding = self.bindings.get(node.value)
@@ -567,10 +652,14 @@ def migrate_module(source: str) -> tuple[str, list[Site]]:
     module = cst.parse_module(source)
     wrapper = MetadataWrapper(module)
     bindings, collector = classify(module, wrapper)
-    if not bindings:
+    if not bindings and not ("apex" in source and any(word in source for word in (*GUARD_WORDS, "import *"))):
         return source, []
     wrapper.visit(_ImportNeeds(bindings))
-    amp_locals = {b.local for b in bindings.values() if b.qualified == "apex.amp" and b.kind == "direct"}
+    amp_locals = {
+        b.local
+        for b in bindings.values()
+        if b.qualified == "apex.amp" and b.kind == "direct" and b.target is not None and b.target.module == "ampinit"
+    }
     existing = {
         dotted(alias.name) or ""
         for statement in module.body

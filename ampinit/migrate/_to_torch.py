@@ -110,6 +110,8 @@ class _Analysis(cst.CSTVisitor):
         self.scale_blocks: list[cst.With] = []
         self.uses: list[tuple[str, cst.Attribute]] = []
         self.steps: list[cst.Call] = []
+        self.backwards: list[cst.Call] = []
+        self.imports: list[cst.CSTNode] = []
 
     def line(self, node: cst.CSTNode) -> int:
         return int(self.positions[node].start.line)
@@ -129,10 +131,34 @@ class _Analysis(cst.CSTVisitor):
     def visit_Name(self, node: cst.Name) -> None:
         self.plan.names.add(node.value)
 
+    def blocks(self, node: cst.CSTNode) -> list[int]:
+        """The blocks that hold ``node``, innermost first, up to its function's body: one path through the code."""
+        out: list[int] = []
+        current: cst.CSTNode | None = self.parents.get(node)
+        while current is not None and not isinstance(current, (cst.FunctionDef, cst.Module)):
+            if isinstance(current, cst.IndentedBlock):
+                out.append(id(current))
+            current = self.parents.get(current)
+        return out
+
+    def guard(self, node: cst.CSTNode) -> str | None:
+        """The compound statement under which ``node`` runs only on some paths (``if``, ``try``, ``for``...), if any:
+        ``None`` when it sits directly in its function's body (or the module's)."""
+        current: cst.CSTNode | None = self.parents.get(node)
+        while current is not None and not isinstance(current, (cst.FunctionDef, cst.Module)):
+            if isinstance(current, tuple(_GUARDS)):
+                return _GUARDS[type(current)]
+            current = self.parents.get(current)
+        return None
+
     def visit_Import(self, node: cst.Import) -> bool:
+        if any(dotted(a.name) in ("apex", "apex.amp") for a in node.names):
+            self.imports.append(node)
         return False
 
     def visit_ImportFrom(self, node: cst.ImportFrom) -> bool:
+        if node.module is not None and not node.relative and dotted(node.module) == "apex":
+            self.imports.append(node)
         return False
 
     def visit_Attribute(self, node: cst.Attribute) -> None:
@@ -142,6 +168,20 @@ class _Analysis(cst.CSTVisitor):
     def visit_Call(self, node: cst.Call) -> None:
         if isinstance(node.func, cst.Attribute) and node.func.attr.value == "step":
             self.steps.append(node)
+        if isinstance(node.func, cst.Attribute) and node.func.attr.value == "backward":
+            self.backwards.append(node)
+
+
+_GUARDS: dict[type, str] = {
+    cst.If: "if",
+    cst.Else: "else",
+    cst.Try: "try",
+    cst.ExceptHandler: "except",
+    cst.Finally: "finally",
+    cst.For: "for",
+    cst.While: "while",
+    cst.With: "with",
+}
 
 
 def _analyse(wrapper: MetadataWrapper, amp_local: str) -> tuple[_Plan, _Analysis]:
@@ -159,6 +199,15 @@ def _analyse(wrapper: MetadataWrapper, amp_local: str) -> tuple[_Plan, _Analysis
         return plan, analysis
     _check_initialize(analysis, inits[0])
     plan.init_function = analysis.function_of(inits[0])
+    for statement in analysis.imports:
+        guard = analysis.guard(statement)
+        if guard is not None:
+            analysis.refuse(
+                statement,
+                f"the Apex import sits under `{guard}` (an availability guard or a switch): after the rewrite the "
+                "import could not fail or be skipped any more, so the code's other path would change; rewrite the "
+                "guard by hand, or use --to ampinit",
+            )
     for name, node in analysis.uses:
         if name == "initialize":
             continue
@@ -184,7 +233,54 @@ def _analyse(wrapper: MetadataWrapper, amp_local: str) -> tuple[_Plan, _Analysis
             analysis.refuse(
                 step, "optimizer.step() is in another function than amp.initialize: pass a GradScaler there"
             )
+    _check_paths(analysis, inits[0], steps)
     return plan, analysis
+
+
+def _check_paths(analysis: _Analysis, init: cst.Attribute, steps: list[cst.Call]) -> None:
+    """Refuse unless the rewrite is equivalent on every path through the function: ``amp.initialize`` runs on all
+    of them (it creates the GradScaler that every ``scaler.step()`` needs), and every ``optimizer.step()`` comes
+    after a ``scale_loss`` block that runs whenever the step runs (GradScaler.step needs a scaled backward), with
+    no unscaled ``backward()`` beside them."""
+    plan = analysis.plan
+    guard = analysis.guard(init)
+    if guard is not None:
+        analysis.refuse(
+            init,
+            f"amp.initialize runs only on some paths (it sits under `{guard}`): on the others the rewritten "
+            "scaler.step()/scaler.scale() would have no GradScaler; create the GradScaler unconditionally with "
+            "enabled=<the condition> by hand, or use --to ampinit",
+        )
+    start = analysis.positions[init].start
+    blocks = [b for b in analysis.scale_blocks if analysis.function_of(b) is plan.init_function]
+    scaled = {id(b) for b in blocks}
+    for step in steps:
+        if analysis.function_of(step) is not plan.init_function:
+            continue
+        where = analysis.positions[step].start
+        if (where.line, where.column) < (start.line, start.column):
+            analysis.refuse(step, "optimizer.step() comes before amp.initialize: it would run without a GradScaler")
+            continue
+        path = analysis.blocks(step)
+        before = [b for b in blocks if analysis.positions[b].start.line < where.line]
+        if not before or any(analysis.blocks(b)[::-1] != path[::-1][: len(analysis.blocks(b))] for b in before):
+            analysis.refuse(
+                step,
+                "optimizer.step() can run on a path without amp.scale_loss before it (scale_loss is conditional, "
+                "or missing): GradScaler.step needs a scaled backward on every path",
+            )
+    for call in analysis.backwards:
+        if analysis.function_of(call) is not plan.init_function:
+            continue
+        current: cst.CSTNode | None = call
+        while current is not None and id(current) not in scaled:
+            current = analysis.parents.get(current)
+        if current is None:
+            analysis.refuse(
+                call,
+                "a backward() outside amp.scale_loss in the function that steps the optimizer: on that path "
+                "scaler.step() would see no scaled gradients",
+            )
 
 
 def _check_initialize(analysis: _Analysis, attribute: cst.Attribute) -> None:
@@ -250,7 +346,9 @@ def _check_scale_loss(analysis: _Analysis, attribute: cst.Attribute) -> None:
         return
     optimizers = args.get("optimizers")
     if optimizers is None or _code(optimizers) != plan.optimizer:
-        analysis.refuse(call, f"amp.scale_loss is given another optimizer than {plan.optimizer}")
+        analysis.refuse(
+            call, f"amp.scale_loss is given another optimizer than the initialized one ({plan.optimizer or 'unknown'})"
+        )
     if _literal(args.get("loss_id")) not in (None, 0):
         analysis.refuse(call, "loss_id selects one of several loss scalers: GradScaler has one scale")
     if _literal(args.get("delay_unscale")) not in (None, False):
@@ -454,7 +552,9 @@ class _Rewrite(cst.CSTTransformer):
             out.append(cst.parse_statement("import torch"))  # type: ignore[arg-type]
         if not out:
             return cst.RemoveFromParent()
-        out[0] = out[0].with_changes(leading_lines=statement.leading_lines)
+        out[0] = out[0].with_changes(
+            leading_lines=statement.leading_lines, trailing_whitespace=statement.trailing_whitespace
+        )
         return cst.FlattenSentinel(out)
 
     def _initialize(self, small: cst.BaseSmallStatement, lines: Any) -> list[cst.BaseStatement]:

@@ -6,17 +6,28 @@ Use them directly (``from ampinit.compat.apex import amp``) or make ``import ape
 See docs/migration.md for what differs from Apex and why.
 """
 
-from ampinit.compat.apex import amp, amp_C, fp16_utils, multi_tensor_apply, optimizers, parallel
+from ampinit.compat.apex import (
+    amp,
+    amp_C,
+    apex_C,
+    fp16_utils,
+    multi_tensor_apply,
+    normalization,
+    optimizers,
+    parallel,
+)
 from ampinit.compat.apex._alias import install, installed_apex, is_installed, uninstall
 
 __all__ = [
     "amp",
     "amp_C",
+    "apex_C",
     "fp16_utils",
     "install",
     "installed_apex",
     "is_installed",
     "multi_tensor_apply",
+    "normalization",
     "optimizers",
     "parallel",
     "uninstall",

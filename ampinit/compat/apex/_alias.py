@@ -22,7 +22,7 @@ from types import ModuleType
 logger = logging.getLogger("ampinit")
 
 PACKAGE = "ampinit.compat.apex"
-_TOP_LEVEL = ("apex", "amp_C")
+_TOP_LEVEL = ("apex", "amp_C", "apex_C")
 
 # Entries of sys.modules that install() replaced (None: there was none), or None when not installed.
 _saved: dict[str, ModuleType | None] | None = None
@@ -30,8 +30,8 @@ _saved: dict[str, ModuleType | None] | None = None
 
 def _alias_of(name: str) -> str | None:
     """The ampinit module behind an Apex module name, or None if the name is not Apex's."""
-    if name == "amp_C":
-        return f"{PACKAGE}.amp_C"
+    if name in ("amp_C", "apex_C"):
+        return f"{PACKAGE}.{name}"
     if name == "apex" or name.startswith("apex."):
         return PACKAGE + name[len("apex") :]
     return None
@@ -63,7 +63,8 @@ class _AliasFinder(importlib.abc.MetaPathFinder):
         if found is None:
             raise ModuleNotFoundError(
                 f"No module named {fullname!r}: ampinit's Apex aliases provide apex.amp, apex.optimizers, "
-                "apex.fp16_utils, apex.parallel, apex.multi_tensor_apply and amp_C (see docs/migration.md)",
+                "apex.fp16_utils, apex.parallel, apex.normalization, apex.multi_tensor_apply, amp_C and apex_C "
+                "(see docs/migration.md)",
                 name=fullname,
             )
         return importlib.machinery.ModuleSpec(fullname, _AliasLoader(alias))
@@ -108,8 +109,8 @@ def install() -> None:
     }
     for name, module in ours.items():
         alias = "apex" + name[len(PACKAGE) :]
-        if alias == "apex.amp_C":
-            alias = "amp_C"
+        if alias in ("apex.amp_C", "apex.apex_C"):
+            alias = alias[len("apex.") :]
         saved.setdefault(alias, None)
         sys.modules[alias] = module
     sys.meta_path.insert(0, _FINDER)

@@ -2,26 +2,33 @@
 
 ``DistributedDataParallel`` is ``torch.nn.parallel.DistributedDataParallel`` with Apex's constructor. What torch
 can express is honoured: ``message_size`` becomes ``bucket_cap_mb``; ``gradient_average=False``,
-``gradient_predivide_factor`` and ``allreduce_always_fp32`` become a communication hook. The rest only tuned Apex's
-own CUDA-stream scheduling (``delay_allreduce``, ``num_allreduce_streams``, ...): it is accepted, explained once in
-a warning, and has no effect on the result.
+``gradient_predivide_factor`` and ``allreduce_always_fp32`` become a communication hook; ``delay_allreduce=True``
+(which Apex users set for models with parameters that get no gradient) becomes ``find_unused_parameters=True``,
+without which torch's DDP fails on the second iteration of such a model. The rest only tuned Apex's own
+CUDA-stream scheduling (``num_allreduce_streams``, ...): it is accepted, explained once in a warning, and has no
+effect on the result.
+
+``flat_dist_call(tensors, call, extra_args=None)`` is Apex's helper: the tensors are grouped by type, each group
+flattened, ``call(flat, *extra_args)`` run on it (an ``all_reduce`` is then divided by the world size) and the
+result copied back.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-__all__ = ["DistributedDataParallel", "Reducer"]
+__all__ = ["DistributedDataParallel", "Reducer", "flat_dist_call"]
 
 # Apex-only arguments that have no torch counterpart, with their Apex defaults and why they can go.
 _IGNORED: dict[str, tuple[Any, str]] = {
-    "delay_allreduce": (False, "torch's DDP overlaps the allreduce with backward; the gradients are the same"),
     "shared_param": (None, "deprecated in Apex; torch's DDP handles shared parameters"),
     "allreduce_trigger_params": (None, "torch's DDP decides bucket readiness itself"),
     "retain_allreduce_buffers": (False, "torch's DDP manages its buckets itself"),
@@ -87,7 +94,6 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         prof: bool = False,
     ) -> None:
         given = {
-            "delay_allreduce": delay_allreduce,
             "shared_param": shared_param,
             "allreduce_trigger_params": allreduce_trigger_params,
             "retain_allreduce_buffers": retain_allreduce_buffers,
@@ -98,7 +104,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         }
         _explain_ignored(given)
         # Apex's message_size counts elements; torch's bucket_cap_mb counts MiB (4-byte elements assumed).
-        super().__init__(module, bucket_cap_mb=message_size * 4 / 2**20)
+        super().__init__(module, bucket_cap_mb=message_size * 4 / 2**20, find_unused_parameters=bool(delay_allreduce))
         if not gradient_average or gradient_predivide_factor != 1.0 or allreduce_always_fp32:
             state = _HookState(
                 self.process_group, gradient_average, float(gradient_predivide_factor), allreduce_always_fp32
@@ -119,6 +125,25 @@ def _explain_ignored(given: dict[str, Any]) -> None:
         UserWarning,
         stacklevel=3,
     )
+
+
+def flat_dist_call(tensors: Sequence[torch.Tensor], call: Callable[..., Any], extra_args: Any = None) -> None:
+    """Apex's ``flat_dist_call``: one collective per tensor type on the flattened tensors, copied back in place;
+    after ``dist.all_reduce`` the result is divided by the world size (an average, as Apex does)."""
+    groups: dict[tuple[str, torch.dtype], list[torch.Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault((str(tensor.device), tensor.dtype), []).append(tensor)
+    for bucket in groups.values():
+        flat: torch.Tensor = _flatten_dense_tensors(bucket)  # type: ignore[no-untyped-call]
+        if extra_args is not None:
+            call(flat, *extra_args)
+        else:
+            call(flat)
+        if call is dist.all_reduce:
+            flat /= dist.get_world_size()
+        with torch.no_grad():
+            for tensor, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):  # type: ignore[no-untyped-call]
+                tensor.copy_(synced)
 
 
 class Reducer:

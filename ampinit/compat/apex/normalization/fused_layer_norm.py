@@ -1,0 +1,267 @@
+"""``apex.normalization.fused_layer_norm``: the module path older code imports the layer norms from."""
+
+from __future__ import annotations
+
+import numbers
+import warnings
+from collections.abc import Sequence
+from typing import Any, Union
+
+import torch
+import torch.nn.functional as F
+
+Shape = Union[int, Sequence[int], torch.Size]
+
+__all__ = [
+    "FusedLayerNorm",
+    "FusedLayerNormAffineFunction",
+    "FusedLayerNormFunction",
+    "FusedRMSNorm",
+    "FusedRMSNormAffineFunction",
+    "FusedRMSNormFunction",
+    "MixedFusedLayerNorm",
+    "MixedFusedRMSNorm",
+    "fused_layer_norm",
+    "fused_layer_norm_affine",
+    "fused_rms_norm",
+    "fused_rms_norm_affine",
+    "mixed_dtype_fused_layer_norm_affine",
+    "mixed_dtype_fused_rms_norm_affine",
+]
+
+
+def _shape(normalized_shape: Shape) -> torch.Size:
+    if isinstance(normalized_shape, numbers.Integral):
+        return torch.Size((int(normalized_shape),))
+    if isinstance(normalized_shape, str) or not isinstance(normalized_shape, (Sequence, torch.Size)):
+        kind = type(normalized_shape).__name__
+        raise TypeError(f"normalized_shape must be an int, a sequence of ints or a torch.Size, got {kind}")
+    return torch.Size(tuple(int(d) for d in normalized_shape))
+
+
+def _effective_dtype(tensor: torch.Tensor) -> torch.dtype:
+    """The dtype Apex's kernel sees: under autocast, Apex first casts its floating arguments to the autocast dtype."""
+    if tensor.is_floating_point() and torch.is_autocast_enabled(tensor.device.type):
+        return torch.get_autocast_dtype(tensor.device.type)
+    return tensor.dtype
+
+
+def _layer_norm(
+    x: torch.Tensor, shape: torch.Size, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
+) -> torch.Tensor:
+    with torch.autocast(x.device.type, enabled=False):
+        w = None if weight is None else weight.float()
+        b = None if bias is None else bias.float()
+        return F.layer_norm(x.float(), shape, w, b, eps)
+
+
+def _rms_norm(x: torch.Tensor, shape: torch.Size, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    with torch.autocast(x.device.type, enabled=False):
+        w = None if weight is None else weight.float()
+        return F.rms_norm(x.float(), shape, w, eps)
+
+
+class FusedLayerNorm(torch.nn.Module):
+    """Apex's ``FusedLayerNorm(normalized_shape, eps=1e-5, elementwise_affine=True, memory_efficient=False)``.
+
+    ``memory_efficient`` only chose what Apex's kernel saved for backward; it is accepted and changes nothing here.
+    """
+
+    weight: torch.nn.Parameter | None
+    bias: torch.nn.Parameter | None
+
+    def __init__(
+        self,
+        normalized_shape: Shape,
+        eps: float = 1e-5,
+        elementwise_affine: bool = True,
+        memory_efficient: bool = False,
+    ) -> None:
+        super().__init__()
+        self.normalized_shape = _shape(normalized_shape)
+        self.eps = eps
+        self.elementwise_affine = elementwise_affine
+        self.memory_efficient = memory_efficient
+        if elementwise_affine:
+            self.weight = torch.nn.Parameter(torch.ones(self.normalized_shape))
+            self.bias = torch.nn.Parameter(torch.zeros(self.normalized_shape))
+        else:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+
+    def reset_parameters(self) -> None:
+        if self.weight is not None and self.bias is not None:
+            torch.nn.init.ones_(self.weight)
+            torch.nn.init.zeros_(self.bias)
+
+    def _output_dtype(self, x: torch.Tensor) -> torch.dtype:
+        return _effective_dtype(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = _layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+        return out.to(self._output_dtype(x))
+
+    def extra_repr(self) -> str:
+        return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
+
+
+class FusedRMSNorm(torch.nn.Module):
+    """Apex's ``FusedRMSNorm(normalized_shape, eps=1e-5, elementwise_affine=True, memory_efficient=False)``:
+    ``x / sqrt(mean(x**2) + eps) * weight`` over the last ``len(normalized_shape)`` dimensions."""
+
+    weight: torch.nn.Parameter | None
+
+    def __init__(
+        self,
+        normalized_shape: Shape,
+        eps: float = 1e-5,
+        elementwise_affine: bool = True,
+        memory_efficient: bool = False,
+    ) -> None:
+        super().__init__()
+        self.normalized_shape = _shape(normalized_shape)
+        self.eps = eps
+        self.elementwise_affine = elementwise_affine
+        self.memory_efficient = memory_efficient
+        if elementwise_affine:
+            self.weight = torch.nn.Parameter(torch.ones(self.normalized_shape))
+        else:
+            self.register_parameter("weight", None)
+
+    def reset_parameters(self) -> None:
+        if self.weight is not None:
+            torch.nn.init.ones_(self.weight)
+
+    def _output_dtype(self, x: torch.Tensor) -> torch.dtype:
+        return _effective_dtype(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _rms_norm(x, self.normalized_shape, self.weight, self.eps).to(self._output_dtype(x))
+
+    def extra_repr(self) -> str:
+        return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
+
+
+def _mixed_kwargs(name: str, kwargs: dict[str, Any]) -> None:
+    if "elementwise_affine" in kwargs:
+        affine = kwargs.pop("elementwise_affine")
+        if not affine:
+            raise RuntimeError(f"{name} does not support elementwise_affine=False (Apex's rule); use Fused{name[10:]}")
+        warnings.warn(f"{name} does not support the elementwise_affine argument (it is always True)", stacklevel=3)
+    if kwargs:
+        raise TypeError(f"{name}() got unexpected keyword arguments {sorted(kwargs)}; allowed: eps, memory_efficient")
+
+
+class MixedFusedLayerNorm(FusedLayerNorm):
+    """Apex's ``MixedFusedLayerNorm(normalized_shape, eps=1e-5, *, memory_efficient=False)``: always affine, and the
+    output has the weight's dtype (fp32 weights on a half input give an fp32 output)."""
+
+    def __init__(self, normalized_shape: Shape, eps: float = 1e-5, *, memory_efficient: bool = False, **kwargs: Any):
+        _mixed_kwargs("MixedFusedLayerNorm", kwargs)
+        super().__init__(normalized_shape, eps, elementwise_affine=True, memory_efficient=memory_efficient)
+
+    def _output_dtype(self, x: torch.Tensor) -> torch.dtype:
+        assert self.weight is not None
+        return _effective_dtype(self.weight)
+
+
+class MixedFusedRMSNorm(FusedRMSNorm):
+    """Apex's ``MixedFusedRMSNorm(normalized_shape, eps=1e-5, *, memory_efficient=False)``: always affine, and the
+    output has the weight's dtype."""
+
+    def __init__(self, normalized_shape: Shape, eps: float = 1e-5, *, memory_efficient: bool = False, **kwargs: Any):
+        _mixed_kwargs("MixedFusedRMSNorm", kwargs)
+        super().__init__(normalized_shape, eps, elementwise_affine=True, memory_efficient=memory_efficient)
+
+    def _output_dtype(self, x: torch.Tensor) -> torch.dtype:
+        assert self.weight is not None
+        return _effective_dtype(self.weight)
+
+
+# -- Apex's functional forms (timm, Megatron and fairseq call these directly) ----------------------------------------
+# Apex's defaults: eps=1e-6 here, unlike the modules' 1e-5. ``memory_efficient`` changes nothing here (see above).
+
+
+def fused_layer_norm_affine(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    normalized_shape: Shape,
+    eps: float = 1e-6,
+    memory_efficient: bool = False,
+) -> torch.Tensor:
+    """Layer norm with weight and bias, statistics in fp32, output in the input's (autocast) dtype."""
+    return _layer_norm(input, _shape(normalized_shape), weight, bias, eps).to(_effective_dtype(input))
+
+
+def fused_layer_norm(
+    input: torch.Tensor, normalized_shape: Shape, eps: float = 1e-6, memory_efficient: bool = False
+) -> torch.Tensor:
+    """Layer norm without affine parameters."""
+    return _layer_norm(input, _shape(normalized_shape), None, None, eps).to(_effective_dtype(input))
+
+
+def mixed_dtype_fused_layer_norm_affine(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    normalized_shape: Shape,
+    eps: float = 1e-6,
+    memory_efficient: bool = False,
+) -> torch.Tensor:
+    """Layer norm whose output has the weight's dtype (``MixedFusedLayerNorm``'s function)."""
+    return _layer_norm(input, _shape(normalized_shape), weight, bias, eps).to(_effective_dtype(weight))
+
+
+def fused_rms_norm_affine(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    normalized_shape: Shape,
+    eps: float = 1e-6,
+    memory_efficient: bool = False,
+) -> torch.Tensor:
+    """RMS norm with a weight, output in the input's (autocast) dtype."""
+    return _rms_norm(input, _shape(normalized_shape), weight, eps).to(_effective_dtype(input))
+
+
+def fused_rms_norm(
+    input: torch.Tensor, normalized_shape: Shape, eps: float = 1e-6, memory_efficient: bool = False
+) -> torch.Tensor:
+    """RMS norm without a weight."""
+    return _rms_norm(input, _shape(normalized_shape), None, eps).to(_effective_dtype(input))
+
+
+def mixed_dtype_fused_rms_norm_affine(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    normalized_shape: Shape,
+    eps: float = 1e-6,
+    memory_efficient: bool = False,
+) -> torch.Tensor:
+    """RMS norm whose output has the weight's dtype (``MixedFusedRMSNorm``'s function)."""
+    return _rms_norm(input, _shape(normalized_shape), weight, eps).to(_effective_dtype(weight))
+
+
+class FusedLayerNormAffineFunction:
+    """Apex's autograd function, called as ``FusedLayerNormAffineFunction.apply(input, weight, bias,
+    normalized_shape, eps[, memory_efficient])`` (Megatron does); torch's layer_norm provides the backward."""
+
+    apply = staticmethod(fused_layer_norm_affine)
+
+
+class FusedLayerNormFunction:
+    """``FusedLayerNormFunction.apply(input, normalized_shape, eps[, memory_efficient])``."""
+
+    apply = staticmethod(fused_layer_norm)
+
+
+class FusedRMSNormAffineFunction:
+    """``FusedRMSNormAffineFunction.apply(input, weight, normalized_shape, eps[, memory_efficient])``."""
+
+    apply = staticmethod(fused_rms_norm_affine)
+
+
+class FusedRMSNormFunction:
+    """``FusedRMSNormFunction.apply(input, normalized_shape, eps[, memory_efficient])``."""
+
+    apply = staticmethod(fused_rms_norm)
