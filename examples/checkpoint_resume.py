@@ -61,7 +61,7 @@ def main() -> None:
     amp.deinitialize()
 
     checkpoint.seek(0)
-    saved = torch.load(checkpoint)
+    saved = torch.load(checkpoint, weights_only=True)
     model, optimizer = build(args.opt_level)  # fresh objects, initialized at the same opt level, then loaded
     model.load_state_dict(saved["model"])
     optimizer.load_state_dict(saved["optimizer"])

@@ -1,6 +1,7 @@
-"""Shared fixtures. Every test runs under a leak check: autocast state, the default dtype and amp sessions
-must be as the test found them, so a test that forgets ``close()`` (or code that fails to restore state on
-an error) fails loudly instead of contaminating the next test."""
+"""Shared fixtures. Every test runs under a leak check: amp sessions and every piece of process state listed
+in ``tests/_leaks.py`` (torch's thread state, function registrations, autocast kernels, the Apex import alias,
+``sys.meta_path``) must be as the test found them, so a test that forgets ``close()`` (or code that fails to
+restore state on an error) fails loudly instead of contaminating the next test."""
 
 from __future__ import annotations
 
@@ -11,26 +12,34 @@ import torch
 from torch import nn
 
 from ampinit import _registry
+from tests import _device, _leaks
 
-DEVICE_TYPES = ("cpu",)
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    _device.add_option(parser)
 
 
-def _global_state() -> tuple[object, ...]:
-    autocast = tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in DEVICE_TYPES)
-    return (autocast, torch.get_default_dtype(), torch.is_grad_enabled())
+def pytest_configure(config: pytest.Config) -> None:
+    _device.configure(config)
+
+
+@pytest.fixture
+def device() -> torch.device:
+    """The device the suite runs on (``--device``, default cpu)."""
+    return _device.device_under_test()
 
 
 @pytest.fixture(autouse=True)
 def no_leaks() -> Iterator[None]:
-    before = _global_state()
+    before = _leaks.snapshot()
     sessions_before = _registry.live_sessions()
     yield
     leaked = [s for s in _registry.live_sessions() if s not in sessions_before]
     for session in reversed(leaked):
         session.close()
-    after = _global_state()
+    changed = _leaks.differences(before, _leaks.snapshot())
     assert not leaked, f"test left amp sessions open: {leaked}"
-    assert after == before, f"test leaked global torch state: {before} -> {after}"
+    assert not changed, "test leaked process state:\n" + "\n".join(changed)
 
 
 class SmallNet(nn.Module):

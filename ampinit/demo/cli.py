@@ -15,14 +15,20 @@ from typing import Any
 from ampinit.demo.run import OPT_LEVELS, TASKS, DemoConfig, check_levels, quick_config, run_demo
 
 DEMO_DESCRIPTION = (
-    "Train a checkerboard CNN and an MLP classifier on built-in synthetic data once per opt level, print a table per "
-    "task (dtypes, final loss, accuracy, ms/step, speedup vs O0, peak memory, skipped steps, loss scale) and write "
-    "it as JSON and Markdown, with a PNG of the loss curves and the drawn checkerboards (PNG needs matplotlib)."
+    "Train a checkerboard CNN and an MLP classifier on built-in synthetic data at every opt level, the same steps "
+    "for each, the levels interleaved so that other processes slow them alike; print a table per task (dtypes, "
+    "final loss, accuracy, ms/step and its spread, speedup vs O0, peak memory, skipped steps, loss scale), warn "
+    "loudly when the machine was too busy to trust the timings, end with the level to use here and why, and write "
+    "it all as JSON and Markdown, with a PNG of loss against steps and against time (PNG needs matplotlib)."
 )
 DOCTOR_DESCRIPTION = (
-    "Print the torch version, devices, autocast dtypes, whether bf16/fp16 matmuls are faster than fp32 here "
-    "(a short micro-benchmark), whether fused optimizers run here, and the recommended opt level."
+    "Print the torch version, the CPU flags that decide bf16/fp16 speed, devices, autocast dtypes, how fast a small "
+    "training step runs in fp32, bf16 and fp16 here (repeated, median), an fp16 probe of matmuls and convolutions, "
+    "whether fused optimizers run here, and the recommended opt level."
 )
+
+
+_UNSET: Any = object()  # --time-budget not given: the preset's budget
 
 
 def _level_list(text: str) -> tuple[str, ...]:
@@ -52,6 +58,12 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _budget(text: str) -> float | None:
+    if text.strip().lower() == "none":
+        return None
+    return _positive_float(text)
+
+
 def _positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -75,19 +87,20 @@ def configure_demo_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     parser.add_argument(
         "--out", type=Path, default=Path("ampinit-demo"), help="output directory (default ./ampinit-demo/)"
     )
-    parser.add_argument("--quick", action="store_true", help="small tasks and 100 steps: under 30 seconds on a CPU")
-    parser.add_argument("--steps", type=_positive_int, help="steps per run (default 300, --quick 100)")
     parser.add_argument(
-        "--fp16-steps",
-        type=_positive_int,
-        help="steps for O1-O3 (default: --steps, or --steps / 10 on a CPU without fp16 hardware)",
+        "--quick", action="store_true", help="small tasks, 60 steps per level: about a minute on a quiet 2-core CPU"
+    )
+    parser.add_argument("--steps", type=_positive_int, help="steps per level, the same for every level (default 300)")
+    parser.add_argument(
+        "--block", type=_positive_int, help="steps per level per interleaved round (default 10, --quick 5)"
     )
     parser.add_argument(
         "--time-budget",
-        type=_positive_float,
+        type=_budget,
+        default=_UNSET,
         metavar="SECONDS",
-        help="training time for all runs together; a run that uses up its share stops early and says so "
-        "(default 140, --quick 12)",
+        help="training time for all runs together, checked between rounds, so that every level stops at the same "
+        "step; 'none' for no limit (default 240, --quick 60)",
     )
     parser.add_argument("--threads", type=_positive_int, help="torch CPU threads (default: torch's default)")
     parser.add_argument("--seed", type=int, default=0, help="seed for weights and data (default 0)")
@@ -114,13 +127,14 @@ def demo_config(args: argparse.Namespace) -> DemoConfig:
         "out": args.out,
         "seed": args.seed,
         "threads": args.threads,
-        "fp16_steps": args.fp16_steps,
         "progress": not args.no_progress,
         "plot": not args.no_plot,
     }
     if args.steps is not None:
         settings["steps"] = args.steps
-    if args.time_budget is not None:
+    if args.block is not None:
+        settings["block"] = args.block
+    if args.time_budget is not _UNSET:
         settings["time_budget_s"] = args.time_budget
     return quick_config(**settings) if args.quick else DemoConfig(**settings)
 
@@ -140,9 +154,9 @@ def configure_doctor_parser(parser: argparse.ArgumentParser) -> argparse.Argumen
     parser.add_argument(
         "--budget",
         type=_positive_float,
-        default=1.0,
+        default=2.0,
         metavar="SECONDS",
-        help="time for the matmul micro-benchmark (default 1)",
+        help="time for the training-step benchmark (default 2)",
     )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.set_defaults(func=doctor_command)

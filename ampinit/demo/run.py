@@ -1,4 +1,4 @@
-"""``ampinit demo``: train two small tasks once per opt level and report what each level did, measured here.
+"""``ampinit demo``: train two small tasks at every opt level, measured here, and say which level to use.
 
 The tasks (built in :mod:`ampinit.demo.tasks`, no downloads):
 
@@ -7,11 +7,14 @@ The tasks (built in :mod:`ampinit.demo.tasks`, no downloads):
 * ``mlp``: an MLP classifier on a synthetic dataset (Gaussian points labelled by a random teacher network),
   with a held-out split for accuracy.
 
-Every level starts from the same seed, so from the same weights and batches. Reported per run: the compute and
-weight dtypes actually seen in the model, steps, final loss, accuracy, median ms/step, speedup vs O0, peak
-memory, skipped steps and the final loss scale. On a CPU without fp16 arithmetic (emulated fp16 matmuls run
-tens of times slower than fp32) the fp16 levels O1-O3 run fewer steps, measured by a probe at start-up; a
-training-time budget bounds the whole run; the table shows the steps each run actually took.
+Every level starts from the same seed, so from the same weights and batches, and every level runs the same
+steps. The levels train interleaved, in rounds of ``block`` steps per level with the order rotated each round
+(as the benchmarks time them), so that other processes slow every level alike; a time budget is checked between
+rounds only, so it stops every level at the same step. Reported per run: the compute and weight dtypes seen in the
+model, steps, final loss, accuracy, median ms/step and its spread, speedup vs O0, peak memory (measured one level
+at a time), skipped steps and the final loss scale. The load average and the spread of step times decide whether
+the machine was too busy for the timings to be trusted (said loudly), and a verdict names the level to use here,
+from the table (:mod:`ampinit.demo.verdict`).
 """
 
 from __future__ import annotations
@@ -37,7 +40,9 @@ from torch import nn
 
 import ampinit
 from ampinit import amp
+from ampinit.demo.machine import busy_reasons, cpu_flags, cpu_model, load_average, relative_spread
 from ampinit.demo.tasks import checkerboard, coordinate_grid, make_checkerboard, make_classifier
+from ampinit.demo.verdict import LevelOutcome, choose_level
 
 OPT_LEVELS: tuple[str, ...] = ("O0", "O1", "O2", "O3", "O4", "O5")
 TASKS: tuple[str, ...] = ("checkerboard", "mlp")
@@ -53,14 +58,15 @@ JSON_NAME, MARKDOWN_NAME, PNG_NAME = "results.json", "results.md", "demo.png"
 # -- configuration ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class DemoConfig:
-    """What to run. ``steps`` is per run; ``fp16_steps`` (``None``: decided by the probe) for O1-O3."""
+    """What to run: ``steps`` per level (the same for every level), trained in interleaved rounds of ``block``
+    steps. ``time_budget_s`` (``None``: none) may stop all levels early, at the same step."""
 
     levels: tuple[str, ...] = OPT_LEVELS
     tasks: tuple[str, ...] = TASKS
     device: str = "cpu"
     steps: int = 300
-    fp16_steps: int | None = None
-    time_budget_s: float = 140.0
+    block: int = 10
+    time_budget_s: float | None = 240.0
     quick: bool = False
     seed: int = 0
     threads: int | None = None
@@ -79,17 +85,17 @@ class DemoConfig:
             raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if self.steps < MIN_STEPS:
             raise ValueError(f"steps must be >= {MIN_STEPS}, got {self.steps!r}")
-        if self.fp16_steps is not None and self.fp16_steps < MIN_STEPS:
-            raise ValueError(f"fp16_steps must be >= {MIN_STEPS}, got {self.fp16_steps!r}")
-        if not self.time_budget_s > 0:
-            raise ValueError(f"time_budget_s must be > 0, got {self.time_budget_s!r}")
+        if self.block < 1:
+            raise ValueError(f"block must be >= 1, got {self.block!r}")
+        if self.time_budget_s is not None and not self.time_budget_s > 0:
+            raise ValueError(f"time_budget_s must be > 0 or None, got {self.time_budget_s!r}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads!r}")
 
 
 def quick_config(**overrides: Any) -> DemoConfig:
-    """The ``--quick`` preset: small tasks, 100 steps, a 12-second training budget."""
-    settings: dict[str, Any] = {"quick": True, "steps": 100, "time_budget_s": 12.0}
+    """The ``--quick`` preset: small tasks, 60 steps per level in blocks of 5, a 60-second training budget."""
+    settings: dict[str, Any] = {"quick": True, "steps": 60, "block": 5, "time_budget_s": 60.0}
     settings.update(overrides)
     return DemoConfig(**settings)
 
@@ -121,6 +127,7 @@ class RunResult:
     final_loss: float
     accuracy: float
     ms_per_step: float
+    step_time_spread: float
     speedup_vs_o0: float | None
     peak_memory_mib: float | None
     skipped_steps: int
@@ -146,6 +153,9 @@ class DemoReport:
     tasks: list[TaskReport]
     wall_seconds: float = 0.0
     files: dict[str, str] = field(default_factory=dict)
+    load_average: dict[str, float | None] = field(default_factory=dict)
+    busy: list[str] = field(default_factory=list)
+    verdict: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready: everything but the checkerboard images (those are in the PNG)."""
@@ -347,33 +357,6 @@ def _malloc_trim() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
-def fp16_matmul_slowdown(device: torch.device) -> float:
-    """How many times slower a 256 x 256 fp16 matmul is than fp32 here, on one thread (1.0 on CUDA).
-
-    One thread and the fastest of a few tries, so that other processes on a busy machine slow neither side: the
-    probe asks whether the CPU has fp16 arithmetic, not how loaded it is. Takes about 0.1 s.
-    """
-    if device.type == "cuda":
-        return 1.0
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        a = torch.randn(256, 256)
-        fastest: dict[torch.dtype, float] = {}
-        for dtype, tries in ((torch.float32, 7), (torch.float16, 3)):
-            operand = a.to(dtype)
-            operand @ operand
-            samples = []
-            for _ in range(tries):
-                start = time.perf_counter()
-                operand @ operand
-                samples.append(time.perf_counter() - start)
-            fastest[dtype] = min(samples)
-    finally:
-        torch.set_num_threads(threads)
-    return fastest[torch.float16] / fastest[torch.float32]
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -439,74 +422,192 @@ def make_progress(enabled: bool, label: str, total: int, stream: TextIO) -> Prog
         return _LineProgress(label, total, stream)
 
 
-# -- one run ---------------------------------------------------------------------------------------------------
-def train_one(
+# -- training, interleaved -------------------------------------------------------------------------------------
+#: Levels whose session switches a cast policy on for the whole thread while it is open: their session is opened
+#: around each of their blocks (the loss-scaler state carried over), so it cannot leak into the other levels.
+THREAD_CAST_LEVELS: tuple[str, ...] = ("O1", "O4")
+
+
+class _LevelRun:
+    """One level's model, optimizer and amp session while every level trains in interleaved blocks."""
+
+    def __init__(self, task: Task, level: str, seed: int, device: torch.device) -> None:
+        self.task, self.level, self.device = task, level, device
+        self.model = task.build(seed, device)
+        self.optimizer: torch.optim.Optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=_LEARNING_RATES[task.name]
+        )
+        self.batches = task.batches(seed)
+        self.per_block = level in THREAD_CAST_LEVELS
+        self.session: ampinit.AmpSession | None = None
+        self._state: dict[str, Any] | None = None
+        self._closed_steps = self._closed_skipped = 0
+        self.losses: list[float] = []
+        self.times: list[float] = []
+        self.compute_dtype: torch.dtype | None = None
+        self._open()
+        layer = _first_layer(self.model)
+        self.weight_dtype = next(layer.parameters()).dtype
+        self.master_dtype = next(iter(amp.master_params(self.optimizer))).dtype
+        if self.per_block:
+            self._close()
+
+    def _open(self) -> None:
+        self.model, self.optimizer = amp.initialize(self.model, self.optimizer, opt_level=self.level, verbosity=0)
+        self.session = ampinit.session_of(self.optimizer)
+        if self.session is None:
+            raise RuntimeError(f"amp.initialize(opt_level={self.level!r}) registered no session")
+        if self._state is not None:
+            self.session.load_state_dict(self._state)
+
+    def _close(self) -> None:
+        if self.session is None:
+            return
+        stats = self.session.stats()
+        self._closed_steps += stats.steps
+        self._closed_skipped += stats.skipped_steps
+        self._state = self.session.state_dict()
+        self.session.close()
+        self.session = None
+
+    @contextlib.contextmanager
+    def _opened(self) -> Iterator[None]:
+        if self.per_block:
+            self._open()
+        try:
+            yield
+        finally:
+            if self.per_block:
+                self._close()
+
+    def block(self, steps: int) -> None:
+        """Train ``steps`` steps, timing each one (garbage collection off inside the block)."""
+        collecting = gc.isenabled()
+        with self._opened():
+            gc.disable()
+            try:
+                for _ in range(steps):
+                    self._step()
+            finally:
+                if collecting:
+                    gc.enable()
+
+    def _step(self) -> None:
+        inputs, target = next(self.batches)
+        hook = None
+        if self.compute_dtype is None:
+            hook = _first_layer(self.model).register_forward_hook(self._record_compute_dtype)
+        _sync(self.device)
+        start = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.task.loss(self.model(inputs), target)
+        with amp.scale_loss(loss, self.optimizer) as scaled_loss:
+            scaled_loss.backward()  # type: ignore[no-untyped-call]
+        self.optimizer.step()
+        _sync(self.device)
+        self.times.append(time.perf_counter() - start)
+        if hook is not None:
+            hook.remove()
+        self.losses.append(loss.item())
+
+    def _record_compute_dtype(self, _module: nn.Module, _inputs: Any, output: torch.Tensor) -> None:
+        self.compute_dtype = output.dtype
+
+    def finish(self, planned_steps: int) -> RunResult:
+        """Evaluate, close the session and return the run's row."""
+        with self._opened():
+            accuracy, prediction = self.task.evaluate(self.model)
+            steps, skipped, scale = self._closed_steps, self._closed_skipped, None
+            if self.session is not None:
+                stats = self.session.stats()
+                steps, skipped, scale = steps + stats.steps, skipped + stats.skipped_steps, stats.loss_scales[0]
+            else:
+                scale = float((self._state or {})["loss_scaler0"]["loss_scale"])
+        self._close()
+        timed = self.times[WARMUP_STEPS:] if len(self.times) > WARMUP_STEPS + 1 else self.times[1:]
+        return RunResult(
+            task=self.task.name,
+            level=self.level,
+            compute_dtype=_dtype_name(self.compute_dtype or self.weight_dtype),
+            weight_dtype=_dtype_name(self.weight_dtype),
+            master_weights=self.master_dtype != self.weight_dtype,
+            steps=len(self.losses),
+            planned_steps=planned_steps,
+            stopped_by_budget=len(self.losses) < planned_steps,
+            initial_loss=self.losses[0],
+            final_loss=self.losses[-1],
+            accuracy=accuracy,
+            ms_per_step=statistics.median(timed) * 1e3,
+            step_time_spread=relative_spread(timed),
+            speedup_vs_o0=None,
+            peak_memory_mib=None,
+            skipped_steps=skipped,
+            final_loss_scale=scale,
+            losses=self.losses,
+            prediction=prediction,
+        )
+
+    def shutdown(self) -> None:
+        self._close()
+
+
+def train_interleaved(
     task: Task,
-    level: str,
+    levels: Sequence[str],
     *,
     steps: int,
-    seconds: float,
+    block: int,
+    seconds: float | None,
     seed: int,
     device: torch.device,
     progress: Progress,
-) -> RunResult:
-    """Train ``task`` at ``level`` for ``steps`` steps, or fewer if ``seconds`` of training run out first."""
+) -> list[_LevelRun]:
+    """Train every level for ``steps`` steps, in rounds of ``block`` steps per level with the order rotated by one
+    each round, so that other processes and slow drifts slow every level alike. ``seconds`` (``None``: no limit)
+    is checked between rounds only: when it runs out, every level stops at the same step."""
+    runs = [_LevelRun(task, level, seed, device) for level in levels]
+    try:
+        deadline = None if seconds is None else time.perf_counter() + seconds
+        done, round_index = 0, 0
+        while done < steps:
+            size = min(block, steps - done)
+            shift = round_index % len(runs)
+            for run in runs[shift:] + runs[:shift]:
+                run.block(size)
+            done += size
+            round_index += 1
+            progress.update(done, runs[0].losses[-1])
+            if deadline is not None and done >= MIN_STEPS and time.perf_counter() > deadline:
+                break
+    except BaseException:
+        for run in runs:
+            run.shutdown()
+        raise
+    finally:
+        progress.close()
+    return runs
+
+
+def measure_memory(task: Task, level: str, seed: int, device: torch.device, steps: int = 2) -> float | None:
+    """Peak memory growth of building ``task`` at ``level`` and training ``steps`` steps, one level at a time
+    (interleaved training keeps every level's model alive, so its memory cannot be told apart)."""
     with _PeakMemory(device) as memory:
         model = task.build(seed, device)
         optimizer = torch.optim.AdamW(model.parameters(), lr=_LEARNING_RATES[task.name])
         model, optimizer = amp.initialize(model, optimizer, opt_level=level, verbosity=0)
+        session = ampinit.session_of(optimizer)
         try:
-            seen: dict[str, torch.dtype] = {}
-            layer = _first_layer(model)
-            hook = layer.register_forward_hook(lambda _m, _i, out: seen.update(compute=out.dtype))
-            weight_dtype = next(layer.parameters()).dtype
-            master_dtype = next(iter(amp.master_params(optimizer))).dtype
-            losses, times = [], []
-            deadline = time.perf_counter() + seconds
             batches = task.batches(seed)
-            for step in range(1, steps + 1):
+            for _ in range(steps):
                 inputs, target = next(batches)
-                _sync(device)
-                start = time.perf_counter()
                 optimizer.zero_grad(set_to_none=True)
-                loss = task.loss(model(inputs), target)
-                with amp.scale_loss(loss, optimizer) as scaled_loss:
+                with amp.scale_loss(task.loss(model(inputs), target), optimizer) as scaled_loss:
                     scaled_loss.backward()  # type: ignore[no-untyped-call]
                 optimizer.step()
-                _sync(device)
-                times.append(time.perf_counter() - start)
-                if step == 1:
-                    hook.remove()
-                losses.append(loss.item())
-                progress.update(step, losses[-1])
-                if step >= MIN_STEPS and time.perf_counter() > deadline:
-                    break
-            stats = amp.stats()
-            accuracy, prediction = task.evaluate(model)
         finally:
-            progress.close()
-            amp.deinitialize()
-    timed = times[WARMUP_STEPS:] if len(times) > WARMUP_STEPS + 1 else times[1:]
-    return RunResult(
-        task=task.name,
-        level=level,
-        compute_dtype=_dtype_name(seen["compute"]),
-        weight_dtype=_dtype_name(weight_dtype),
-        master_weights=master_dtype != weight_dtype,
-        steps=len(losses),
-        planned_steps=steps,
-        stopped_by_budget=len(losses) < steps,
-        initial_loss=losses[0],
-        final_loss=losses[-1],
-        accuracy=accuracy,
-        ms_per_step=statistics.median(timed) * 1e3,
-        speedup_vs_o0=None,
-        peak_memory_mib=memory.peak_mib(),
-        skipped_steps=stats.skipped_steps,
-        final_loss_scale=stats.loss_scales[0],
-        losses=losses,
-        prediction=prediction,
-    )
+            if session is not None:
+                session.close()
+    return memory.peak_mib()
 
 
 def warm_up(task: Task, seed: int, device: torch.device) -> None:
@@ -528,44 +629,27 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 # -- the whole demo --------------------------------------------------------------------------------------------
-def environment(device: torch.device, slowdown: float) -> dict[str, Any]:
+def environment(device: torch.device) -> dict[str, Any]:
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
     else:
-        name = _cpu_model() or platform.processor() or platform.machine()
+        name = cpu_model() or platform.processor() or platform.machine()
     return {
         "ampinit": ampinit.__version__,
         "torch": torch.__version__,
         "python": platform.python_version(),
         "device": device.type,
         "device_name": name,
+        "cpus": os.cpu_count() or 1,
         "threads": torch.get_num_threads(),
         "cpu_capability": str(torch.backends.cpu.get_cpu_capability()),
-        "fp16_matmul_slowdown_vs_fp32": round(slowdown, 2),
-        "fp16_emulated": slowdown > 2.0,
+        "cpu_flags": cpu_flags() if device.type == "cpu" else {},
     }
 
 
-def _cpu_model() -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return ""
-    return next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), "")
-
-
-def plan_steps(config: DemoConfig, level: str, fp16_emulated: bool) -> int:
-    """Steps for one run: ``config.steps``, or for O1-O3 on emulated fp16 ``fp16_steps`` (default steps / 10)."""
-    if level not in FP16_LEVELS:
-        return config.steps
-    if config.fp16_steps is not None:
-        return config.fp16_steps
-    return max(MIN_STEPS + 2, config.steps // 10) if fp16_emulated else config.steps
-
-
 def run_demo(config: DemoConfig, stream: TextIO | None = None, progress_stream: TextIO | None = None) -> DemoReport:
-    """Run every task at every level, print the tables to ``stream`` (stdout) and the progress bars to
-    ``progress_stream`` (stderr), and write JSON, Markdown and PNG into ``config.out``."""
+    """Run every task at every level, print the tables and the verdict to ``stream`` (stdout) and the progress
+    bars to ``progress_stream`` (stderr), and write JSON, Markdown and PNG into ``config.out``."""
     stream = sys.stdout if stream is None else stream
     progress_stream = sys.stderr if progress_stream is None else progress_stream
     started = time.perf_counter()
@@ -576,33 +660,64 @@ def run_demo(config: DemoConfig, stream: TextIO | None = None, progress_stream: 
     if config.threads is not None:
         torch.set_num_threads(config.threads)
     try:
-        slowdown = fp16_matmul_slowdown(device)
-        env = environment(device, slowdown)
+        env = environment(device)
         report = DemoReport(env, _config_dict(config), _PeakMemory.method(device), [])
+        report.load_average["before"] = load_average()
         stream.write(_header(report) + "\n\n")
-        runs_left = len(config.tasks) * len(config.levels)
-        budget_end = time.perf_counter() + config.time_budget_s
-        for name in config.tasks:
+        budget_end = None if config.time_budget_s is None else time.perf_counter() + config.time_budget_s
+        for index, name in enumerate(config.tasks):
             task = _make_task(name, config.quick, device)
             warm_up(task, config.seed, device)
-            runs = []
-            for level in config.levels:
-                share = max(0.5, (budget_end - time.perf_counter()) / runs_left)
-                steps = plan_steps(config, level, env["fp16_emulated"])
-                bar = make_progress(config.progress, f"{name} {level}", steps, progress_stream)
-                runs.append(
-                    train_one(task, level, steps=steps, seconds=share, seed=config.seed, device=device, progress=bar)
-                )
-                runs_left -= 1
-            _fill_speedups(runs)
-            report.tasks.append(TaskReport(name, task.description, task.accuracy_name, runs, task.target_image()))
+            seconds = None
+            if budget_end is not None:
+                seconds = max(1.0, (budget_end - time.perf_counter()) / (len(config.tasks) - index))
+            bar = make_progress(config.progress, f"{name} {','.join(config.levels)}", config.steps, progress_stream)
+            runs = train_interleaved(
+                task,
+                config.levels,
+                steps=config.steps,
+                block=config.block,
+                seconds=seconds,
+                seed=config.seed,
+                device=device,
+                progress=bar,
+            )
+            try:
+                results = [run.finish(config.steps) for run in runs]
+            finally:
+                for run in runs:
+                    run.shutdown()
+            del runs  # free every level's model before measuring memory one level at a time
+            for result in results:
+                result.peak_memory_mib = measure_memory(task, result.level, config.seed, device)
+            _fill_speedups(results)
+            report.tasks.append(TaskReport(name, task.description, task.accuracy_name, results, task.target_image()))
             stream.write(format_table(report.tasks[-1]) + "\n\n")
             stream.flush()
+        report.load_average["after"] = load_average()
     finally:
         torch.set_num_threads(previous_threads)
+    judge(report)
+    stream.write(format_verdict(report) + "\n\n")
     report.wall_seconds = time.perf_counter() - started
     write_outputs(report, config.out, config.plot, stream)
     return report
+
+
+def judge(report: DemoReport) -> None:
+    """Fill ``report.busy`` (why the timings may be untrustworthy) and ``report.verdict`` from the tables."""
+    env = report.environment
+    spreads = {f"{task.name} {run.level}": run.step_time_spread for task in report.tasks for run in task.runs}
+    report.busy = busy_reasons(
+        report.load_average.get("before"), report.load_average.get("after"), env["cpus"], env["threads"], spreads
+    )
+    outcomes = [
+        LevelOutcome(task.name, run.level, run.losses[common_steps(task) - 1], run.accuracy, run.speedup_vs_o0)
+        for task in report.tasks
+        for run in task.runs
+    ]
+    verdict = choose_level(outcomes, busy=bool(report.busy))
+    report.verdict = {"level": verdict.level, "reason": verdict.reason, "tentative": verdict.tentative}
 
 
 def _config_dict(config: DemoConfig) -> dict[str, Any]:
@@ -624,9 +739,9 @@ COLUMNS = (
     "weights",
     "steps",
     "final loss",
-    "loss @ {n}",
     "accuracy",
     "ms/step",
+    "spread",
     "vs O0",
     "peak MiB",
     "skipped",
@@ -638,32 +753,21 @@ def _header(report: DemoReport) -> str:
     env = report.environment
     lines = [
         f"ampinit {env['ampinit']} demo | torch {env['torch']} | device {env['device']}: {env['device_name']} "
-        f"| {env['threads']} threads",
+        f"| {env['threads']} threads of {env['cpus']} CPUs",
     ]
-    if env["device"] == "cpu":
-        slow = env["fp16_matmul_slowdown_vs_fp32"]
-        if env["fp16_emulated"]:
-            fewer = any(level in FP16_LEVELS for level in report.config["levels"])
-            lines.append(
-                f"fp16 matmuls run {slow:.0f}x slower than fp32 on this CPU (no fp16 hardware)"
-                + (": O1-O3 run fewer steps, compare levels at equal steps (loss @ N, loss curves)" if fewer else "")
-            )
-        else:
-            lines.append(f"fp16 matmul time vs fp32 on this CPU: {slow:.2f}x")
+    if env["cpu_flags"]:
+        flags = ", ".join(f"{name} {'yes' if present else 'no'}" for name, present in env["cpu_flags"].items())
+        lines.append(f"CPU flags for bf16/fp16 speed: {flags}")
     lines.append(f"peak memory: {report.memory_method}")
     return "\n".join(lines)
 
 
 def common_steps(task: TaskReport) -> int:
-    """The step count every run of ``task`` reached: the losses at this step compare the levels fairly."""
+    """The step count every run of ``task`` reached (all of them, unless a run failed)."""
     return min(run.steps for run in task.runs)
 
 
-def _columns(task: TaskReport) -> list[str]:
-    return [column.format(n=common_steps(task)) for column in COLUMNS]
-
-
-def _row(run: RunResult, common: int) -> list[str]:
+def _row(run: RunResult) -> list[str]:
     steps = f"{run.steps}" + (f" of {run.planned_steps}" if run.stopped_by_budget else "")
     return [
         run.level,
@@ -671,9 +775,9 @@ def _row(run: RunResult, common: int) -> list[str]:
         run.weight_dtype + (" + fp32 masters" if run.master_weights else ""),
         steps,
         f"{run.final_loss:.4f}",
-        f"{run.losses[common - 1]:.4f}",
         f"{run.accuracy:.1%}",
         f"{run.ms_per_step:.1f}",
+        f"{run.step_time_spread:.0%}",
         "-" if run.speedup_vs_o0 is None else f"{run.speedup_vs_o0:.2f}x",
         "-" if run.peak_memory_mib is None else f"{run.peak_memory_mib:.1f}",
         f"{run.skipped_steps}",
@@ -683,13 +787,13 @@ def _row(run: RunResult, common: int) -> list[str]:
 
 def _notes(task: TaskReport) -> list[str]:
     notes = [
-        f"loss @ {common_steps(task)}: the training loss at the step every run reached (same batches for all levels)",
-        f"accuracy: {task.accuracy_name}; ms/step: median over steps after the first {WARMUP_STEPS}, levels run one "
-        "after the other (on a machine busy with other jobs, rerun or use --threads 1 before trusting a ratio)",
+        f"every level ran the same {common_steps(task)} steps from the same weights and batches; "
+        f"accuracy: {task.accuracy_name}",
+        f"ms/step: median over the steps after each level's first {WARMUP_STEPS}, levels interleaved in rounds; "
+        "spread: interquartile range of the step times / median",
     ]
-    cut = [run.level for run in task.runs if run.stopped_by_budget]
-    if cut:
-        notes.append(f"stopped by the time budget before their planned steps: {', '.join(cut)}")
+    if any(run.stopped_by_budget for run in task.runs):
+        notes.append("the time budget stopped every level at the same step (--time-budget, or --steps fewer)")
     diverged = [run.level for run in task.runs if not math.isfinite(run.final_loss)]
     if diverged:
         notes.append(f"non-finite final loss (diverged): {', '.join(diverged)}")
@@ -698,7 +802,7 @@ def _notes(task: TaskReport) -> list[str]:
 
 def format_table(task: TaskReport) -> str:
     """The task's runs as an aligned text table, with a title line and notes."""
-    rows = [_columns(task), *(_row(run, common_steps(task)) for run in task.runs)]
+    rows = [list(COLUMNS), *(_row(run) for run in task.runs)]
     widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
     lines = [f"{task.name}: {task.description}"]
     for index, row in enumerate(rows):
@@ -710,15 +814,32 @@ def format_table(task: TaskReport) -> str:
     return "\n".join(lines)
 
 
+def format_verdict(report: DemoReport) -> str:
+    """The busy-machine warning (when there is one) and the verdict: the lines a person acts on."""
+    lines = []
+    if report.busy:
+        bar = "!" * 100
+        lines += [bar, "!! THIS MACHINE WAS BUSY: the ms/step and speedups above are not trustworthy."]
+        lines += [f"!!   - {reason}" for reason in report.busy]
+        lines += ["!! The losses and accuracies are unaffected. Rerun when the machine is idle to compare speed.", bar]
+    verdict = report.verdict
+    head = f"Verdict: use {verdict['level']} on this machine" if verdict.get("level") else "Verdict: none"
+    if verdict.get("tentative"):
+        head += " (TENTATIVE: measured on a busy machine)"
+    lines += [head, f"  why: {verdict.get('reason', '')}"]
+    return "\n".join(lines)
+
+
 def format_markdown(report: DemoReport) -> str:
     lines = ["# ampinit demo results", "", *(f"- {line}" for line in _header(report).splitlines())]
     lines.append(f"- wall time: {report.wall_seconds:.0f} s")
     for task in report.tasks:
         lines += ["", f"## {task.name}", "", task.description, ""]
-        lines.append("| " + " | ".join(_columns(task)) + " |")
+        lines.append("| " + " | ".join(COLUMNS) + " |")
         lines.append("|" + "|".join("---" for _ in COLUMNS) + "|")
-        lines += ["| " + " | ".join(_row(run, common_steps(task))) + " |" for run in task.runs]
+        lines += ["| " + " | ".join(_row(run)) + " |" for run in task.runs]
         lines += ["", *(f"- {note}" for note in _notes(task))]
+    lines += ["", "## verdict", "", *format_verdict(report).splitlines()]
     return "\n".join(lines) + "\n"
 
 
@@ -746,39 +867,47 @@ def _drawn_title(run: RunResult) -> str:
 
 
 def write_png(report: DemoReport, path: Path) -> None:
-    """Loss curves per level for each task; below them the checkerboard target beside each level's drawing."""
+    """Per task: training loss against step, and against time (step x the level's median ms/step), so that a
+    level that learns as well but slower shows as a curve stretched to the right; below them the checkerboard
+    target beside each level's drawing."""
     from matplotlib.figure import Figure
 
     boards = next((task for task in report.tasks if task.target is not None), None)
     columns = max(len(report.tasks), 1 + (len(boards.runs) if boards else 0))
-    figure = Figure(figsize=(max(8.0, 1.9 * columns), 5.6 if boards else 3.6), layout="constrained")
-    grid = figure.add_gridspec(2 if boards else 1, columns * len(report.tasks))
+    rows = 3 if boards else 2
+    figure = Figure(figsize=(max(10.0, 2.2 * columns), 3.6 * rows), layout="constrained")
+    grid = figure.add_gridspec(rows, columns * len(report.tasks))
     for index, task in enumerate(report.tasks):
-        axes = figure.add_subplot(grid[0, index * columns : (index + 1) * columns])
+        span = slice(index * columns, (index + 1) * columns)
+        by_step, by_time = figure.add_subplot(grid[0, span]), figure.add_subplot(grid[1, span])
         for run in task.runs:
             style = "-" if run.level == "O0" else "--" if run.level in FP16_LEVELS else ":"
-            axes.plot(
-                range(1, len(run.losses) + 1),
-                run.losses,
-                style,
-                label=f"{run.level} ({run.compute_dtype}, {run.steps} steps)",
-                linewidth=1.4,
-                marker="o",
-                markevery=[len(run.losses) - 1],
-            )
-        axes.set_yscale("log")
-        axes.set_title(f"{task.name}: training loss")
-        axes.set_xlabel("step")
-        axes.legend(fontsize="small")
+            steps = range(1, len(run.losses) + 1)
+            by_step.plot(steps, run.losses, style, label=f"{run.level} {run.compute_dtype}", linewidth=1.4)
+            seconds = [step * run.ms_per_step / 1e3 for step in steps]
+            label = f"{run.level} {run.ms_per_step:.1f} ms/step"
+            by_time.plot(seconds, run.losses, style, label=label, linewidth=1.4)
+        for axes, what in ((by_step, "step"), (by_time, "seconds (step x median ms/step)")):
+            axes.set_yscale("log")
+            axes.set_xlabel(what)
+            axes.set_ylabel("training loss")
+        by_step.set_title(f"{task.name}: loss per step ({common_steps(task)} steps each)")
+        by_time.set_title(f"{task.name}: loss against time")
+        by_time.set_xscale("log")
+        by_step.legend(fontsize="x-small")
+        by_time.legend(fontsize="x-small")
     if boards is not None:
         images: list[tuple[str, list[list[float]]]] = [("target", boards.target or [])]
         images += [(f"{run.level}: {_drawn_title(run)}", run.prediction or []) for run in boards.runs]
-        span = len(report.tasks)
+        span_width = len(report.tasks)
         for index, (title, image) in enumerate(images):
-            axes = figure.add_subplot(grid[1, index * span : (index + 1) * span])
+            axes = figure.add_subplot(grid[2, index * span_width : (index + 1) * span_width])
             axes.imshow(image, cmap="gray", vmin=0.0, vmax=1.0, interpolation="nearest")
             axes.set_title(title, fontsize="small")
             axes.set_axis_off()
     env = report.environment
-    figure.suptitle(f"ampinit demo on {env['device']} ({env['device_name']}), torch {env['torch']}", fontsize="medium")
+    title = f"ampinit demo on {env['device']} ({env['device_name']}), torch {env['torch']}"
+    if report.busy:
+        title += "  [BUSY MACHINE: timings not trustworthy]"
+    figure.suptitle(title, fontsize="medium")
     figure.savefig(path, dpi=110)

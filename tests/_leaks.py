@@ -1,0 +1,69 @@
+"""A snapshot of every piece of process state that ampinit (or a test) can change, for the leak check in
+conftest.py: two snapshots taken around a test must be equal.
+
+Covered: torch's thread-wide state (autocast per device and its cache, default dtype, grad mode), the user's
+pending function registrations and the patches they applied (``register_*_function``), the autocast kernels
+registered through ``torch.library``, the cast-policy scopes of this thread, the Apex import alias
+(``sys.modules`` entries and the finder on ``sys.meta_path``), and ``sys.meta_path`` itself. Live amp sessions
+are checked separately (conftest closes them so that one leak does not cascade).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+
+from ampinit import _cast_policy, _functions
+from ampinit.compat.apex import _alias
+from tests import _device
+
+_APEX_NAMES = ("apex", "amp_C")
+
+
+def _torch_state() -> dict[str, Any]:
+    autocast = {d: (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in _device.autocast_device_types()}
+    return {
+        "autocast": autocast,
+        "autocast cache": torch.is_autocast_cache_enabled(),
+        "default dtype": torch.get_default_dtype(),
+        "grad enabled": torch.is_grad_enabled(),
+    }
+
+
+def _function_registrations() -> dict[str, Any]:
+    registry = _functions.REGISTRY
+    with registry.lock:
+        pending = [(id(r.module), r.name, r.kind) for r in registry.pending]
+        applied = registry.applied
+    return {"pending registrations": pending, "sessions holding function patches": applied}
+
+
+def _cast_policy_state() -> dict[str, Any]:
+    return {
+        "autocast kernels (device -> holders)": _cast_policy.KERNELS.registered(),
+        "cast-policy scopes": [id(p) for p in _cast_policy._scope_stack()],
+        "activated cast policies": [id(p) for p in _cast_policy._activated_stack()],
+    }
+
+
+def _import_state() -> dict[str, Any]:
+    aliases = {
+        name: id(module) for name, module in sys.modules.items() if name in _APEX_NAMES or name.startswith("apex.")
+    }
+    return {
+        "apex alias installed": _alias._saved is not None,
+        "apex modules": aliases,
+        "sys.meta_path": [id(finder) for finder in sys.meta_path],
+    }
+
+
+def snapshot() -> dict[str, Any]:
+    """Everything the leak check compares, keyed by a name a failure message can show."""
+    return {**_torch_state(), **_function_registrations(), **_cast_policy_state(), **_import_state()}
+
+
+def differences(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
+    """One line per entry that changed: ``name: before -> after``."""
+    return [f"{key}: {before[key]!r} -> {after.get(key)!r}" for key in before if before[key] != after.get(key)]
