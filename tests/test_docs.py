@@ -24,7 +24,7 @@ def test_relative_links_resolve(page: Path) -> None:
         assert (page.parent / target).exists(), f"{page.name} links to missing {target}"
 
 
-def test_readme_example_runs() -> None:
+def test_readme_example_runs(capsys: pytest.CaptureFixture[str]) -> None:
     text = (ROOT / "README.md").read_text(encoding="utf-8")
     example = re.search(r"## Example\n\n```python\n(.*?)```", text, re.S)
     assert example is not None
@@ -32,6 +32,8 @@ def test_readme_example_runs() -> None:
     exec(compile(example.group(1), "README example", "exec"), namespace)
     assert amp.stats().steps == 10
     amp.deinitialize()
+    printed = capsys.readouterr().out
+    assert re.match(r"final loss \d+\.\d{4} AmpStats\(steps=10, skipped_steps=0,", printed), printed
 
 
 @pytest.mark.parametrize("level", ["O1", "O2", "O5"])
@@ -54,6 +56,7 @@ def test_readme_opens_with_the_demo_and_the_test_command() -> None:
     assert first_block is not None
     commands = [line for line in first_block.group(1).splitlines() if not line.startswith("#")]
     assert commands == [
+        "cd ampinit",
         'pip install torch==2.13.0 && pip install -e ".[demo]" && ampinit demo',
         'pip install torch==2.13.0 && pip install -e ".[test,dev]" && python -m pytest -q',
     ]
