@@ -28,6 +28,7 @@ from ampinit._model_cast import ModelCast, plan
 from ampinit._opt_levels import LEVELS, Properties, describe
 from ampinit._scaler import LossScaleAtMinimumError, LossScaler
 from ampinit._types import HALF_DTYPES
+from ampinit._undo import UndoStack
 
 logger = logging.getLogger("ampinit")
 
@@ -92,7 +93,7 @@ class AmpSession:
         ]
         self._grads: dict[int, OptimizerGrads] = {}
         self._cast_policy: CastPolicy | None = None
-        self._undo: list[Callable[[], None]] = []
+        self._undo = UndoStack()
         self._skip_pending: dict[int, bool] = {}
         self._deferred: dict[int, tuple[LossScaler, set[int]]] = {}
         self._steps = 0
@@ -107,7 +108,7 @@ class AmpSession:
             try:
                 self._apply(cast_model_outputs)
             except BaseException:
-                self._run_undo()
+                self._undo.run()
                 raise
         _registry.register(self, [*self.models, *self.optimizers])
         self._log_properties()
@@ -134,14 +135,14 @@ class AmpSession:
             grads = self._grads[id(opt)] = OptimizerGrads(opt, props.uses_master_weights)
             # Registered before the model cast so that, undoing in reverse, the model weights get their
             # masters' values back before the masters are released.
-            self._undo.append(grads.restore_model_params)
+            self._undo.push(grads.restore_model_params)
 
         output_dtype = (cast_model_outputs or torch.float32) if model_dtype is not None else cast_model_outputs
         for model in self.models:
             # Masters, and a cast policy's devices, stay where the model was at initialize().
             guard = props.uses_master_weights or props.cast_dtype is not None
             cast = ModelCast(model, model_dtype, keep_bn, output_dtype, self.master_for, guard_device=guard)
-            self._undo.append(functools.partial(cast.undo, self.master_for))
+            self._undo.push(functools.partial(cast.undo, self.master_for))
             cast.apply()
 
         if props.uses_master_weights:
@@ -161,9 +162,9 @@ class AmpSession:
             self._cast_policy = policy
             for model in self.models:
                 for handle in policy.install_forward_hooks(model):
-                    self._undo.append(handle.remove)
+                    self._undo.push(handle.remove)
             policy.activate()
-            self._undo.append(policy.deactivate)
+            self._undo.push(policy.deactivate)
 
     def _wrap_optimizer(self, opt: torch.optim.Optimizer) -> None:
         """Rebind ``step``, ``zero_grad`` and ``add_param_group`` on the instance (recorded for ``close``)."""
@@ -174,7 +175,7 @@ class AmpSession:
         def step(*args: Any, **kwargs: Any) -> Any:
             return self._step(opt, original_step, args, kwargs)
 
-        self._rebind(opt, "step", step)
+        self._undo.rebind(opt, "step", step)
 
         if grads.master_weights:
             original_zero_grad = opt.zero_grad
@@ -185,7 +186,7 @@ class AmpSession:
                 set_to_none = kwargs.get("set_to_none", args[0] if args else True)
                 grads.zero_model_grads(bool(set_to_none))
 
-            self._rebind(opt, "zero_grad", zero_grad)
+            self._undo.rebind(opt, "zero_grad", zero_grad)
 
         original_add = opt.add_param_group
 
@@ -194,20 +195,7 @@ class AmpSession:
             original_add(param_group)
             grads.add_param_group(opt.param_groups[-1])
 
-        self._rebind(opt, "add_param_group", add_param_group)
-
-    def _rebind(self, obj: object, name: str, replacement: Callable[..., Any]) -> None:
-        had_own = name in vars(obj)
-        previous = vars(obj).get(name)
-        setattr(obj, name, replacement)
-
-        def restore() -> None:
-            if had_own:
-                setattr(obj, name, previous)
-            elif vars(obj).get(name) is replacement:
-                delattr(obj, name)
-
-        self._undo.append(restore)
+        self._undo.rebind(opt, "add_param_group", add_param_group)
 
     def _log_properties(self) -> None:
         if self.verbosity < 1 or not self.properties.enabled:
@@ -230,19 +218,9 @@ class AmpSession:
             return
         self.closed = True
         try:
-            self._run_undo()
+            self._undo.run()
         finally:
             _registry.unregister(self)
-
-    def _run_undo(self) -> None:
-        errors: list[BaseException] = []
-        while self._undo:
-            try:
-                self._undo.pop()()
-            except Exception as err:  # keep undoing the rest; report the first failure
-                errors.append(err)
-        if errors:
-            raise errors[0]
 
     def __enter__(self) -> AmpSession:
         return self
