@@ -10,12 +10,12 @@ import torch
 from torch import nn
 
 from ampinit import _registry
-from ampinit._cast_policy import CAST_POLICIES, CastPolicyName
 from ampinit._distributed import is_sharded
 from ampinit._loss_scale import DynamicLossScale
-from ampinit._opt_levels import LEVELS, Properties, resolve, unknown_level_message
+from ampinit._opt_levels import Properties
+from ampinit._options import DEFAULT_MAX_LOSS_SCALE, resolve_options
 from ampinit._session import AmpSession, AmpStats
-from ampinit._types import HALF_DTYPES
+from ampinit._types import HALF_DTYPES, MODEL_DTYPES, CastPolicyName
 
 _PARALLEL_WRAPPERS: tuple[type, ...] = (nn.DataParallel, nn.parallel.DistributedDataParallel)
 _NOT_INITIALIZED = (
@@ -38,7 +38,7 @@ def initialize(
     num_losses: int = 1,
     verbosity: int = 1,
     min_loss_scale: float | None = None,
-    max_loss_scale: float = 2.0**24,
+    max_loss_scale: float = DEFAULT_MAX_LOSS_SCALE,
     *,
     patch_torch_functions_type: torch.dtype | None = None,
     cast_policy: CastPolicyName = "apex",
@@ -88,59 +88,36 @@ def initialize(
         The models and optimizers, in the shape they were given. Optimizers are the same objects; with master
         weights their param groups now hold fp32 masters.
     """
-    _check_number("num_losses", num_losses, minimum=1, integer=True)
-    for name, flag in (("skip_nonfinite", skip_nonfinite), ("allow_half_model", allow_half_model)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be True or False, got {flag!r}")
-    _check_number("verbosity", verbosity, minimum=0, integer=True)
+    options = resolve_options(
+        enabled=enabled,
+        opt_level=opt_level,
+        cast_model_type=cast_model_type,
+        patch_torch_functions=patch_torch_functions,
+        patch_torch_functions_type=patch_torch_functions_type,
+        keep_batchnorm_fp32=keep_batchnorm_fp32,
+        master_weights=master_weights,
+        loss_scale=loss_scale,
+        cast_model_outputs=cast_model_outputs,
+        num_losses=num_losses,
+        verbosity=verbosity,
+        min_loss_scale=min_loss_scale,
+        max_loss_scale=max_loss_scale,
+        cast_policy=cast_policy,
+        allow_banned=allow_banned,
+        sync_free=sync_free,
+        skip_nonfinite=skip_nonfinite,
+        allow_half_model=allow_half_model,
+    )
     model_list, models_were_list = _as_list(
         models, nn.Module, "models must be either a single model or a list of models."
     )
     optimizer_list, optimizers_were_list = _as_optimizer_list(optimizers)
     _check_ownership(model_list, optimizer_list)
-
-    if not enabled:
-        properties = resolve("O0" if opt_level not in LEVELS else opt_level, {"enabled": False})
-    else:
-        if opt_level not in LEVELS:
-            raise RuntimeError(unknown_level_message(opt_level))
-        properties = resolve(
-            opt_level,
-            {
-                "enabled": enabled,
-                "cast_model_type": cast_model_type,
-                "patch_torch_functions": patch_torch_functions,
-                "patch_torch_functions_type": patch_torch_functions_type,
-                "keep_batchnorm_fp32": keep_batchnorm_fp32,
-                "master_weights": master_weights,
-                "loss_scale": loss_scale,
-            },
-        )
-        _check_loss_scale_bounds(properties.loss_scale, min_loss_scale, max_loss_scale)
-        if sync_free and isinstance(properties.loss_scale, DynamicLossScale) and properties.loss_scale.raise_at_min:
-            raise ValueError("DynamicLossScale(raise_at_min=True) needs a host sync per step; it cannot be sync_free")
-        if cast_policy not in CAST_POLICIES:
-            raise ValueError(f"cast_policy must be one of {list(CAST_POLICIES)}, got {cast_policy!r}")
-        if cast_model_outputs is not None and not isinstance(cast_model_outputs, torch.dtype):
-            raise TypeError(f"cast_model_outputs must be a torch.dtype or None, got {cast_model_outputs!r}")
-        _check_models(model_list, allow_half_model)
-        _check_sharding(model_list, properties)
+    if options.enabled:
+        _check_models(model_list, options.allow_half_model)
+        _check_sharding(model_list, options.properties)
         _check_optimizers(optimizer_list)
-
-    AmpSession(
-        model_list,
-        optimizer_list,
-        properties,
-        num_losses=num_losses,
-        cast_model_outputs=cast_model_outputs,
-        min_loss_scale=min_loss_scale,
-        max_loss_scale=max_loss_scale,
-        verbosity=verbosity,
-        cast_policy=cast_policy,
-        allow_banned=bool(allow_banned),
-        sync_free=bool(sync_free),
-        skip_nonfinite=skip_nonfinite,
-    )
+    AmpSession(model_list, optimizer_list, options)
     return _same_shape(models, optimizers, model_list, optimizer_list, models_were_list, optimizers_were_list)
 
 
@@ -172,26 +149,6 @@ def _as_optimizer_list(optimizers: Any) -> tuple[list[torch.optim.Optimizer], bo
             raise RuntimeError("A given optimizer should only be passed through amp.initialize once.")
         seen.add(id(opt))
     return optimizer_list, were_list
-
-
-def _check_number(name: str, value: Any, *, minimum: float, integer: bool) -> None:
-    kinds = (int,) if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kinds) or value < minimum:
-        kind = "an int" if integer else "a number"
-        raise ValueError(f"{name} must be {kind} >= {minimum}, got {value!r}")
-
-
-def _check_loss_scale_bounds(setting: Any, min_loss_scale: float | None, max_loss_scale: float) -> None:
-    if min_loss_scale is not None:
-        _check_number("min_loss_scale", min_loss_scale, minimum=0, integer=False)
-    _check_number("max_loss_scale", max_loss_scale, minimum=0, integer=False)
-    if isinstance(setting, DynamicLossScale) and (min_loss_scale is not None or max_loss_scale != 2.0**24):
-        raise ValueError(
-            "With loss_scale=DynamicLossScale(...), set min_scale and max_scale on the DynamicLossScale, "
-            f"not min_loss_scale={min_loss_scale!r} / max_loss_scale={max_loss_scale!r} on initialize()."
-        )
-    if min_loss_scale and min_loss_scale > max_loss_scale:
-        raise ValueError(f"min_loss_scale ({min_loss_scale!r}) must not exceed max_loss_scale ({max_loss_scale!r})")
 
 
 def _check_models(models: list[nn.Module], allow_half_model: bool = False) -> None:
@@ -230,7 +187,7 @@ def _check_optimizers(optimizers: list[torch.optim.Optimizer]) -> None:
     for opt in optimizers:
         for group in opt.param_groups:
             for param in group["params"]:
-                if param.dtype not in (torch.float32, *HALF_DTYPES):
+                if param.dtype not in MODEL_DTYPES:
                     raise TypeError(
                         f"Optimizer's parameters must be float32, float16 or bfloat16 tensors. Received {param.type()}"
                     )

@@ -34,8 +34,6 @@ class OptimizerGrads:
         self._model_of: dict[int, torch.Tensor] = {}
         self._grad_buffers: dict[int, torch.Tensor] = {}
         self._stash: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.has_scaled_grads = False  # Apex's ``params_have_scaled_gradients`` (delay_unscale)
-        self.unscaled_since_step = False
 
     # -- masters --------------------------------------------------------------------------------------------
     def create_masters(self, fp32_values: dict[int, torch.Tensor] | None = None) -> None:
@@ -116,7 +114,6 @@ class OptimizerGrads:
         for param, grad in self._stash:
             param.grad = grad
         self._stash = []
-        self.has_scaled_grads = False
 
     def post_backward(self, scaler: LossScaler) -> None:
         """Unscale this backward's grads into the optimizer's parameters and check them for inf/NaN."""
@@ -155,8 +152,6 @@ class OptimizerGrads:
                 _multi_tensor.add_(acc_dst, acc_src)
                 scaler.unscale_unchecked_(acc_dst)
         self._merge_stash()
-        self.has_scaled_grads = False
-        self.unscaled_since_step = True
 
     def _merge_stash(self) -> None:
         acc_dst: list[torch.Tensor] = []
@@ -179,9 +174,9 @@ class OptimizerGrads:
         return buffer
 
     # -- around the step --------------------------------------------------------------------------------------
-    def untransferred_grads(self) -> bool:
-        """Whether half model grads exist that never went through ``scale_loss`` to their masters."""
-        return not self.unscaled_since_step and any(p.grad is not None for p, _ in self.pairs())
+    def has_model_grads(self) -> bool:
+        """Whether any half model parameter holds a grad (which only ``scale_loss`` carries to its master)."""
+        return any(p.grad is not None for p, _ in self.pairs())
 
     def fused_step(self, original: Callable[..., Any], found_inf: torch.Tensor | None) -> bool:
         """Step the optimizer and write the half weights in one kernel per list, if it can (see ``_fused_step``)."""
@@ -197,7 +192,6 @@ class OptimizerGrads:
             _multi_tensor.copy_([p for p, _ in pairs], [m for _, m in pairs])
         for _, master in pairs:
             master.grad = None
-        self.unscaled_since_step = False
 
     def zero_model_grads(self, set_to_none: bool) -> None:
         """The half model grads, which the optimizer's own ``zero_grad`` cannot see."""

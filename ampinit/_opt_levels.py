@@ -15,7 +15,7 @@ from typing import Any, Literal, Union
 import torch
 
 from ampinit._loss_scale import DynamicLossScale
-from ampinit._types import HALF_DTYPES, MODEL_DTYPES, OptLevel
+from ampinit._types import HALF_DTYPES, MODEL_DTYPES, OPT_LEVELS, OptLevel
 
 LossScaleSetting = Union[float, Literal["dynamic"], DynamicLossScale]
 
@@ -96,9 +96,9 @@ def _level(
 
 
 # Values quoted from Apex's frontend.py (O0-O3) and ROCm apex's frontend.py (O4, O5).
-LEVELS: dict[OptLevel, OptLevelSpec] = {
-    "O0": _level("O0", "O0:  Pure FP32 training.\n", torch.float32, False, None, None, False, 1.0),
-    "O1": _level(
+_TABLE = (
+    _level("O0", "O0:  Pure FP32 training.\n", torch.float32, False, None, None, False, 1.0),
+    _level(
         "O1",
         "O1:  Insert automatic casts around Pytorch functions and Tensor methods.\n",
         None,
@@ -108,7 +108,7 @@ LEVELS: dict[OptLevel, OptLevelSpec] = {
         None,
         "dynamic",
     ),
-    "O2": _level(
+    _level(
         "O2",
         "O2:  FP16 training with FP32 batchnorm and FP32 master weights.\n",
         torch.float16,
@@ -118,8 +118,8 @@ LEVELS: dict[OptLevel, OptLevelSpec] = {
         True,
         "dynamic",
     ),
-    "O3": _level("O3", "O3:  Pure FP16 training.", torch.float16, False, None, False, False, 1.0),
-    "O4": _level(
+    _level("O3", "O3:  Pure FP16 training.", torch.float16, False, None, False, False, 1.0),
+    _level(
         "O4",
         "O4:  Insert automatic casts around Pytorch functions and Tensor methods.\n",
         None,
@@ -129,7 +129,7 @@ LEVELS: dict[OptLevel, OptLevelSpec] = {
         None,
         1.0,
     ),
-    "O5": _level(
+    _level(
         "O5",
         "O5:  BFLOAT16 training with FP32 batchnorm and FP32 master weights.\n",
         torch.bfloat16,
@@ -139,14 +139,16 @@ LEVELS: dict[OptLevel, OptLevelSpec] = {
         True,
         1.0,
     ),
-}
+)
+LEVELS: dict[OptLevel, OptLevelSpec] = {spec.defaults.opt_level: spec for spec in _TABLE}
 
-_FUNCTION_CAST_LEVELS = ("O1", "O4")
+# The levels that cast around functions (O1/O4) rather than casting the model, read from the table.
+_FUNCTION_CAST_LEVELS = tuple(level for level, spec in LEVELS.items() if spec.defaults.patch_torch_functions)
 
 
 def unknown_level_message(opt_level: object) -> str:
     message = (
-        f"Unexpected optimization level {opt_level}. Options are 'O0', 'O1', 'O2', 'O3', 'O4', 'O5'.  "
+        f"Unexpected optimization level {opt_level}. Options are {', '.join(map(repr, OPT_LEVELS))}.  "
         "Note that in `O0`, `O1`, etc., the prefix O is the letter O, not the number zero."
     )
     if isinstance(opt_level, str):

@@ -188,6 +188,15 @@ class LossScaler:
         self._unskipped.copy_(torch.where(grow, zero, unskipped))
         self._scale.copy_(new_scale)
 
+    def raise_if_stuck(self) -> None:
+        """After an overflow: raise if the scale cannot back off any further and the config asks to (host sync)."""
+        cfg = self.config
+        if cfg is not None and cfg.raise_at_min and self.at_minimum():
+            raise LossScaleAtMinimumError(
+                f"Gradient overflow with loss scaler {self.loss_id} already at its minimum loss scale "
+                f"{self.loss_scale()} (min_scale={cfg.min_scale}): training cannot make progress."
+            )
+
     def at_minimum(self) -> bool:
         """Whether the scale sits at its floor (host sync)."""
         return (

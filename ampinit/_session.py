@@ -1,8 +1,8 @@
 """``AmpSession``: everything one ``initialize()`` call set up, and the means to undo it.
 
-A session owns its properties, loss scalers, model casts, cast policy, master weights and the optimizer
-methods it rebound. Every change it makes is recorded on an undo stack as it is made, so that ``close()``
-(and a failure half-way through construction) restores models and optimizers exactly.
+A session owns its options, loss scalers, model casts, cast policy and one :class:`OptimizerRecord` per
+optimizer. Every change it makes to a model or an optimizer is pushed on an undo stack as it is made, so that
+``close()`` (and a failure half-way through construction) restores models and optimizers exactly.
 """
 
 from __future__ import annotations
@@ -19,20 +19,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampinit import _registry
-from ampinit._cast_policy import CastPolicy, CastPolicyName
+from ampinit import _registry, _skip
+from ampinit._cast_policy import CastPolicy
 from ampinit._distributed import agree_on_overflow_
-from ampinit._loss_scale import DynamicLossScale
-from ampinit._master_weights import OptimizerGrads
 from ampinit._model_cast import ModelCast, plan
-from ampinit._opt_levels import LEVELS, Properties, describe
-from ampinit._scaler import LossScaleAtMinimumError, LossScaler
-from ampinit._types import HALF_DTYPES
+from ampinit._opt_levels import LEVELS, describe
+from ampinit._optimizer_record import OptimizerRecord
+from ampinit._options import AmpOptions
+from ampinit._scaler import LossScaler
+from ampinit._types import HALF_DTYPES, CastPolicyName
 from ampinit._undo import UndoStack
 
 logger = logging.getLogger("ampinit")
 
-CLOSURE_MESSAGE = "Currently, Amp does not support closure use with optimizers."
+Optimizers = torch.optim.Optimizer | Sequence[torch.optim.Optimizer]
 
 
 @dataclass(frozen=True)
@@ -59,146 +59,124 @@ class AmpSession:
 
     Module-level functions (``ampinit.scale_loss``, ``state_dict``, ``disable_casts``...) act on the most
     recent open session, as Apex's global state did; a program with several sessions calls the same methods on
-    the session objects (``ampinit.initialize(..., return_session=True)`` or ``ampinit.current_session()``).
+    the session objects (from ``ampinit.current_session()`` or ``ampinit.session_of(optimizer)``).
     """
 
     def __init__(
-        self,
-        models: list[nn.Module],
-        optimizers: list[torch.optim.Optimizer],
-        properties: Properties,
-        *,
-        num_losses: int = 1,
-        cast_model_outputs: torch.dtype | None = None,
-        min_loss_scale: float | None = None,
-        max_loss_scale: float = 2.0**24,
-        verbosity: int = 1,
-        cast_policy: CastPolicyName = "apex",
-        allow_banned: bool = False,
-        sync_free: bool = False,
-        skip_nonfinite: bool = True,
+        self, models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer], options: AmpOptions
     ) -> None:
-        self.properties = properties
-        self.sync_free = sync_free
-        self.skip_nonfinite = skip_nonfinite
-        self.cast_policy_name = cast_policy
-        self.allow_banned = allow_banned
+        self.options = options
+        self.properties = options.properties
         self.models = list(models)
         self.optimizers = list(optimizers)
-        self.num_losses = num_losses
-        self.verbosity = verbosity
+        self.verbosity = options.verbosity  # Apex lets `_amp_state.verbosity = 0` silence a running session
         self.closed = False
-        self.scalers = [
-            LossScaler(_scale_setting(properties, min_loss_scale, max_loss_scale), i) for i in range(num_losses)
-        ]
-        self._grads: dict[int, OptimizerGrads] = {}
+        self.scalers = [LossScaler(options.loss_scale, i) for i in range(options.num_losses)]
+        self._records: dict[int, OptimizerRecord] = {}
         self._cast_policy: CastPolicy | None = None
         self._undo = UndoStack()
-        self._skip_pending: dict[int, bool] = {}
-        self._deferred: dict[int, tuple[LossScaler, set[int]]] = {}
+        # Unscale steps whose skip decision waits for a step (delay_overflow_check=True), by scaler.
+        self._deferred: dict[LossScaler, dict[OptimizerRecord, None]] = {}
+        self._overflow_log = _skip.OverflowLog()
         self._steps = 0
         self._skipped = 0
-        self._last_skipped: dict[int, bool | torch.Tensor] = {}
-        # Sync-free mode keeps skip decisions and counts on the device.
-        self._skip_flags: dict[int, torch.Tensor] = {}
-        self._skipped_on_device: torch.Tensor | None = None
-        self._last_step_optimizer: int | None = None
-        self._overflows = 0
-        if properties.enabled:
+        self._skipped_on_device: torch.Tensor | None = None  # sync-free mode counts skips on the device
+        self._last_stepped: OptimizerRecord | None = None
+        if self.enabled:
             try:
-                self._apply(cast_model_outputs)
+                self._apply()
             except BaseException:
                 self._undo.run()
                 raise
         _registry.register(self, [*self.models, *self.optimizers])
         self._log_properties()
 
-    # -- construction ---------------------------------------------------------------------------------------
-    def _apply(self, cast_model_outputs: torch.dtype | None) -> None:
-        props = self.properties
-        model_dtype = props.model_dtype
-        keep_bn = bool(props.keep_batchnorm_fp32)
-        # Full-precision values of the weights about to be cast, so that masters start exact. A detached alias
-        # suffices: the cast gives the model new storage and leaves this one to the alias.
-        planned: dict[int, torch.dtype] = {}
-        for model in self.models:
-            if model_dtype is not None:
-                planned.update(plan(model, model_dtype, keep_bn))
-        fp32_values = {
-            id(p): p.detach()
-            for opt in self.optimizers
-            for group in opt.param_groups
-            for p in group["params"]
-            if planned.get(id(p)) in HALF_DTYPES
-        }
-        for opt in self.optimizers:
-            grads = self._grads[id(opt)] = OptimizerGrads(opt, props.uses_master_weights)
-            # Registered before the model cast so that, undoing in reverse, the model weights get their
-            # masters' values back before the masters are released.
-            self._undo.push(grads.restore_model_params)
+    # Read-only views of the options, under the names the session always had.
+    @property
+    def num_losses(self) -> int:
+        return self.options.num_losses
 
-        output_dtype = (cast_model_outputs or torch.float32) if model_dtype is not None else cast_model_outputs
+    @property
+    def sync_free(self) -> bool:
+        return self.options.sync_free
+
+    @property
+    def skip_nonfinite(self) -> bool:
+        return self.options.skip_nonfinite
+
+    @property
+    def cast_policy_name(self) -> CastPolicyName:
+        return self.options.cast_policy
+
+    @property
+    def allow_banned(self) -> bool:
+        return self.options.allow_banned
+
+    # -- construction ---------------------------------------------------------------------------------------
+    def _apply(self) -> None:
+        props = self.properties
+        fp32_values = self._values_before_cast()
+        for opt in self.optimizers:
+            record = self._records[id(opt)] = OptimizerRecord(opt, props.uses_master_weights)
+            # Pushed before the model cast so that, undoing in reverse, the model weights get their masters'
+            # values back before the masters are released.
+            self._undo.push(record.grads.restore_model_params)
+        self._cast_models()
+        for record in self._records.values():
+            if props.uses_master_weights:
+                record.grads.create_masters(fp32_values)
+            self._wrap_step(record)
+            record.rebind_grad_methods(self._undo)
+        if props.cast_dtype is not None:
+            self._activate_cast_policy(props.cast_dtype)
+
+    def _values_before_cast(self) -> dict[int, torch.Tensor]:
+        """The full-precision values of the weights about to be cast, so that masters start exact.
+
+        A detached alias suffices: the cast gives the model new storage and leaves this one to the alias.
+        """
+        props = self.properties
+        planned: dict[int, torch.dtype] = {}
+        if props.model_dtype is not None:
+            for model in self.models:
+                planned.update(plan(model, props.model_dtype, bool(props.keep_batchnorm_fp32)))
+        params = (p for opt in self.optimizers for group in opt.param_groups for p in group["params"])
+        return {id(p): p.detach() for p in params if planned.get(id(p)) in HALF_DTYPES}
+
+    def _cast_models(self) -> None:
+        props = self.properties
+        outputs = self.options.cast_model_outputs
+        output_dtype = (outputs or torch.float32) if props.model_dtype is not None else outputs
+        # Masters, and a cast policy's devices, stay where the model was at initialize().
+        guard = props.uses_master_weights or props.cast_dtype is not None
         for model in self.models:
-            # Masters, and a cast policy's devices, stay where the model was at initialize().
-            guard = props.uses_master_weights or props.cast_dtype is not None
-            cast = ModelCast(model, model_dtype, keep_bn, output_dtype, self.master_for, guard_device=guard)
+            keep_bn = bool(props.keep_batchnorm_fp32)
+            cast = ModelCast(model, props.model_dtype, keep_bn, output_dtype, self.master_for, guard_device=guard)
             self._undo.push(functools.partial(cast.undo, self.master_for))
             cast.apply()
 
-        if props.uses_master_weights:
-            for opt in self.optimizers:
-                self._grads[id(opt)].create_masters(fp32_values)
-
-        for opt in self.optimizers:
-            self._wrap_optimizer(opt)
-
-        if props.cast_dtype is not None:
-            policy = CastPolicy(
-                _device_types(self.models),
-                props.cast_dtype,
-                policy=self.cast_policy_name,
-                allow_banned=self.allow_banned,
-            )
-            self._cast_policy = policy
-            for model in self.models:
-                for handle in policy.install_forward_hooks(model):
-                    self._undo.push(handle.remove)
-            policy.activate()
-            self._undo.push(policy.deactivate)
-
-    def _wrap_optimizer(self, opt: torch.optim.Optimizer) -> None:
-        """Rebind ``step``, ``zero_grad`` and ``add_param_group`` on the instance (recorded for ``close``)."""
-        grads = self._grads[id(opt)]
-        original_step = opt.step
+    def _wrap_step(self, record: OptimizerRecord) -> None:
+        original_step = record.optimizer.step
 
         @functools.wraps(original_step)
         def step(*args: Any, **kwargs: Any) -> Any:
-            return self._step(opt, original_step, args, kwargs)
+            return self._step(record, original_step, args, kwargs)
 
-        self._undo.rebind(opt, "step", step)
+        self._undo.rebind(record.optimizer, "step", step)
 
-        if grads.master_weights:
-            original_zero_grad = opt.zero_grad
-
-            @functools.wraps(original_zero_grad)
-            def zero_grad(*args: Any, **kwargs: Any) -> None:
-                original_zero_grad(*args, **kwargs)
-                set_to_none = kwargs.get("set_to_none", args[0] if args else True)
-                grads.zero_model_grads(bool(set_to_none))
-
-            self._undo.rebind(opt, "zero_grad", zero_grad)
-
-        original_add = opt.add_param_group
-
-        @functools.wraps(original_add)
-        def add_param_group(param_group: dict[str, Any]) -> None:
-            original_add(param_group)
-            grads.add_param_group(opt.param_groups[-1])
-
-        self._undo.rebind(opt, "add_param_group", add_param_group)
+    def _activate_cast_policy(self, dtype: torch.dtype) -> None:
+        policy = CastPolicy(
+            _device_types(self.models), dtype, policy=self.options.cast_policy, allow_banned=self.options.allow_banned
+        )
+        self._cast_policy = policy
+        for model in self.models:
+            for handle in policy.install_forward_hooks(model):
+                self._undo.push(handle.remove)
+        policy.activate()
+        self._undo.push(policy.deactivate)
 
     def _log_properties(self) -> None:
-        if self.verbosity < 1 or not self.properties.enabled:
+        if self.verbosity < 1 or not self.enabled:
             return
         lines = [
             f"Selected optimization level {LEVELS[self.properties.opt_level].brief}",
@@ -238,33 +216,36 @@ class AmpSession:
         return self.properties.enabled
 
     def master_for(self, param: torch.Tensor) -> torch.Tensor | None:
-        for grads in self._grads.values():
-            master = grads.master_for(param)
+        for record in self._records.values():
+            master = record.grads.master_for(param)
             if master is not None:
                 return master
         return None
 
-    def _grads_of(self, optimizers: object) -> list[OptimizerGrads]:
+    def _record_of(self, optimizer: object) -> OptimizerRecord | None:
+        record = self._records.get(id(optimizer))
+        return record if record is not None and record.optimizer is optimizer else None
+
+    def _records_of(self, optimizers: object) -> list[OptimizerRecord]:
         opts = optimizers if isinstance(optimizers, (list, tuple)) else [optimizers]
-        result = []
+        records = []
         for opt in opts:
-            grads = self._grads.get(id(opt))
-            if grads is None or grads.optimizer is not opt:
-                if self.enabled:
-                    raise RuntimeError(
-                        f"{type(opt).__name__} {id(opt):#x} was not passed to amp.initialize() for this session: "
-                        "pass every optimizer used with scale_loss to initialize."
-                    )
-                continue
-            result.append(grads)
-        return result
+            record = self._record_of(opt)
+            if record is not None:
+                records.append(record)
+            elif self.enabled:
+                raise RuntimeError(
+                    f"{type(opt).__name__} {id(opt):#x} was not passed to amp.initialize() for this session: "
+                    "pass every optimizer used with scale_loss to initialize."
+                )
+        return records
 
     # -- scale_loss -----------------------------------------------------------------------------------------
     @contextlib.contextmanager
     def scale_loss(
         self,
         loss: torch.Tensor,
-        optimizers: Any,
+        optimizers: Optimizers,
         loss_id: int = 0,
         model: nn.Module | None = None,
         delay_unscale: bool = False,
@@ -272,152 +253,105 @@ class AmpSession:
     ) -> Iterator[torch.Tensor]:
         """See :func:`ampinit.scale_loss`."""
         self._check_open()
-        states = self._grads_of(optimizers)
+        records = self._records_of(optimizers)
         if not self.enabled:
             yield loss
             return
-        if isinstance(loss_id, bool) or not isinstance(loss_id, int) or not 0 <= loss_id < self.num_losses:
+        scaler = self._scaler(loss_id)
+        if self.properties.short_circuits and not self.options.skip_nonfinite:
+            # Apex's short cut (no masters, static scale 1): grads are neither scaled nor checked.
+            with self._casts_off():
+                yield loss.float()
+            return
+        for record in records:
+            record.begin_backward()
+        scaled = scaler.scale(loss)
+        try:
+            with self._casts_off():
+                yield scaled
+        except BaseException:
+            for record in records:
+                record.abort_backward()
+            raise
+        self._after_backward(scaler, records, delay_unscale, delay_overflow_check)
+
+    def _scaler(self, loss_id: object) -> LossScaler:
+        if isinstance(loss_id, bool) or not isinstance(loss_id, int) or not 0 <= loss_id < len(self.scalers):
             raise IndexError(
                 f"loss_id={loss_id!r} is out of range: initialize() was called with num_losses={self.num_losses}, "
                 f"so loss_id must be an int in [0, {self.num_losses})"
             )
-        scaler = self.scalers[loss_id]
-        if self.properties.short_circuits and not self.skip_nonfinite:
-            # Apex's short cut (no masters, static scale 1): grads are neither scaled nor checked.
-            try:
-                with self.disable_casts():
-                    yield loss.float()
-            finally:
-                self._clear_cast_cache()
-            return
+        return self.scalers[loss_id]
 
-        for state in states:
-            if not state.has_scaled_grads:
-                state.prepare_backward()
-        scaled = scaler.scale(loss)
-        completed = False
-        try:
-            with self.disable_casts():
-                yield scaled
-            completed = True
-        finally:
-            if not completed:
-                for state in states:
-                    state.abort_backward()
-            self._clear_cast_cache()
-
+    def _after_backward(
+        self, scaler: LossScaler, records: list[OptimizerRecord], delay_unscale: bool, delay_overflow_check: bool
+    ) -> None:
         if delay_unscale:
-            for state in states:
-                state.has_scaled_grads = True
+            for record in records:
+                record.keep_scaled()
             return
-        if id(scaler) not in self._deferred:
+        if scaler not in self._deferred:  # a deferred decision collects every block's overflow until the step
             scaler.clear_overflow()
-        for state in states:
-            state.post_backward(scaler)
+        for record in records:
+            record.unscale(scaler)
         if delay_overflow_check:
-            _, waiting = self._deferred.setdefault(id(scaler), (scaler, set()))
-            waiting.update(id(s.optimizer) for s in states)
-            return
-        self._decide(scaler, [id(s.optimizer) for s in states])
+            self._deferred.setdefault(scaler, {}).update(dict.fromkeys(records))
+        else:
+            self._decide(scaler, records)
 
-    def _decide(self, scaler: LossScaler, optimizer_ids: Sequence[int]) -> None:
+    def _decide(self, scaler: LossScaler, records: Sequence[OptimizerRecord]) -> None:
         """Update the scale from this unscale step's overflow flag and mark the optimizers' next steps to skip.
 
         By default the flag is read on the host here (the step's one sync), so the skip is a plain branch and
-        the overflow can be logged. In sync-free mode it stays on the device and reaches the optimizer's own
-        kernel (see :meth:`_step`).
+        the overflow can be logged. In sync-free mode it stays on the device (see :mod:`ampinit._skip`).
         """
-        if scaler.config is None and not self.skip_nonfinite:
+        if scaler.config is None and not self.options.skip_nonfinite:
             scaler.clear_overflow()  # Apex: a static scale never skips, and counts every unscale step as clean
         agree_on_overflow_(scaler.found_inf)
-        if self.sync_free:
+        if self.options.sync_free:
             scaler.update()
-            for opt_id in optimizer_ids:
-                flag = self._skip_flags.get(opt_id)
-                if flag is None:
-                    self._skip_flags[opt_id] = scaler.found_inf.clone()
-                else:
-                    torch.maximum(flag, scaler.found_inf, out=flag)
+            for record in records:
+                record.skip_next_step(scaler.found_inf)
             return
-        overflow = bool(scaler.found_inf.item())
-        if overflow and scaler.config is not None and scaler.config.raise_at_min and scaler.at_minimum():
-            raise LossScaleAtMinimumError(
-                f"Gradient overflow with loss scaler {scaler.loss_id} already at its minimum loss scale "
-                f"{scaler.loss_scale()} (min_scale={scaler.config.min_scale}): training cannot make progress."
-            )
-        before = scaler.loss_scale() if overflow else 0.0
+        if not bool(scaler.found_inf.item()):
+            scaler.update()
+            return
+        scaler.raise_if_stuck()
+        before = scaler.loss_scale()
         scaler.update()
-        if not overflow:
-            return
-        for opt_id in optimizer_ids:
-            self._skip_pending[opt_id] = True
-        self._log_overflow(scaler, before)
-
-    def _log_overflow(self, scaler: LossScaler, before: float) -> None:
-        self._overflows += 1
-        n = self._overflows
-        # Rate limit without clocks (deterministic): the first 8 overflows, then every power of two.
-        if self.verbosity < 1 or (n > 8 and n & (n - 1)):
-            return
-        after = scaler.loss_scale()
-        change = f"reducing loss scale to {after}" if after != before else f"keeping loss scale at {after}"
-        suffix = "" if n <= 8 else f" ({n} overflows so far; further messages are thinned out)"
-        logger.info("Gradient overflow.  Skipping step, loss scaler %d %s%s", scaler.loss_id, change, suffix)
+        for record in records:
+            record.skip_next_step()
+        self._overflow_log.overflow(scaler, before, self.verbosity)
 
     # -- optimizer.step -------------------------------------------------------------------------------------
     def _step(
-        self,
-        opt: torch.optim.Optimizer,
-        original: Callable[..., Any],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
+        self, record: OptimizerRecord, original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        grads = self._grads[id(opt)]
         closure = kwargs.get("closure", args[0] if args else None)
-        if grads.has_scaled_grads:
-            raise RuntimeError(
-                "optimizer.step() was called while gradients are still scaled: the last scale_loss(...) block "
-                "for this optimizer had delay_unscale=True. End the accumulation with a block without "
-                "delay_unscale before stepping."
-            )
-        for key, (scaler, waiting) in list(self._deferred.items()):
-            if id(opt) in waiting:
-                del self._deferred[key]
-                self._decide(scaler, sorted(waiting))
-        skip = self._skip_pending.pop(id(opt), False)
-        flag = self._skip_flags.pop(id(opt), None)
-        if flag is not None and (closure is not None or not _skips_on_device(opt)):
-            skip, flag = bool(flag.item()), None  # this optimizer cannot skip by itself: one host sync
-        if (skip or grads.master_weights) and closure is not None:
-            raise RuntimeError(CLOSURE_MESSAGE)
-        if not skip and grads.master_weights and grads.untransferred_grads():
-            raise RuntimeError(
-                "The model has gradients that never reached the fp32 master weights: with master weights "
-                "(O2/O5), call backward inside `with amp.scale_loss(loss, optimizer) as scaled_loss:`."
-            )
-        result = None
-        fused = False
+        record.check_not_scaled()
+        for scaler, waiting in list(self._deferred.items()):
+            if record in waiting:
+                del self._deferred[scaler]
+                self._decide(scaler, list(waiting))
+        skip, flag = record.take_skip(closure is not None)
+        result, fused = None, False
         if not skip:
             with self.disable_casts():
-                fused = closure is None and grads.fused_step(original, flag)
+                fused = closure is None and record.grads.fused_step(original, flag)
                 if not fused:
-                    result = (
-                        original(*args, **kwargs)
-                        if flag is None
-                        else _step_with_flag(opt, original, flag, args, kwargs)
-                    )
-        # After a skip decided on the device the masters are unchanged, so copying them back is harmless.
-        grads.after_step(stepped=not skip, weights_written=fused)
+                    result = _skip.run_step(record.optimizer, original, flag, args, kwargs)
+        record.finish_step(skip, flag, weights_written=fused)
         self._clear_cast_cache()
+        self._count_step(record, skip, flag)
+        return result
+
+    def _count_step(self, record: OptimizerRecord, skip: bool, flag: torch.Tensor | None) -> None:
         self._steps += 1
-        self._last_step_optimizer = id(opt)
+        self._last_stepped = record
         if flag is None:
             self._skipped += int(skip)
-            self._last_skipped[id(opt)] = skip
         else:
             self._skipped_on_device = flag if self._skipped_on_device is None else self._skipped_on_device + flag
-            self._last_skipped[id(opt)] = flag
-        return result
 
     # -- casts ------------------------------------------------------------------------------------------------
     def disable_casts(self) -> contextlib.AbstractContextManager[None]:
@@ -426,6 +360,15 @@ class AmpSession:
             return contextlib.nullcontext()
         return self._cast_policy.suspended()
 
+    @contextlib.contextmanager
+    def _casts_off(self) -> Iterator[None]:
+        """Casts suspended for a backward; the cast cache is dropped afterwards, also when the body raises."""
+        try:
+            with self.disable_casts():
+                yield
+        finally:
+            self._clear_cast_cache()
+
     def _clear_cast_cache(self) -> None:
         if self._cast_policy is not None:
             self._cast_policy.clear_cache()
@@ -433,15 +376,14 @@ class AmpSession:
     # -- public state ---------------------------------------------------------------------------------------
     def step_was_skipped(self, optimizer: torch.optim.Optimizer | None = None) -> bool:
         """Whether the last ``step()`` of ``optimizer`` (default: the last step of any optimizer) was skipped."""
-        key = self._last_step_optimizer if optimizer is None else id(optimizer)
-        skipped = False if key is None else self._last_skipped.get(key, False)
-        return bool(skipped.item()) if isinstance(skipped, torch.Tensor) else skipped
+        record = self._last_stepped if optimizer is None else self._record_of(optimizer)
+        return record is not None and record.step_was_skipped()
 
     def stats(self) -> AmpStats:
+        on_device = 0 if self._skipped_on_device is None else int(self._skipped_on_device.item())
         return AmpStats(
             steps=self._steps,
-            skipped_steps=self._skipped
-            + (0 if self._skipped_on_device is None else int(self._skipped_on_device.item())),
+            skipped_steps=self._skipped + on_device,
             last_step_skipped=self.step_was_skipped(),
             loss_scales=tuple(s.loss_scale() for s in self.scalers),
             unskipped=tuple(s.unskipped() for s in self.scalers),
@@ -487,50 +429,6 @@ class AmpSession:
             f"AmpSession(opt_level={self.properties.opt_level!r}, enabled={self.enabled}, models={len(self.models)}, "
             f"optimizers={len(self.optimizers)}, num_losses={self.num_losses}, {state})"
         )
-
-
-def _scale_setting(
-    properties: Properties, min_loss_scale: float | None, max_loss_scale: float
-) -> float | DynamicLossScale:
-    setting = properties.loss_scale
-    if isinstance(setting, DynamicLossScale):
-        return setting
-    if setting == "dynamic":
-        return DynamicLossScale(min_scale=min_loss_scale or None, max_scale=max_loss_scale)
-    return float(setting)
-
-
-def _skips_on_device(opt: torch.optim.Optimizer) -> bool:
-    """Whether ``opt.step()`` can skip by itself from a device ``found_inf`` (torch's AMP-scaling protocol)."""
-    if not getattr(opt, "_step_supports_amp_scaling", False):
-        return False
-    if isinstance(opt, torch.optim.SGD):
-        # torch's fused SGD creates momentum buffers with empty_like on its first step, even when found_inf
-        # skips that step; the garbage is then used as momentum. Until every buffer exists, decide on the host.
-        return all(
-            group["momentum"] == 0 or all("momentum_buffer" in opt.state.get(p, {}) for p in group["params"])
-            for group in opt.param_groups
-        )
-    return True
-
-
-def _step_with_flag(
-    opt: torch.optim.Optimizer, original: Callable[..., Any], flag: torch.Tensor, args: tuple[Any, ...], kwargs: Any
-) -> Any:
-    """Run a step that the optimizer itself skips when ``flag`` is nonzero (grads are already unscaled)."""
-    had_scale = "grad_scale" in vars(opt)
-    saved_scale = vars(opt).get("grad_scale")
-    # torch's fused kernels take a 0-d flag.
-    opt.found_inf = flag.reshape(())  # type: ignore[attr-defined]
-    opt.grad_scale = None  # type: ignore[attr-defined]
-    try:
-        return original(*args, **kwargs)
-    finally:
-        del opt.found_inf  # type: ignore[attr-defined]
-        if had_scale:
-            opt.grad_scale = saved_scale  # type: ignore[attr-defined]
-        else:
-            del opt.grad_scale  # type: ignore[attr-defined]
 
 
 def _device_types(models: Sequence[nn.Module]) -> list[str]:

@@ -1,20 +1,20 @@
-"""Type aliases shared across ampinit's layers."""
+"""Names and value sets shared across ampinit's layers; each is spelled here once."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Literal, Union
+from typing import Literal, get_args
 
 import torch
 
 OptLevel = Literal["O0", "O1", "O2", "O3", "O4", "O5"]
-OPT_LEVELS: tuple[OptLevel, ...] = ("O0", "O1", "O2", "O3", "O4", "O5")
+OPT_LEVELS: tuple[OptLevel, ...] = get_args(OptLevel)
 
-#: The dtypes a model or a cast policy may be set to.
+#: The O1/O4 op lists: ``"apex"`` adds Apex's list entries that PyTorch's autocast lacks, ``"native"`` does not.
+CastPolicyName = Literal["apex", "native"]
+CAST_POLICIES: tuple[CastPolicyName, ...] = get_args(CastPolicyName)
+
+#: The reduced-precision dtypes a model or a cast policy may use, and every dtype a model may be cast to.
 HALF_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
-MODEL_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
+MODEL_DTYPES: tuple[torch.dtype, ...] = (torch.float32, *HALF_DTYPES)
 
-ModelOrModels = Union[torch.nn.Module, list[torch.nn.Module]]
-OptimizerOrOptimizers = Union[torch.optim.Optimizer, list[torch.optim.Optimizer]]
 TensorList = list[torch.Tensor]
-Params = Iterable[torch.Tensor]

@@ -1,0 +1,125 @@
+"""One record per optimizer: where it stands between two steps, and what its next step must do.
+
+The stage follows GradScaler's ``OptState`` idea: a ``scale_loss`` block moves an optimizer from ``READY`` to
+``UNSCALED`` (or to ``SCALED`` with ``delay_unscale=True``), and ``step()`` brings it back to ``READY``. Next to
+the stage the record keeps the optimizer's gradients and masters (:class:`OptimizerGrads`), the skip decided for
+its next step (on the host, or as a device flag in sync-free mode) and the fate of its last step.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+from typing import Any
+
+import torch
+
+from ampinit import _skip
+from ampinit._master_weights import OptimizerGrads
+from ampinit._scaler import LossScaler
+from ampinit._undo import UndoStack
+
+CLOSURE_MESSAGE = "Currently, Amp does not support closure use with optimizers."
+_STILL_SCALED = (
+    "optimizer.step() was called while gradients are still scaled: the last scale_loss(...) block for this "
+    "optimizer had delay_unscale=True. End the accumulation with a block without delay_unscale before stepping."
+)
+_NOT_TRANSFERRED = (
+    "The model has gradients that never reached the fp32 master weights: with master weights (O2/O5), call "
+    "backward inside `with amp.scale_loss(loss, optimizer) as scaled_loss:`."
+)
+
+
+class Stage(enum.Enum):
+    """Where an optimizer's gradients are between two steps."""
+
+    READY = "no scale_loss block since the last step"
+    SCALED = "gradients still multiplied by the loss scale (delay_unscale=True)"
+    UNSCALED = "gradients unscaled and checked for inf/NaN: ready to step"
+
+
+class OptimizerRecord:
+    """The amp-side state of one optimizer of a session."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, master_weights: bool) -> None:
+        self.optimizer = optimizer
+        self.grads = OptimizerGrads(optimizer, master_weights)
+        self.stage = Stage.READY
+        self.skip_pending = False  # an overflow read on the host: skip the next step
+        self.skip_flag: torch.Tensor | None = None  # sync-free: the overflow flag, on the device, for the next step
+        self.last_skipped: bool | torch.Tensor = False  # the last step's fate (a device flag in sync-free mode)
+
+    # -- rebinding --------------------------------------------------------------------------------------------
+    def rebind_grad_methods(self, undo: UndoStack) -> None:
+        """Make ``zero_grad`` clear the half model grads too (master weights), and ``add_param_group`` add masters."""
+        opt, grads = self.optimizer, self.grads
+        if grads.master_weights:
+            original_zero_grad = opt.zero_grad
+
+            @functools.wraps(original_zero_grad)
+            def zero_grad(*args: Any, **kwargs: Any) -> None:
+                original_zero_grad(*args, **kwargs)
+                set_to_none = kwargs.get("set_to_none", args[0] if args else True)
+                grads.zero_model_grads(bool(set_to_none))
+
+            undo.rebind(opt, "zero_grad", zero_grad)
+
+        original_add = opt.add_param_group
+
+        @functools.wraps(original_add)
+        def add_param_group(param_group: dict[str, Any]) -> None:
+            original_add(param_group)
+            grads.add_param_group(opt.param_groups[-1])
+
+        undo.rebind(opt, "add_param_group", add_param_group)
+
+    # -- one scale_loss block ---------------------------------------------------------------------------------
+    def begin_backward(self) -> None:
+        if self.stage is not Stage.SCALED:  # grads kept scaled by delay_unscale are accumulated into, as they are
+            self.grads.prepare_backward()
+
+    def abort_backward(self) -> None:
+        """The block raised: its gradients are dropped, and scaled ones kept by delay_unscale with them."""
+        self.grads.abort_backward()
+        if self.stage is Stage.SCALED:
+            self.stage = Stage.READY
+
+    def keep_scaled(self) -> None:
+        self.stage = Stage.SCALED
+
+    def unscale(self, scaler: LossScaler) -> None:
+        self.grads.post_backward(scaler)
+        self.stage = Stage.UNSCALED
+
+    def skip_next_step(self, found_inf: torch.Tensor | None = None) -> None:
+        """An unscale step overflowed (decided on the host), or may have (``found_inf``, on the device)."""
+        if found_inf is None:
+            self.skip_pending = True
+        else:
+            self.skip_flag = _skip.fold_flag(self.skip_flag, found_inf)
+
+    # -- one step ---------------------------------------------------------------------------------------------
+    def check_not_scaled(self) -> None:
+        if self.stage is Stage.SCALED:
+            raise RuntimeError(_STILL_SCALED)
+
+    def take_skip(self, closure_given: bool) -> tuple[bool, torch.Tensor | None]:
+        """Consume the decision for this step: ``(skip on the host, device flag for the optimizer's kernel)``."""
+        host_skip, flag = _skip.settle_on_host(self.optimizer, self.skip_flag, closure_given)
+        skip = self.skip_pending or host_skip
+        self.skip_pending, self.skip_flag = False, None
+        if (skip or self.grads.master_weights) and closure_given:
+            raise RuntimeError(CLOSURE_MESSAGE)
+        if not skip and self.grads.master_weights and self.stage is not Stage.UNSCALED and self.grads.has_model_grads():
+            raise RuntimeError(_NOT_TRANSFERRED)
+        return skip, flag
+
+    def finish_step(self, skip: bool, flag: torch.Tensor | None, weights_written: bool) -> None:
+        """After a device-decided skip the masters are unchanged, so copying them back is harmless."""
+        self.grads.after_step(stepped=not skip, weights_written=weights_written)
+        self.stage = Stage.READY
+        self.last_skipped = skip if flag is None else flag
+
+    def step_was_skipped(self) -> bool:
+        skipped = self.last_skipped
+        return bool(skipped.item()) if isinstance(skipped, torch.Tensor) else skipped

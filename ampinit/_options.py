@@ -1,0 +1,154 @@
+"""The options of one ``initialize()`` call, checked and resolved once (policy layer: plain data, no torch state).
+
+:func:`resolve_options` takes ``initialize``'s arguments (the models and optimizers aside) and returns a frozen
+:class:`AmpOptions`. Every check on an option's value lives here or in :func:`ampinit._opt_levels.resolve`, which
+applies Apex's override rules to the level's properties, so the layers above read options and never re-check
+them. The defaults are ``initialize``'s: this function takes every option explicitly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ampinit._loss_scale import DynamicLossScale
+from ampinit._opt_levels import LEVELS, Properties, resolve
+from ampinit._types import CAST_POLICIES, CastPolicyName
+
+#: ``initialize``'s default ceiling of the dynamic loss scale (Apex's).
+DEFAULT_MAX_LOSS_SCALE = 2.0**24
+
+
+@dataclass(frozen=True)
+class AmpOptions:
+    """Everything one :func:`ampinit.initialize` call asked for, after checks and Apex's override rules.
+
+    Attributes:
+        properties: the opt level's properties with the overrides applied (Apex's ``Properties``).
+        loss_scale: what each loss scaler starts from: a static scale, or the dynamic rules, with ``initialize``'s
+            ``min_loss_scale``/``max_loss_scale`` already folded into the :class:`DynamicLossScale`.
+        num_losses, verbosity, cast_model_outputs, cast_policy, allow_banned, sync_free, skip_nonfinite,
+            allow_half_model: as given to ``initialize``.
+    """
+
+    properties: Properties
+    loss_scale: float | DynamicLossScale
+    num_losses: int
+    verbosity: int
+    cast_model_outputs: torch.dtype | None
+    cast_policy: CastPolicyName
+    allow_banned: bool
+    sync_free: bool
+    skip_nonfinite: bool
+    allow_half_model: bool
+
+    @property
+    def enabled(self) -> bool:
+        return self.properties.enabled
+
+
+def resolve_options(
+    *,
+    enabled: bool,
+    opt_level: object,
+    cast_model_type: object,
+    patch_torch_functions: object,
+    patch_torch_functions_type: object,
+    keep_batchnorm_fp32: object,
+    master_weights: object,
+    loss_scale: object,
+    cast_model_outputs: object,
+    num_losses: object,
+    verbosity: object,
+    min_loss_scale: object,
+    max_loss_scale: object,
+    cast_policy: object,
+    allow_banned: object,
+    sync_free: object,
+    skip_nonfinite: object,
+    allow_half_model: object,
+) -> AmpOptions:
+    """Check every option once and resolve the level's properties; the first bad value raises."""
+    count = _count("num_losses", num_losses, minimum=1)
+    level_of_detail = _count("verbosity", verbosity, minimum=0)
+    flags = {
+        name: _flag(name, value)
+        for name, value in (
+            ("allow_banned", allow_banned),
+            ("sync_free", sync_free),
+            ("skip_nonfinite", skip_nonfinite),
+            ("allow_half_model", allow_half_model),
+        )
+    }
+    floor, ceiling = _scale_bounds(min_loss_scale, max_loss_scale)
+    if cast_policy not in CAST_POLICIES:
+        raise ValueError(f"cast_policy must be one of {list(CAST_POLICIES)}, got {cast_policy!r}")
+    if cast_model_outputs is not None and not isinstance(cast_model_outputs, torch.dtype):
+        raise TypeError(f"cast_model_outputs must be a torch.dtype or None, got {cast_model_outputs!r}")
+    if not enabled:
+        # Apex ignores the level and its overrides when amp is off; so does ampinit.
+        properties = resolve(opt_level if opt_level in LEVELS else "O0", {"enabled": False})
+    else:
+        overrides = {
+            "cast_model_type": cast_model_type,
+            "patch_torch_functions": patch_torch_functions,
+            "patch_torch_functions_type": patch_torch_functions_type,
+            "keep_batchnorm_fp32": keep_batchnorm_fp32,
+            "master_weights": master_weights,
+            "loss_scale": loss_scale,
+        }
+        properties = resolve(opt_level, {"enabled": enabled, **overrides})
+    scale = _scale_setting(properties, floor, ceiling)
+    if flags["sync_free"] and isinstance(scale, DynamicLossScale) and scale.raise_at_min:
+        raise ValueError("DynamicLossScale(raise_at_min=True) needs a host sync per step; it cannot be sync_free")
+    return AmpOptions(
+        properties=properties,
+        loss_scale=scale,
+        num_losses=count,
+        verbosity=level_of_detail,
+        cast_model_outputs=cast_model_outputs,
+        cast_policy=cast_policy,
+        **flags,
+    )
+
+
+def _count(name: str, value: object, *, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def _flag(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+def _scale_bounds(min_loss_scale: object, max_loss_scale: object) -> tuple[float | None, float]:
+    """``initialize``'s floor and ceiling for a dynamic scale; a floor of ``None`` or 0 means none (Apex's)."""
+    floor = None if min_loss_scale is None else _bound("min_loss_scale", min_loss_scale)
+    ceiling = _bound("max_loss_scale", max_loss_scale)
+    if floor and floor > ceiling:
+        raise ValueError(f"min_loss_scale ({min_loss_scale!r}) must not exceed max_loss_scale ({max_loss_scale!r})")
+    return floor, ceiling
+
+
+def _bound(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+    return float(value)
+
+
+def _scale_setting(properties: Properties, floor: float | None, ceiling: float) -> float | DynamicLossScale:
+    setting = properties.loss_scale
+    if isinstance(setting, DynamicLossScale):
+        if floor is not None or ceiling != DEFAULT_MAX_LOSS_SCALE:
+            raise ValueError(
+                "With loss_scale=DynamicLossScale(...), set min_scale and max_scale on the DynamicLossScale, "
+                f"not min_loss_scale={floor!r} / max_loss_scale={ceiling!r} on initialize()."
+            )
+        return setting
+    if setting == "dynamic":
+        return DynamicLossScale(min_scale=floor or None, max_scale=ceiling)
+    return float(setting)

@@ -1,0 +1,101 @@
+"""Skipping a step whose gradients overflowed: decided on the host, or left to the optimizer on the device.
+
+A step is skipped when an unscale step that fed it found inf/NaN. By default the overflow flag is read on the
+host once per ``scale_loss`` exit and a skip is a plain branch around ``optimizer.step()``. In sync-free mode
+the flag stays on the device and goes into the optimizer's own kernel as ``found_inf`` (torch's AMP-scaling
+protocol, ``_step_supports_amp_scaling``), so nobody waits for the device; optimizers that cannot take it still
+read it, once, at their step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ampinit._scaler import LossScaler
+
+logger = logging.getLogger("ampinit")
+
+
+def fold_flag(flag: torch.Tensor | None, found_inf: torch.Tensor) -> torch.Tensor:
+    """The device flag of a step that skips if this or an earlier unscale step since the last step overflowed."""
+    if flag is None:
+        return found_inf.clone()
+    torch.maximum(flag, found_inf, out=flag)
+    return flag
+
+
+def settle_on_host(
+    optimizer: torch.optim.Optimizer, flag: torch.Tensor | None, closure_given: bool
+) -> tuple[bool, torch.Tensor | None]:
+    """Who skips the step: ``(True, None)`` the host skips it, ``(False, flag)`` the optimizer's kernel decides.
+
+    A device flag is read on the host (one sync) when the optimizer cannot skip by itself, or when a closure
+    must run (a skipped step must not call it, which only the host can ensure).
+    """
+    if flag is None or (not closure_given and skips_on_device(optimizer)):
+        return False, flag
+    return bool(flag.item()), None
+
+
+def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step()`` can skip by itself from a device ``found_inf`` (torch's AMP-scaling protocol)."""
+    if not getattr(optimizer, "_step_supports_amp_scaling", False):
+        return False
+    if isinstance(optimizer, torch.optim.SGD):
+        # torch's fused SGD creates momentum buffers with empty_like on its first step, even when found_inf
+        # skips that step; the garbage is then used as momentum. Until every buffer exists, decide on the host.
+        return all(
+            group["momentum"] == 0 or all("momentum_buffer" in optimizer.state.get(p, {}) for p in group["params"])
+            for group in optimizer.param_groups
+        )
+    return True
+
+
+def run_step(
+    optimizer: torch.optim.Optimizer,
+    original: Callable[..., Any],
+    flag: torch.Tensor | None,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    """Call the optimizer's own ``step``; given a ``flag``, its kernel skips the update when the flag is set.
+
+    The grads are already unscaled, so the optimizer gets ``found_inf`` with no ``grad_scale``.
+    """
+    if flag is None:
+        return original(*args, **kwargs)
+    had_scale = "grad_scale" in vars(optimizer)
+    saved_scale = vars(optimizer).get("grad_scale")
+    # torch's fused kernels take a 0-d flag.
+    optimizer.found_inf = flag.reshape(())  # type: ignore[attr-defined]
+    optimizer.grad_scale = None  # type: ignore[attr-defined]
+    try:
+        return original(*args, **kwargs)
+    finally:
+        del optimizer.found_inf  # type: ignore[attr-defined]
+        if had_scale:
+            optimizer.grad_scale = saved_scale  # type: ignore[attr-defined]
+        else:
+            del optimizer.grad_scale  # type: ignore[attr-defined]
+
+
+class OverflowLog:
+    """Logs skipped steps, thinned out without clocks (deterministic): the first 8, then every power of two."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def overflow(self, scaler: LossScaler, scale_before: float, verbosity: int) -> None:
+        """Count one overflow of ``scaler``, whose scale was ``scale_before`` and is already updated."""
+        self.count += 1
+        n = self.count
+        if verbosity < 1 or (n > 8 and n & (n - 1)):
+            return
+        after = scaler.loss_scale()
+        change = f"reducing loss scale to {after}" if after != scale_before else f"keeping loss scale at {after}"
+        suffix = "" if n <= 8 else f" ({n} overflows so far; further messages are thinned out)"
+        logger.info("Gradient overflow.  Skipping step, loss scaler %d %s%s", scaler.loss_id, change, suffix)
