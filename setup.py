@@ -23,7 +23,7 @@ setup(
     long_description=(_HERE / "README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     license="BSD-3-Clause",
-    python_requires=">=3.9",
+    python_requires=">=3.10",  # torch >= 2.13 needs it; ruff and mypy target the same
     packages=find_packages(include=["ampinit", "ampinit.*"]),
     package_data={"ampinit": ["py.typed"]},
     # numpy: without it every `import torch` prints "Failed to initialize NumPy" (and pytest, which turns

@@ -10,14 +10,14 @@ import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 import torch
 
 from ampinit._loss_scale import DynamicLossScale
 from ampinit._types import HALF_DTYPES, MODEL_DTYPES, OPT_LEVELS, OptLevel
 
-LossScaleSetting = Union[float, Literal["dynamic"], DynamicLossScale]
+LossScaleSetting = float | Literal["dynamic"] | DynamicLossScale
 
 #: The order in which Apex applies overrides; each is checked against the selected opt level.
 OVERRIDE_ORDER: tuple[str, ...] = (
