@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import Any, TypeVar, overload
 
 import torch
 from torch import nn
@@ -15,7 +15,11 @@ from ampinit._loss_scale import DynamicLossScale
 from ampinit._opt_levels import Properties
 from ampinit._options import DEFAULT_MAX_LOSS_SCALE, resolve_options
 from ampinit._session import AmpSession, AmpStats
-from ampinit._types import HALF_DTYPES, MODEL_DTYPES, CastPolicyName
+from ampinit._types import HALF_DTYPES, MODEL_DTYPES, CastPolicyName, Optimizers
+
+# What initialize returns has the shape it was given: a model or a list of models, and so for optimizers.
+_Models = TypeVar("_Models", bound="nn.Module | Sequence[nn.Module]")
+_Optimizers = TypeVar("_Optimizers", bound="torch.optim.Optimizer | Sequence[torch.optim.Optimizer]")
 
 _PARALLEL_WRAPPERS: tuple[type, ...] = (nn.DataParallel, nn.parallel.DistributedDataParallel)
 _NOT_INITIALIZED = (
@@ -24,9 +28,61 @@ _NOT_INITIALIZED = (
 )
 
 
+@overload
 def initialize(
-    models: Any,
-    optimizers: Any = None,
+    models: _Models,
+    optimizers: None = None,
+    enabled: bool = True,
+    opt_level: str = "O1",
+    cast_model_type: torch.dtype | bool | None = None,
+    patch_torch_functions: bool | str | None = None,
+    keep_batchnorm_fp32: bool | str | None = None,
+    master_weights: bool | str | None = None,
+    loss_scale: float | str | DynamicLossScale | None = None,
+    cast_model_outputs: torch.dtype | None = None,
+    num_losses: int = 1,
+    verbosity: int = 1,
+    min_loss_scale: float | None = None,
+    max_loss_scale: float = DEFAULT_MAX_LOSS_SCALE,
+    *,
+    patch_torch_functions_type: torch.dtype | None = None,
+    cast_policy: CastPolicyName = "apex",
+    allow_banned: bool = False,
+    sync_free: bool = False,
+    skip_nonfinite: bool = True,
+    allow_half_model: bool = False,
+) -> _Models: ...
+
+
+@overload
+def initialize(
+    models: _Models,
+    optimizers: _Optimizers,
+    enabled: bool = True,
+    opt_level: str = "O1",
+    cast_model_type: torch.dtype | bool | None = None,
+    patch_torch_functions: bool | str | None = None,
+    keep_batchnorm_fp32: bool | str | None = None,
+    master_weights: bool | str | None = None,
+    loss_scale: float | str | DynamicLossScale | None = None,
+    cast_model_outputs: torch.dtype | None = None,
+    num_losses: int = 1,
+    verbosity: int = 1,
+    min_loss_scale: float | None = None,
+    max_loss_scale: float = DEFAULT_MAX_LOSS_SCALE,
+    *,
+    patch_torch_functions_type: torch.dtype | None = None,
+    cast_policy: CastPolicyName = "apex",
+    allow_banned: bool = False,
+    sync_free: bool = False,
+    skip_nonfinite: bool = True,
+    allow_half_model: bool = False,
+) -> tuple[_Models, _Optimizers]: ...
+
+
+def initialize(
+    models: nn.Module | Sequence[nn.Module],
+    optimizers: Optimizers | None = None,
     enabled: bool = True,
     opt_level: str = "O1",
     cast_model_type: torch.dtype | bool | None = None,
@@ -85,7 +141,8 @@ def initialize(
             weights are always accepted.
 
     Returns:
-        The models and optimizers, in the shape they were given. Optimizers are the same objects; with master
+        The models and optimizers, in the shape they were given (lists stay lists; Apex refuses tuples, and so
+        does this, although the type accepts any sequence). Optimizers are the same objects; with master
         weights their param groups now hold fp32 masters.
     """
     options = resolve_options(
@@ -117,7 +174,8 @@ def initialize(
         _check_models(model_list, options.allow_half_model)
         _check_sharding(model_list, options.properties)
         _check_optimizers(optimizer_list)
-    AmpSession(model_list, optimizer_list, options)
+    session = AmpSession(model_list, optimizer_list, options)
+    _registry.register(session, [*model_list, *optimizer_list])
     return _same_shape(models, optimizers, model_list, optimizer_list, models_were_list, optimizers_were_list)
 
 
@@ -195,7 +253,7 @@ def _check_optimizers(optimizers: list[torch.optim.Optimizer]) -> None:
 
 def _check_ownership(models: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> None:
     for obj in (*models, *optimizers):
-        owner = _registry.owner_of(obj)
+        owner = _owner(obj)
         if owner is not None and not owner.closed:
             kind = "model" if isinstance(obj, nn.Module) else "optimizer"
             raise RuntimeError(
@@ -222,16 +280,22 @@ def _same_shape(
 # -- module-level functions (Apex's global API) --------------------------------------------------------------------
 def current_session() -> AmpSession | None:
     """The most recent open session (the one module-level functions act on), or ``None``."""
-    return _registry.current()
+    session = _registry.current()
+    return session if isinstance(session, AmpSession) else None
 
 
 def session_of(obj: nn.Module | torch.optim.Optimizer) -> AmpSession | None:
     """The open session that owns ``obj`` (a model or an optimizer), or ``None``."""
-    return _registry.owner_of(obj)
+    return _owner(obj)
+
+
+def _owner(obj: object) -> AmpSession | None:
+    session = _registry.owner_of(obj)
+    return session if isinstance(session, AmpSession) else None
 
 
 def _require_session(what: str) -> AmpSession:
-    session = _registry.current()
+    session = current_session()
     if session is None:
         raise RuntimeError(f"{what} needs an amp session: call ampinit.initialize(model, optimizer, ...) first.")
     return session
@@ -239,7 +303,7 @@ def _require_session(what: str) -> AmpSession:
 
 def scale_loss(
     loss: torch.Tensor,
-    optimizers: Any,
+    optimizers: Optimizers,
     loss_id: int = 0,
     model: nn.Module | None = None,
     delay_unscale: bool = False,
@@ -264,14 +328,14 @@ def scale_loss(
     return session.scale_loss(loss, optimizers, loss_id, model, delay_unscale, delay_overflow_check)
 
 
-def _session_for_optimizers(optimizers: Any) -> AmpSession:
+def _session_for_optimizers(optimizers: object) -> AmpSession:
     opts = optimizers if isinstance(optimizers, (list, tuple)) else [optimizers]
-    owners = {id(s): s for s in (_registry.owner_of(o) for o in opts) if s is not None}
+    owners = {id(s): s for s in (_owner(o) for o in opts) if s is not None}
     if len(owners) > 1:
         raise RuntimeError("scale_loss was given optimizers from different amp sessions; use one block per session.")
     if owners:
         return next(iter(owners.values()))
-    session = _registry.current()
+    session = current_session()
     if session is None:
         raise RuntimeError(_NOT_INITIALIZED)
     return session
@@ -304,7 +368,7 @@ def master_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
 
 def deinitialize() -> None:
     """Close the most recent session (see :meth:`AmpSession.close`); a no-op when there is none."""
-    session = _registry.current()
+    session = current_session()
     if session is not None:
         session.close()
 
@@ -316,5 +380,5 @@ def stats() -> AmpStats:
 
 def step_was_skipped(optimizer: torch.optim.Optimizer | None = None) -> bool:
     """Whether the last ``optimizer.step()`` (of ``optimizer``, or of any) skipped because of inf/NaN grads."""
-    session = _registry.owner_of(optimizer) if optimizer is not None else None
+    session = _owner(optimizer) if optimizer is not None else None
     return (session or _require_session("amp.step_was_skipped()")).step_was_skipped(optimizer)

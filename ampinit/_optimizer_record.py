@@ -123,3 +123,26 @@ class OptimizerRecord:
     def step_was_skipped(self) -> bool:
         skipped = self.last_skipped
         return bool(skipped.item()) if isinstance(skipped, torch.Tensor) else skipped
+
+
+class StepCounts:
+    """Steps taken and skipped by a session's optimizers; skips decided on the device are summed there."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.last: OptimizerRecord | None = None  # the record of the most recent step
+        self._skipped = 0
+        self._skipped_on_device: torch.Tensor | None = None
+
+    def count(self, record: OptimizerRecord, skip: bool, flag: torch.Tensor | None) -> None:
+        self.steps += 1
+        self.last = record
+        if flag is None:
+            self._skipped += int(skip)
+        else:
+            self._skipped_on_device = flag if self._skipped_on_device is None else self._skipped_on_device + flag
+
+    def skipped(self) -> int:
+        """Every skipped step so far (one host sync in sync-free mode)."""
+        on_device = 0 if self._skipped_on_device is None else int(self._skipped_on_device.item())
+        return self._skipped + on_device

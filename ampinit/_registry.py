@@ -1,30 +1,33 @@
-"""The package's one piece of module-level mutable state: which live session owns which model or optimizer.
+"""The ledger of live sessions: the package's one record of which session owns which model or optimizer.
 
 Apex kept everything in a module-global ``_amp_state``. ampinit keeps its state in session objects and only
-remembers, here, (a) the live sessions in creation order, so that module-level functions act on the most
-recent one as Apex's did, and (b) a weak map from each model and optimizer to its session, so that
+writes down, here, (a) the live sessions in the order they were opened, so that module-level functions act on
+the most recent one as Apex's did, and (b) a weak map from each model and optimizer to its session, so that
 ``scale_loss(loss, optimizer)`` finds the session the optimizer belongs to.
+
+The ledger sits below the session and knows nothing about it (entries are plain objects): ``initialize`` writes
+a session in once it is built, and the session strikes itself out when it closes. Building an ``AmpSession``
+therefore touches no module state; callers that need the session type check it where they read an entry.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING
+from collections.abc import Iterable
 
-if TYPE_CHECKING:
-    from ampinit._session import AmpSession
-
-_live: list[AmpSession] = []
-_owner: weakref.WeakKeyDictionary[object, AmpSession] = weakref.WeakKeyDictionary()
+_live: list[object] = []
+_owner: weakref.WeakKeyDictionary[object, object] = weakref.WeakKeyDictionary()
 
 
-def register(session: AmpSession, owned: list[object]) -> None:
+def register(session: object, owned: Iterable[object]) -> None:
+    """Write ``session`` in as the most recent one, owning ``owned`` (its models and optimizers)."""
     _live.append(session)
     for obj in owned:
         _owner[obj] = session
 
 
-def unregister(session: AmpSession) -> None:
+def unregister(session: object) -> None:
+    """Strike ``session`` out (a no-op when it was never written in)."""
     if session in _live:
         _live.remove(session)
     for obj, owner in list(_owner.items()):
@@ -32,17 +35,17 @@ def unregister(session: AmpSession) -> None:
             del _owner[obj]
 
 
-def owner_of(obj: object) -> AmpSession | None:
+def owner_of(obj: object) -> object | None:
     try:
         return _owner.get(obj)
     except TypeError:  # unhashable objects belong to nobody
         return None
 
 
-def current() -> AmpSession | None:
-    """The most recently created session that is still open."""
+def current() -> object | None:
+    """The most recently registered session that is still open."""
     return _live[-1] if _live else None
 
 
-def live_sessions() -> list[AmpSession]:
+def live_sessions() -> list[object]:
     return list(_live)

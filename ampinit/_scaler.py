@@ -10,6 +10,8 @@ overflow (never below ``min_scale``) and doubles after ``growth_interval`` clean
 from __future__ import annotations
 
 import math
+import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -227,3 +229,34 @@ class LossScaler:
             self._unskipped.fill_(unskipped)
             self._hysteresis_left.fill_(self._host_hysteresis)
             self._refresh_inv_scale()
+
+
+# -- Apex's checkpoint format for a session's scalers ----------------------------------------------------------------
+def state_dict_of(scalers: Sequence[LossScaler], destination: dict[str, Any]) -> dict[str, Any]:
+    """Apex's amp state: ``{'loss_scaler0': {'loss_scale': float, 'unskipped': int}, ...}``, into ``destination``."""
+    for index, scaler in enumerate(scalers):
+        destination[f"loss_scaler{index}"] = scaler.state_dict()
+    return destination
+
+
+def load_state_dict_into(scalers: Sequence[LossScaler], state_dict: dict[str, Any]) -> None:
+    """Load :func:`state_dict_of` output following Apex's rules: entries are matched by position.
+
+    Warnings point at the caller of ``ampinit.load_state_dict`` (or of ``AmpSession.load_state_dict``).
+    """
+    if len(state_dict) != len(scalers):
+        warnings.warn(
+            f"state_dict contains {len(state_dict)} entries, while {len(scalers)} loss_scalers are used", stacklevel=4
+        )
+    unexpected = [key for key in state_dict if "loss_scaler" not in key]
+    if unexpected:
+        raise RuntimeError(
+            "Error(s) in loading state_dict. Unexpected key(s) in state_dict: "
+            + ", ".join(f'"{k}"' for k in unexpected)
+            + ". "
+        )
+    entries = [state_dict[key] for key in state_dict if "loss_scaler" in key]
+    if len(entries) > len(scalers):
+        warnings.warn(f"Skipping loss_scaler[{len(scalers)}], since num_losses was set to {len(scalers)}", stacklevel=4)
+    for scaler, entry in zip(scalers, entries):
+        scaler.load_state_dict(entry)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -19,20 +18,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampinit import _registry, _skip
+from ampinit import _registry, _setup, _skip
 from ampinit._cast_policy import CastPolicy
 from ampinit._distributed import agree_on_overflow_
-from ampinit._model_cast import ModelCast, plan
 from ampinit._opt_levels import LEVELS, describe
-from ampinit._optimizer_record import OptimizerRecord
+from ampinit._optimizer_record import OptimizerRecord, StepCounts
 from ampinit._options import AmpOptions
-from ampinit._scaler import LossScaler
-from ampinit._types import HALF_DTYPES, CastPolicyName
+from ampinit._scaler import LossScaler, load_state_dict_into, state_dict_of
+from ampinit._types import CastPolicyName, Optimizers
 from ampinit._undo import UndoStack
 
 logger = logging.getLogger("ampinit")
-
-Optimizers = torch.optim.Optimizer | Sequence[torch.optim.Optimizer]
 
 
 @dataclass(frozen=True)
@@ -59,7 +55,9 @@ class AmpSession:
 
     Module-level functions (``ampinit.scale_loss``, ``state_dict``, ``disable_casts``...) act on the most
     recent open session, as Apex's global state did; a program with several sessions calls the same methods on
-    the session objects (from ``ampinit.current_session()`` or ``ampinit.session_of(optimizer)``).
+    the session objects (from ``ampinit.current_session()`` or ``ampinit.session_of(optimizer)``). Building a
+    session writes nothing in module state: ``initialize`` enters it in the ledger (:mod:`ampinit._registry`),
+    and ``close()`` strikes it out.
     """
 
     def __init__(
@@ -78,17 +76,18 @@ class AmpSession:
         # Unscale steps whose skip decision waits for a step (delay_overflow_check=True), by scaler.
         self._deferred: dict[LossScaler, dict[OptimizerRecord, None]] = {}
         self._overflow_log = _skip.OverflowLog()
-        self._steps = 0
-        self._skipped = 0
-        self._skipped_on_device: torch.Tensor | None = None  # sync-free mode counts skips on the device
-        self._last_stepped: OptimizerRecord | None = None
+        self._counts = StepCounts()
         if self.enabled:
+            for opt in self.optimizers:
+                self._records[id(opt)] = OptimizerRecord(opt, self.properties.uses_master_weights)
             try:
-                self._apply()
+                records = list(self._records.values())
+                self._cast_policy = _setup.install(
+                    self.models, records, options, self._undo, self.master_for, self._wrapped_step
+                )
             except BaseException:
                 self._undo.run()
                 raise
-        _registry.register(self, [*self.models, *self.optimizers])
         self._log_properties()
 
     # Read-only views of the options, under the names the session always had.
@@ -113,67 +112,15 @@ class AmpSession:
         return self.options.allow_banned
 
     # -- construction ---------------------------------------------------------------------------------------
-    def _apply(self) -> None:
-        props = self.properties
-        fp32_values = self._values_before_cast()
-        for opt in self.optimizers:
-            record = self._records[id(opt)] = OptimizerRecord(opt, props.uses_master_weights)
-            # Pushed before the model cast so that, undoing in reverse, the model weights get their masters'
-            # values back before the masters are released.
-            self._undo.push(record.grads.restore_model_params)
-        self._cast_models()
-        for record in self._records.values():
-            if props.uses_master_weights:
-                record.grads.create_masters(fp32_values)
-            self._wrap_step(record)
-            record.rebind_grad_methods(self._undo)
-        if props.cast_dtype is not None:
-            self._activate_cast_policy(props.cast_dtype)
-
-    def _values_before_cast(self) -> dict[int, torch.Tensor]:
-        """The full-precision values of the weights about to be cast, so that masters start exact.
-
-        A detached alias suffices: the cast gives the model new storage and leaves this one to the alias.
-        """
-        props = self.properties
-        planned: dict[int, torch.dtype] = {}
-        if props.model_dtype is not None:
-            for model in self.models:
-                planned.update(plan(model, props.model_dtype, bool(props.keep_batchnorm_fp32)))
-        params = (p for opt in self.optimizers for group in opt.param_groups for p in group["params"])
-        return {id(p): p.detach() for p in params if planned.get(id(p)) in HALF_DTYPES}
-
-    def _cast_models(self) -> None:
-        props = self.properties
-        outputs = self.options.cast_model_outputs
-        output_dtype = (outputs or torch.float32) if props.model_dtype is not None else outputs
-        # Masters, and a cast policy's devices, stay where the model was at initialize().
-        guard = props.uses_master_weights or props.cast_dtype is not None
-        for model in self.models:
-            keep_bn = bool(props.keep_batchnorm_fp32)
-            cast = ModelCast(model, props.model_dtype, keep_bn, output_dtype, self.master_for, guard_device=guard)
-            self._undo.push(functools.partial(cast.undo, self.master_for))
-            cast.apply()
-
-    def _wrap_step(self, record: OptimizerRecord) -> None:
+    def _wrapped_step(self, record: OptimizerRecord) -> Callable[..., Any]:
+        """The ``step`` that replaces ``record.optimizer.step``: amp's bookkeeping around the original."""
         original_step = record.optimizer.step
 
         @functools.wraps(original_step)
         def step(*args: Any, **kwargs: Any) -> Any:
             return self._step(record, original_step, args, kwargs)
 
-        self._undo.rebind(record.optimizer, "step", step)
-
-    def _activate_cast_policy(self, dtype: torch.dtype) -> None:
-        policy = CastPolicy(
-            _device_types(self.models), dtype, policy=self.options.cast_policy, allow_banned=self.options.allow_banned
-        )
-        self._cast_policy = policy
-        for model in self.models:
-            for handle in policy.install_forward_hooks(model):
-                self._undo.push(handle.remove)
-        policy.activate()
-        self._undo.push(policy.deactivate)
+        return step
 
     def _log_properties(self) -> None:
         if self.verbosity < 1 or not self.enabled:
@@ -342,16 +289,8 @@ class AmpSession:
                     result = _skip.run_step(record.optimizer, original, flag, args, kwargs)
         record.finish_step(skip, flag, weights_written=fused)
         self._clear_cast_cache()
-        self._count_step(record, skip, flag)
+        self._counts.count(record, skip, flag)
         return result
-
-    def _count_step(self, record: OptimizerRecord, skip: bool, flag: torch.Tensor | None) -> None:
-        self._steps += 1
-        self._last_stepped = record
-        if flag is None:
-            self._skipped += int(skip)
-        else:
-            self._skipped_on_device = flag if self._skipped_on_device is None else self._skipped_on_device + flag
 
     # -- casts ------------------------------------------------------------------------------------------------
     def disable_casts(self) -> contextlib.AbstractContextManager[None]:
@@ -376,14 +315,13 @@ class AmpSession:
     # -- public state ---------------------------------------------------------------------------------------
     def step_was_skipped(self, optimizer: torch.optim.Optimizer | None = None) -> bool:
         """Whether the last ``step()`` of ``optimizer`` (default: the last step of any optimizer) was skipped."""
-        record = self._last_stepped if optimizer is None else self._record_of(optimizer)
+        record = self._counts.last if optimizer is None else self._record_of(optimizer)
         return record is not None and record.step_was_skipped()
 
     def stats(self) -> AmpStats:
-        on_device = 0 if self._skipped_on_device is None else int(self._skipped_on_device.item())
         return AmpStats(
-            steps=self._steps,
-            skipped_steps=self._skipped + on_device,
+            steps=self._counts.steps,
+            skipped_steps=self._counts.skipped(),
             last_step_skipped=self.step_was_skipped(),
             loss_scales=tuple(s.loss_scale() for s in self.scalers),
             unskipped=tuple(s.unskipped() for s in self.scalers),
@@ -392,36 +330,12 @@ class AmpSession:
     def state_dict(self, destination: dict[str, Any] | None = None) -> dict[str, Any]:
         """Apex's amp state: ``{'loss_scaler0': {'loss_scale': float, 'unskipped': int}, ...}``."""
         out: dict[str, Any] = OrderedDict() if destination is None else destination
-        if not self.enabled:
-            return out
-        for index, scaler in enumerate(self.scalers):
-            out[f"loss_scaler{index}"] = scaler.state_dict()
-        return out
+        return state_dict_of(self.scalers, out) if self.enabled else out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load :meth:`state_dict` output, following Apex's rules (entries are matched by position)."""
-        if not self.enabled:
-            return
-        if len(state_dict) != len(self.scalers):
-            warnings.warn(
-                f"state_dict contains {len(state_dict)} entries, while {len(self.scalers)} loss_scalers are used",
-                stacklevel=3,
-            )
-        unexpected = [key for key in state_dict if "loss_scaler" not in key]
-        if unexpected:
-            raise RuntimeError(
-                "Error(s) in loading state_dict. Unexpected key(s) in state_dict: "
-                + ", ".join(f'"{k}"' for k in unexpected)
-                + ". "
-            )
-        entries = [state_dict[key] for key in state_dict if "loss_scaler" in key]
-        if len(entries) > len(self.scalers):
-            warnings.warn(
-                f"Skipping loss_scaler[{len(self.scalers)}], since num_losses was set to {len(self.scalers)}",
-                stacklevel=3,
-            )
-        for scaler, entry in zip(self.scalers, entries):
-            scaler.load_state_dict(entry)
+        if self.enabled:
+            load_state_dict_into(self.scalers, state_dict)
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"
@@ -429,8 +343,3 @@ class AmpSession:
             f"AmpSession(opt_level={self.properties.opt_level!r}, enabled={self.enabled}, models={len(self.models)}, "
             f"optimizers={len(self.optimizers)}, num_losses={self.num_losses}, {state})"
         )
-
-
-def _device_types(models: Sequence[nn.Module]) -> list[str]:
-    types = {t.device.type for m in models for t in (*m.parameters(), *m.buffers())}
-    return sorted(types) or ["cpu"]

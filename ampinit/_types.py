@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal, get_args
 
 import torch
@@ -18,3 +19,5 @@ HALF_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
 MODEL_DTYPES: tuple[torch.dtype, ...] = (torch.float32, *HALF_DTYPES)
 
 TensorList = list[torch.Tensor]
+#: What ``scale_loss`` takes: the optimizer, or the optimizers, whose parameters get this backward's gradients.
+Optimizers = torch.optim.Optimizer | Sequence[torch.optim.Optimizer]

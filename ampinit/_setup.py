@@ -1,0 +1,92 @@
+"""What ``initialize`` changes on models and optimizers, each change pushed on an undo stack as it is made.
+
+The order is the one undoing must reverse: masters are released only after the model weights got their values
+back; the model is cast before the masters are created (from the fp32 values the weights had before the cast);
+the optimizers' methods are rebound next, and the O1/O4 cast policy is switched on last.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ampinit._cast_policy import CastPolicy
+from ampinit._model_cast import MasterLookup, ModelCast, plan
+from ampinit._opt_levels import Properties
+from ampinit._optimizer_record import OptimizerRecord
+from ampinit._options import AmpOptions
+from ampinit._types import HALF_DTYPES
+from ampinit._undo import UndoStack
+
+
+def install(
+    models: Sequence[nn.Module],
+    records: Sequence[OptimizerRecord],
+    options: AmpOptions,
+    undo: UndoStack,
+    master_for: MasterLookup,
+    make_step: Callable[[OptimizerRecord], Callable[..., Any]],
+) -> CastPolicy | None:
+    """Cast the models, give the optimizers their masters and amp's ``step``; return the O1/O4 cast policy."""
+    props = options.properties
+    fp32_values = _values_before_cast(models, records, props)
+    for record in records:
+        undo.push(record.grads.restore_model_params)
+    _cast_models(models, options, undo, master_for)
+    for record in records:
+        if props.uses_master_weights:
+            record.grads.create_masters(fp32_values)
+        undo.rebind(record.optimizer, "step", make_step(record))
+        record.rebind_grad_methods(undo)
+    if props.cast_dtype is None:
+        return None
+    return _activate_cast_policy(models, props.cast_dtype, options, undo)
+
+
+def _values_before_cast(
+    models: Sequence[nn.Module], records: Sequence[OptimizerRecord], props: Properties
+) -> dict[int, torch.Tensor]:
+    """The full-precision values of the weights about to be cast, so that masters start exact.
+
+    A detached alias suffices: the cast gives the model new storage and leaves this one to the alias.
+    """
+    planned: dict[int, torch.dtype] = {}
+    if props.model_dtype is not None:
+        for model in models:
+            planned.update(plan(model, props.model_dtype, bool(props.keep_batchnorm_fp32)))
+    params = (p for r in records for group in r.optimizer.param_groups for p in group["params"])
+    return {id(p): p.detach() for p in params if planned.get(id(p)) in HALF_DTYPES}
+
+
+def _cast_models(models: Sequence[nn.Module], options: AmpOptions, undo: UndoStack, master_for: MasterLookup) -> None:
+    props = options.properties
+    outputs = options.cast_model_outputs
+    output_dtype = (outputs or torch.float32) if props.model_dtype is not None else outputs
+    keep_bn = bool(props.keep_batchnorm_fp32)
+    # Masters, and a cast policy's devices, stay where the model was at initialize().
+    guard = props.uses_master_weights or props.cast_dtype is not None
+    for model in models:
+        cast = ModelCast(model, props.model_dtype, keep_bn, output_dtype, master_for, guard_device=guard)
+        undo.push(functools.partial(cast.undo, master_for))
+        cast.apply()
+
+
+def _activate_cast_policy(
+    models: Sequence[nn.Module], dtype: torch.dtype, options: AmpOptions, undo: UndoStack
+) -> CastPolicy:
+    policy = CastPolicy(_device_types(models), dtype, policy=options.cast_policy, allow_banned=options.allow_banned)
+    for model in models:
+        for handle in policy.install_forward_hooks(model):
+            undo.push(handle.remove)
+    policy.activate()
+    undo.push(policy.deactivate)
+    return policy
+
+
+def _device_types(models: Sequence[nn.Module]) -> list[str]:
+    types = {t.device.type for m in models for t in (*m.parameters(), *m.buffers())}
+    return sorted(types) or ["cpu"]

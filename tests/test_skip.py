@@ -1,0 +1,86 @@
+"""``ampinit._skip``: where a skip is decided (host or device), flags folded as a max, and thinned-out logging."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+import torch
+
+from ampinit import _skip
+from ampinit._scaler import LossScaler
+
+
+def _params() -> list[torch.nn.Parameter]:
+    return [torch.nn.Parameter(torch.ones(3))]
+
+
+def test_flags_fold_into_their_maximum() -> None:
+    values = [0.0, 1.0, 0.0, 1.0, 0.0]
+    flag = None
+    for value in values:
+        found_inf = torch.tensor([value])
+        flag = _skip.fold_flag(flag, found_inf)
+        assert flag is not found_inf  # never an alias of the scaler's flag, which is reset per step
+    assert flag is not None and flag.item() == max(values)
+
+
+@pytest.mark.parametrize("value", [0.0, 1.0])
+def test_an_optimizer_without_the_amp_protocol_reads_the_flag_on_the_host(value: float) -> None:
+    opt = torch.optim.SGD(_params(), lr=0.1)
+    assert _skip.settle_on_host(opt, torch.tensor([value]), closure_given=False) == (value == 1.0, None)
+
+
+def test_a_fused_optimizer_gets_the_flag_unless_a_closure_must_run() -> None:
+    opt = torch.optim.Adam(_params(), lr=0.1, fused=True)
+    flag = torch.tensor([1.0])
+    skip, kept = _skip.settle_on_host(opt, flag, closure_given=False)
+    assert not skip and kept is flag
+    assert _skip.settle_on_host(opt, flag, closure_given=True) == (True, None)
+    assert _skip.settle_on_host(opt, None, closure_given=False) == (False, None)
+
+
+def test_fused_sgd_with_momentum_decides_on_the_host_until_its_buffers_exist() -> None:
+    params = _params()
+    opt = torch.optim.SGD(params, lr=0.1, momentum=0.9, fused=True)
+    assert not _skip.skips_on_device(opt)
+    params[0].grad = torch.ones(3)
+    opt.step()
+    assert _skip.skips_on_device(opt)
+    assert _skip.skips_on_device(torch.optim.SGD(_params(), lr=0.1, fused=True))
+
+
+class _Recorder(torch.optim.SGD):
+    def __init__(self) -> None:
+        super().__init__(_params(), lr=0.1)
+        self.seen: dict[str, Any] = {}
+
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        self.seen = {"found_inf": getattr(self, "found_inf", None), "grad_scale": getattr(self, "grad_scale", 1)}
+
+
+@pytest.mark.parametrize("own_scale", [False, True])
+def test_run_step_hands_the_flag_over_and_takes_it_back(own_scale: bool) -> None:
+    opt = _Recorder()
+    if own_scale:
+        opt.grad_scale = "mine"  # type: ignore[attr-defined]
+    _skip.run_step(opt, opt.step, torch.tensor([1.0]), (), {})
+    assert opt.seen["grad_scale"] is None and opt.seen["found_inf"].shape == () and opt.seen["found_inf"] == 1
+    assert "found_inf" not in vars(opt)
+    assert vars(opt).get("grad_scale", "absent") == ("mine" if own_scale else "absent")
+    _skip.run_step(opt, opt.step, None, (), {})
+    assert opt.seen == {"found_inf": None, "grad_scale": "mine" if own_scale else 1}
+
+
+def test_overflow_messages_thin_out_to_powers_of_two(caplog: pytest.LogCaptureFixture) -> None:
+    log = _skip.OverflowLog()
+    scaler = LossScaler(8.0)
+    with caplog.at_level(logging.INFO, logger="ampinit"):
+        for _ in range(40):
+            log.overflow(scaler, 8.0, verbosity=1)
+        log.overflow(scaler, 8.0, verbosity=0)
+    logged = [int(r.getMessage().split("(")[1].split()[0]) if "(" in r.getMessage() else None for r in caplog.records]
+    assert logged == [None] * 8 + [16, 32] and log.count == 41
+    first = "Gradient overflow.  Skipping step, loss scaler 0 keeping loss scale at 8.0"
+    assert caplog.records[0].getMessage() == first
