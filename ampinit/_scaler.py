@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ampinit import _multi_tensor
+from ampinit import _kernels as _multi_tensor
 from ampinit._loss_scale import DynamicLossScale
 
 # A growth interval no step count reaches: static scalers count clean steps but never grow.

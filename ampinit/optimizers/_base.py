@@ -9,7 +9,7 @@ from typing import Any, Literal, Union, get_args
 import torch
 from torch import Tensor
 
-from ampinit.optimizers._tensor_lists import device_scalar
+from ampinit._kernels import device_scalar
 
 Implementation = Literal["multi_tensor", "single_tensor"]
 IMPLEMENTATIONS: tuple[str, ...] = get_args(Implementation)

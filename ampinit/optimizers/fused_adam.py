@@ -7,6 +7,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
+from ampinit import _kernels
+from ampinit._kernels import device_scalar, fp32_work, group_indices, pick, write_back
 from ampinit.optimizers._base import (
     FusedOptimizer,
     Implementation,
@@ -15,7 +17,6 @@ from ampinit.optimizers._base import (
     check_hyperparameters,
     group_step,
 )
-from ampinit.optimizers._tensor_lists import device_scalar, fp32_work, group_indices, pick, write_back
 
 _DEPRECATED_STEP_ARGS = (
     "FusedAdam has been updated.  Simply initialize it identically to torch.optim.Adam, "
@@ -49,7 +50,7 @@ def adam_multi_tensor(
     are float32 copies of ``params`` that the update runs on instead.
     When ``grad_scale`` is given, the gradients are left unscaled in place, as torch's fused kernels do.
     """
-    kernel = torch._fused_adamw_ if adam_w_mode else torch._fused_adam_
+    kernel = _kernels.fused_adamw_ if adam_w_mode else _kernels.fused_adam_
     lists = [params, grads, exp_avgs, exp_avg_sqs] + ([masters] if masters is not None else [])
     for (device, dtypes), indices in group_indices(lists).items():
         p, g, m, v = (pick(t, indices) for t in lists[:4])

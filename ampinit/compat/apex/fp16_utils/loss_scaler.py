@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from ampinit import _multi_tensor
+from ampinit import _kernels
 
 __all__ = ["DynamicLossScaler", "LossScaler"]
 
@@ -54,10 +54,7 @@ class DynamicLossScaler(LossScaler):
         # One host read per device, not one per gradient (Apex's loop synchronised once per tensor): the max-abs
         # of every grad is computed in one multi-tensor kernel per (device, dtype) group and checked on device.
         grads = [p.grad for p in params if p.grad is not None]
-        flags = [
-            torch.stack([n.float() for n in torch._foreach_norm(group, ord=float("inf"))]).isfinite().all()
-            for (_, (group,)) in _multi_tensor.group_by_device_and_dtype(grads).items()
-        ]
+        flags = [torch.stack(_kernels.max_abs(group)).isfinite().all() for (_, (group,)) in _kernels.grouped(grads)]
         by_device: dict[torch.device, list[torch.Tensor]] = {}
         for flag in flags:
             by_device.setdefault(flag.device, []).append(flag)

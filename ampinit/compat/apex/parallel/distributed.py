@@ -23,7 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from ampinit import _kernels
 
 __all__ = ["DistributedDataParallel", "Reducer", "flat_dist_call"]
 
@@ -134,7 +135,7 @@ def flat_dist_call(tensors: Sequence[torch.Tensor], call: Callable[..., Any], ex
     for tensor in tensors:
         groups.setdefault((str(tensor.device), tensor.dtype), []).append(tensor)
     for bucket in groups.values():
-        flat: torch.Tensor = _flatten_dense_tensors(bucket)  # type: ignore[no-untyped-call]
+        flat: torch.Tensor = _kernels.flatten_dense_tensors(bucket)
         if extra_args is not None:
             call(flat, *extra_args)
         else:
@@ -142,7 +143,7 @@ def flat_dist_call(tensors: Sequence[torch.Tensor], call: Callable[..., Any], ex
         if call is dist.all_reduce:
             flat /= dist.get_world_size()
         with torch.no_grad():
-            for tensor, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):  # type: ignore[no-untyped-call]
+            for tensor, synced in zip(bucket, _kernels.unflatten_dense_tensors(flat, bucket)):
                 tensor.copy_(synced)
 
 
