@@ -188,6 +188,16 @@ class LossScaler:
         self._unskipped.copy_(torch.where(grow, zero, unskipped))
         self._scale.copy_(new_scale)
 
+    def reconfigure(self, config: DynamicLossScale) -> None:
+        """Use ``config``'s rules from the next update on, keeping the current scale and counts.
+
+        For Apex's settable scaler fields (``_scale_seq_len`` is the growth interval). Only a dynamic scale has
+        rules to change.
+        """
+        if self.config is None:
+            raise RuntimeError(f"loss scaler {self.loss_id} has a static scale ({self._host_scale!r}): it has no rules")
+        self.config = config
+
     def at_minimum(self) -> bool:
         """Whether the scale sits at its floor (host sync)."""
         return (

@@ -45,7 +45,10 @@ def test_alias_resolves_apex_names_to_the_compat_modules(alias: None) -> None:
 
     assert apex is compat and apex_amp is amp and amp_C is compat.amp_C
     assert _amp_state is amp._amp_state and apex.amp._amp_state is amp._amp_state  # the object, not the module
-    assert multi_tensor_applier is ampinit.multi_tensor.multi_tensor_applier
+    import ampinit.multi_tensor
+
+    assert multi_tensor_applier is compat.multi_tensor_apply.multi_tensor_applier
+    assert ampinit.multi_tensor.multi_tensor_applier is multi_tensor_applier and ampinit.multi_tensor.amp_C is amp_C
     assert FusedAdam is ampinit.optimizers.FusedAdam and ApexLARC is LARC
 
 
