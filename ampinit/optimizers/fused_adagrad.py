@@ -9,7 +9,7 @@ from torch import Tensor
 
 from ampinit import _kernels
 from ampinit._kernels import fp32_copies, fp32_work, group_indices, pick, write_back
-from ampinit.optimizers._base import FusedOptimizer, Implementation, ParamsT
+from ampinit.optimizers._base import FusedOptimizer, Implementation, ParamsT, apex_kernels
 
 
 def adagrad_multi_tensor(
@@ -151,6 +151,8 @@ class FusedAdagrad(FusedOptimizer):
             raise ValueError(f"Invalid weight_decay value: {weight_decay!r}")
         defaults = dict(lr=lr, eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults, set_grad_none=set_grad_none, implementation=implementation)
+        ops = apex_kernels()
+        self.multi_tensor_adagrad = ops.multi_tensor_adagrad
         self.adagrad_w_mode = 1 if adagrad_w_mode else 0
 
     @torch.no_grad()

@@ -14,6 +14,7 @@ from ampinit.optimizers._base import (
     Implementation,
     ParamsT,
     advance_step,
+    apex_kernels,
     check_hyperparameters,
     group_step,
 )
@@ -168,6 +169,10 @@ class FusedAdam(FusedOptimizer):
         check_hyperparameters(lr=lr, eps=eps, betas=betas, weight_decay=weight_decay)
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults, set_grad_none=set_grad_none, implementation=implementation)
+        ops = apex_kernels()
+        self.multi_tensor_adam = ops.multi_tensor_adam
+        self.multi_tensor_adam_capturable = ops.multi_tensor_adam_capturable
+        self.multi_tensor_adam_capturable_master = ops.multi_tensor_adam_capturable_master
         self.adam_w_mode = 1 if adam_w_mode else 0
         self.capturable = capturable
         self.master_weights = master_weights

@@ -23,6 +23,7 @@ from ampinit.optimizers._base import (
     Implementation,
     ParamsT,
     advance_step,
+    apex_kernels,
     check_hyperparameters,
     group_step,
 )
@@ -199,6 +200,9 @@ class FusedLAMB(FusedOptimizer):
             max_grad_norm=max_grad_norm,
         )
         super().__init__(params, defaults, set_grad_none=set_grad_none, implementation=implementation)
+        ops = apex_kernels()
+        self.multi_tensor_l2norm = ops.multi_tensor_l2norm
+        self.multi_tensor_lamb = ops.multi_tensor_lamb
         self.adam_w_mode = 1 if adam_w_mode else 0
         self.use_nvlamb = use_nvlamb
 

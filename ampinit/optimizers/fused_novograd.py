@@ -15,6 +15,7 @@ from ampinit.optimizers._base import (
     Implementation,
     ParamsT,
     advance_step,
+    apex_kernels,
     check_hyperparameters,
     group_step,
 )
@@ -191,6 +192,8 @@ class FusedNovoGrad(FusedOptimizer):
             init_zero=init_zero,
         )
         super().__init__(params, defaults, set_grad_none=set_grad_none, implementation=implementation)
+        ops = apex_kernels()
+        self.multi_tensor_novograd = ops.multi_tensor_novograd
         self.moment_mode = 0 if reg_inside_moment else 1
 
     @torch.no_grad()

@@ -11,7 +11,7 @@ from torch.optim.optimizer import _RequiredParameter, required
 
 from ampinit import _kernels
 from ampinit._kernels import fp32_copies, fp32_work, group_indices, pick, write_back
-from ampinit.optimizers._base import FusedOptimizer, Implementation, ParamsT
+from ampinit.optimizers._base import FusedOptimizer, Implementation, ParamsT, apex_kernels
 
 
 def sgd_multi_tensor(
@@ -180,6 +180,8 @@ class FusedSGD(FusedOptimizer):
             raise ValueError("Nesterov momentum requires a momentum and zero dampening")
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov)
         super().__init__(params, defaults, set_grad_none=set_grad_none, implementation=implementation)
+        ops = apex_kernels()
+        self.multi_tensor_sgd = ops.multi_tensor_sgd
         self.wd_after_momentum = wd_after_momentum
         self.materialize_master_grads = materialize_master_grads
 
