@@ -8,11 +8,11 @@ PyTorch multi-tensor kernel per group of tensors that share a device and, positi
 The kernels are PyTorch's own and private: ``torch._foreach_*``, ``torch._fused_adam_``/``_fused_adamw_``/
 ``_fused_sgd_``/``_fused_adagrad_``, ``torch._amp_foreach_non_finite_check_and_unscale_`` and
 ``torch._amp_update_scale_`` (on CUDA these are the MultiTensorApply kernels PyTorch inherited from Apex; on
-CPU they are vectorised loops). No other module names them, so a torch release that moves one breaks here,
-loudly, and nowhere else. The foreach and fused kernels below are bound once, under public names and with
-torch's own signatures; the ones that a device or a torch build may lack have a plain-torch fallback (the
-unscale and scale-update kernels, ``_foreach_copy_``, ``_fused_adagrad_`` off CPU before torch 2.9).
-Nothing here reads a tensor value on the host.
+CPU they are vectorised loops), and the flatten helpers of ``torch._utils`` that Apex's ``apex_C`` bound.
+No other module names them, so a torch release that moves one breaks here, loudly, and nowhere else. The
+foreach and fused kernels are bound once, under public names and with torch's own signatures; the ones that a
+device or a torch build may lack have a plain-torch fallback (the unscale and scale-update kernels,
+``_foreach_copy_``, ``_fused_adagrad_`` off CPU before torch 2.9). Nothing here reads a tensor value on the host.
 """
 
 from __future__ import annotations
@@ -286,17 +286,6 @@ def l2_norms(tensors: Sequence[Tensor]) -> list[Tensor]:
         for i in indices:
             if tensors[i].numel() > NORM_CHUNK * 4:
                 norms[i] = _chunked_norm(tensors[i])
-    return norms
-
-
-def max_abs(tensors: Sequence[Tensor]) -> list[Tensor]:
-    """Float32 infinity norm (0-d) of each tensor, in input order; inf or NaN when the tensor holds one."""
-    norms: list[Tensor] = [torch.empty(0)] * len(tensors)
-    if not tensors:
-        return norms
-    for indices in group_indices([tensors]).values():
-        for i, norm in zip(indices, foreach_norm(pick(tensors, indices), float("inf"))):
-            norms[i] = norm.float()
     return norms
 
 
