@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from ampinit import _fused_step, _multi_tensor
+from ampinit import _fused_step
+from ampinit import _kernels as _multi_tensor
 from ampinit._scaler import LossScaler
 from ampinit._types import HALF_DTYPES
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ampinit import _multi_tensor
+from ampinit import _kernels as _multi_tensor
 from ampinit._loss_scale import DynamicLossScale
 
 # A growth interval no step count reaches: static scalers count clean steps but never grow.
@@ -198,6 +198,16 @@ class LossScaler:
                 f"Gradient overflow with loss scaler {self.loss_id} already at its minimum loss scale "
                 f"{self.loss_scale()} (min_scale={cfg.min_scale}): training cannot make progress."
             )
+
+    def reconfigure(self, config: DynamicLossScale) -> None:
+        """Use ``config``'s rules from the next update on, keeping the current scale and counts.
+
+        For Apex's settable scaler fields (``_scale_seq_len`` is the growth interval). Only a dynamic scale has
+        rules to change.
+        """
+        if self.config is None:
+            raise RuntimeError(f"loss scaler {self.loss_id} has a static scale ({self._host_scale!r}): it has no rules")
+        self.config = config
 
     def at_minimum(self) -> bool:
         """Whether the scale sits at its floor (host sync)."""

@@ -123,3 +123,29 @@ def test_every_name_the_alias_modules_export_is_in_the_table() -> None:
 def test_the_table_parser_reads_rows() -> None:
     assert ROW.match("| `amp_C.multi_tensor_scale` | function | provided | x |")
     assert not ROW.match("| `amp_C.multi_tensor_scale` | function | maybe | x |")
+
+
+@pytest.mark.usefixtures("session_cleanup")
+def test_attribute_rows_are_present_on_the_objects_apex_put_them_on() -> None:
+    """Apex-private attributes public code touches: each "provided" row names one that exists (their behaviour is
+    tested against Apex's in test_apex_private_attributes.py and test_compat_scalers.py)."""
+    import torch
+
+    from ampinit.compat.apex import amp
+    from ampinit.compat.apex.amp.scaler import LossScaler
+    from ampinit.optimizers import FusedAdam
+
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O2", verbosity=0)
+    owners = {
+        "optimizer": optimizer,
+        "LossScaler": LossScaler("dynamic"),
+        "FusedAdam": FusedAdam([torch.nn.Parameter(torch.zeros(2))]),
+    }
+    rows = {name: status for name, (kind, status) in table().items() if kind == "attribute"}
+    assert len(rows) >= 8
+    for name, status in rows.items():
+        owner, attribute = name.split(".")
+        assert status == "provided", name
+        assert hasattr(owners[owner], attribute), name

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import inspect
 import re
 import sys
 import warnings
@@ -45,7 +46,10 @@ def test_alias_resolves_apex_names_to_the_compat_modules(alias: None) -> None:
 
     assert apex is compat and apex_amp is amp and amp_C is compat.amp_C
     assert _amp_state is amp._amp_state and apex.amp._amp_state is amp._amp_state  # the object, not the module
-    assert multi_tensor_applier is ampinit.multi_tensor.multi_tensor_applier
+    import ampinit.multi_tensor
+
+    assert multi_tensor_applier is compat.multi_tensor_apply.multi_tensor_applier
+    assert ampinit.multi_tensor.multi_tensor_applier is multi_tensor_applier and ampinit.multi_tensor.amp_C is amp_C
     assert FusedAdam is ampinit.optimizers.FusedAdam and ApexLARC is LARC
 
 
@@ -313,3 +317,37 @@ def test_ddp_explains_apex_only_arguments_once_and_honours_the_reduction(process
     # world size 1: divide by 4 before the sum and by 1/4 after it gives the plain gradient back.
     torch.testing.assert_close(ddp.module.weight.grad, reference.weight.grad)
     assert isinstance(ddp, nn.parallel.DistributedDataParallel)
+
+
+def test_one_table_of_apex_ddp_arguments() -> None:
+    """The table the compat DDP and the codemod share covers Apex's signature (apex/parallel/distributed.py at
+    e13873de, written out here) with Apex's defaults, and the compat class takes exactly those arguments."""
+    from ampinit.compat.apex.parallel import _ddp_arguments as table
+
+    apex_signature = {
+        "message_size": 10000000,
+        "delay_allreduce": False,
+        "shared_param": None,
+        "allreduce_trigger_params": None,
+        "retain_allreduce_buffers": False,
+        "allreduce_always_fp32": False,
+        "num_allreduce_streams": 1,
+        "allreduce_communicators": None,
+        "gradient_average": True,
+        "gradient_predivide_factor": 1.0,
+        "gradient_average_split_factor": None,
+        "prof": False,
+    }
+    assert {name: arg.default for name, arg in table.APEX_DDP_ARGUMENTS.items()} == apex_signature
+    parameters = inspect.signature(distributed.DistributedDataParallel.__init__).parameters
+    assert {n: p.default for n, p in parameters.items() if n not in ("self", "module")} == apex_signature
+    assert table.DDP_RENAMED == {"delay_allreduce": "find_unused_parameters"}
+    assert set(table.DDP_DROPPED_WITH_EFFECT) == {
+        "gradient_average",
+        "gradient_predivide_factor",
+        "allreduce_always_fp32",
+    }
+    assert set(table.DDP_DROPPED_SILENTLY) == set(apex_signature) - set(table.DDP_RENAMED) - set(
+        table.DDP_DROPPED_WITH_EFFECT
+    )
+    assert set(table.NO_EFFECT) == set(table.DDP_DROPPED_SILENTLY) - {"message_size"}

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any, Literal, Union, get_args
 
 import torch
 from torch import Tensor
 
-from ampinit.optimizers._tensor_lists import device_scalar
+from ampinit._kernels import device_scalar
 
 Implementation = Literal["multi_tensor", "single_tensor"]
 IMPLEMENTATIONS: tuple[str, ...] = get_args(Implementation)
@@ -61,6 +62,10 @@ class FusedOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.set_grad_none = set_grad_none
         self.implementation: Implementation = implementation
+        # Apex's optimizers carry a zero int32 flag for the amp_C ops they call (subclasses such as fairseq's
+        # pass it to those ops themselves); the steps here do not use it.
+        device = next((p.device for group in self.param_groups for p in group["params"]), torch.device("cpu"))
+        self._dummy_overflow_buf = torch.zeros(1, dtype=torch.int32, device=device)
 
     @staticmethod
     def _evaluate(closure: Callable[[], float] | None) -> float | None:
@@ -124,6 +129,15 @@ class FusedOptimizer(torch.optim.Optimizer):
         # GradScaler sums found_inf over devices, and torch's fused kernels skip only on exactly 1.0.
         skip = found_inf.to(device=device).reshape(()).ne(0)
         return AmpScaling(grad_scale=grad_scale, found_inf=skip.to(torch.float32), skip=skip)
+
+
+def apex_kernels() -> ModuleType:
+    """Apex's ``amp_C`` ops, which Apex's optimizers expose as attributes (``FusedAdam.multi_tensor_adam``...):
+    code that subclasses them (fairseq's ``FusedAdamV2``) checks for those and calls them."""
+    # Imported here: the amp_C ops (the compat layer) are built on this package's modules.
+    from ampinit.compat.apex import amp_C
+
+    return amp_C
 
 
 def group_step(group: dict[str, Any], device: torch.device) -> Tensor:

@@ -2,35 +2,14 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
 
-from ampinit.optimizers._base import FusedOptimizer, Implementation, ParamsT
-from ampinit.optimizers._tensor_lists import fp32_copies, fp32_work, group_indices, pick, write_back
-
-# torch._fused_adagrad_ has had a CPU kernel since it appeared (torch 2.4) and a CUDA kernel only since 2.9;
-# on other devices it has none. Without a kernel the update runs on foreach ops (same math, more launches).
-FUSED_ADAGRAD_CUDA_SINCE = (2, 9)
-
-
-def _major_minor(version: str) -> tuple[int, int]:
-    found = re.match(r"(\d+)\.(\d+)", version)
-    if found is None:
-        raise ValueError(f"Unrecognised torch version {version!r}: expected 'major.minor[...]'")
-    return int(found.group(1)), int(found.group(2))
-
-
-def has_fused_adagrad(device: torch.device, torch_version: str | None = None) -> bool:
-    """Whether ``torch._fused_adagrad_`` has a kernel for ``device`` in this torch (or ``torch_version``)."""
-    if not hasattr(torch, "_fused_adagrad_"):
-        return False
-    if device.type == "cpu":
-        return True
-    version = torch.__version__ if torch_version is None else torch_version
-    return device.type == "cuda" and _major_minor(version) >= FUSED_ADAGRAD_CUDA_SINCE
+from ampinit import _kernels
+from ampinit._kernels import fp32_copies, fp32_work, group_indices, pick, write_back
+from ampinit.optimizers._base import FusedOptimizer, Implementation, ParamsT, apex_kernels
 
 
 def adagrad_multi_tensor(
@@ -54,16 +33,16 @@ def adagrad_multi_tensor(
     for (device, dtypes), indices in group_indices([params, grads, state_sums]).items():
         p, g, h = pick(params, indices), pick(grads, indices), pick(state_sums, indices)
         skip = None if found_inf is None else found_inf.to(device).bool()
-        if not has_fused_adagrad(device):
+        if not _kernels.has_fused_adagrad(device):
             _adagrad_foreach(p, g, h, lr, eps, weight_decay, adagrad_w_mode, grad_scale, skip)
             continue
         wp, wg, wh = (p, g, h) if len(set(dtypes)) == 1 else (fp32_work(p), fp32_work(g), fp32_work(h))
         if adagrad_w_mode and weight_decay != 0:
             keep = torch.ones((), device=device) if found_inf is None else 1 - found_inf.to(device)
-            torch._foreach_mul_(wp, 1 - lr * weight_decay * keep)
+            _kernels.foreach_mul_(wp, 1 - lr * weight_decay * keep)
         # lr_decay is 0, so the kernel's step count only enters as (step - 1) * 0.
         steps = [torch.ones((), device=device) for _ in wp]
-        torch._fused_adagrad_(
+        _kernels.fused_adagrad_(
             wp,
             wg,
             wh,
@@ -102,17 +81,17 @@ def _adagrad_foreach(
     wp, wh = fp32_work(params, private=skip is not None), fp32_work(state_sums, private=skip is not None)
     g = fp32_copies(grads)
     if grad_scale is not None:
-        torch._foreach_div_(g, grad_scale.to(device))
+        _kernels.foreach_div_(g, grad_scale.to(device))
         write_back(grads, g, skip)
     if not adagrad_w_mode and weight_decay != 0:
-        g = list(torch._foreach_add(g, wp, alpha=weight_decay))
-    torch._foreach_addcmul_(wh, g, g)
-    denom = torch._foreach_sqrt(wh)
-    torch._foreach_add_(denom, eps)
-    update = torch._foreach_div(g, denom)
+        g = list(_kernels.foreach_add(g, wp, alpha=weight_decay))
+    _kernels.foreach_addcmul_(wh, g, g)
+    denom = _kernels.foreach_sqrt(wh)
+    _kernels.foreach_add_(denom, eps)
+    update = _kernels.foreach_div(g, denom)
     if adagrad_w_mode and weight_decay != 0:
-        torch._foreach_add_(update, wp, alpha=weight_decay)
-    torch._foreach_add_(wp, update, alpha=-lr)
+        _kernels.foreach_add_(update, wp, alpha=weight_decay)
+    _kernels.foreach_add_(wp, update, alpha=-lr)
     write_back(params, wp, skip)
     write_back(state_sums, wh, skip)
 
@@ -172,6 +151,8 @@ class FusedAdagrad(FusedOptimizer):
             raise ValueError(f"Invalid weight_decay value: {weight_decay!r}")
         defaults = dict(lr=lr, eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults, set_grad_none=set_grad_none, implementation=implementation)
+        ops = apex_kernels()
+        self.multi_tensor_adagrad = ops.multi_tensor_adagrad
         self.adagrad_w_mode = 1 if adagrad_w_mode else 0
 
     @torch.no_grad()

@@ -7,15 +7,17 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
+from ampinit import _kernels
+from ampinit._kernels import device_scalar, fp32_work, group_indices, pick, write_back
 from ampinit.optimizers._base import (
     FusedOptimizer,
     Implementation,
     ParamsT,
     advance_step,
+    apex_kernels,
     check_hyperparameters,
     group_step,
 )
-from ampinit.optimizers._tensor_lists import device_scalar, fp32_work, group_indices, pick, write_back
 
 _DEPRECATED_STEP_ARGS = (
     "FusedAdam has been updated.  Simply initialize it identically to torch.optim.Adam, "
@@ -49,7 +51,7 @@ def adam_multi_tensor(
     are float32 copies of ``params`` that the update runs on instead.
     When ``grad_scale`` is given, the gradients are left unscaled in place, as torch's fused kernels do.
     """
-    kernel = torch._fused_adamw_ if adam_w_mode else torch._fused_adam_
+    kernel = _kernels.fused_adamw_ if adam_w_mode else _kernels.fused_adam_
     lists = [params, grads, exp_avgs, exp_avg_sqs] + ([masters] if masters is not None else [])
     for (device, dtypes), indices in group_indices(lists).items():
         p, g, m, v = (pick(t, indices) for t in lists[:4])
@@ -167,6 +169,10 @@ class FusedAdam(FusedOptimizer):
         check_hyperparameters(lr=lr, eps=eps, betas=betas, weight_decay=weight_decay)
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults, set_grad_none=set_grad_none, implementation=implementation)
+        ops = apex_kernels()
+        self.multi_tensor_adam = ops.multi_tensor_adam
+        self.multi_tensor_adam_capturable = ops.multi_tensor_adam_capturable
+        self.multi_tensor_adam_capturable_master = ops.multi_tensor_adam_capturable_master
         self.adam_w_mode = 1 if adam_w_mode else 0
         self.capturable = capturable
         self.master_weights = master_weights

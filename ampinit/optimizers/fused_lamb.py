@@ -8,15 +8,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ampinit.optimizers._base import (
-    FusedOptimizer,
-    Implementation,
-    ParamsT,
-    advance_step,
-    check_hyperparameters,
-    group_step,
-)
-from ampinit.optimizers._tensor_lists import (
+from ampinit import _kernels
+from ampinit._kernels import (
     fp32_copies,
     fp32_work,
     group_indices,
@@ -24,6 +17,15 @@ from ampinit.optimizers._tensor_lists import (
     pick,
     total_norm,
     write_back,
+)
+from ampinit.optimizers._base import (
+    FusedOptimizer,
+    Implementation,
+    ParamsT,
+    advance_step,
+    apex_kernels,
+    check_hyperparameters,
+    group_step,
 )
 
 
@@ -65,31 +67,31 @@ def lamb_multi_tensor(
         wp, wm, wv = (fp32_work(t, private=skip is not None) for t in (p, m, v))
         g = fp32_copies(pick(grads, indices))
         if grad_scale is not None:
-            torch._foreach_div_(g, grad_scale.to(device))
+            _kernels.foreach_div_(g, grad_scale.to(device))
         norm = global_grad_norm.to(device=device, dtype=torch.float32).reshape(())
-        torch._foreach_div_(g, torch.where(norm > max_grad_norm, norm / max_grad_norm, torch.ones_like(norm)))
+        _kernels.foreach_div_(g, torch.where(norm > max_grad_norm, norm / max_grad_norm, torch.ones_like(norm)))
         if not adam_w_mode and weight_decay != 0:
-            torch._foreach_add_(g, wp, alpha=weight_decay)
-        torch._foreach_mul_(wm, beta1)
-        torch._foreach_add_(wm, g, alpha=beta3)
-        torch._foreach_mul_(wv, beta2)
-        torch._foreach_addcmul_(wv, g, g, value=1 - beta2)
+            _kernels.foreach_add_(g, wp, alpha=weight_decay)
+        _kernels.foreach_mul_(wm, beta1)
+        _kernels.foreach_add_(wm, g, alpha=beta3)
+        _kernels.foreach_mul_(wv, beta2)
+        _kernels.foreach_addcmul_(wv, g, g, value=1 - beta2)
         one = torch.ones((), device=device)
         t = step.to(device)
-        denom = torch._foreach_div(wv, 1 - beta2**t if bias_correction else one)
-        torch._foreach_sqrt_(denom)
-        torch._foreach_add_(denom, eps)
-        update = torch._foreach_div(wm, 1 - beta1**t if bias_correction else one)
-        torch._foreach_div_(update, denom)
+        denom = _kernels.foreach_div(wv, 1 - beta2**t if bias_correction else one)
+        _kernels.foreach_sqrt_(denom)
+        _kernels.foreach_add_(denom, eps)
+        update = _kernels.foreach_div(wm, 1 - beta1**t if bias_correction else one)
+        _kernels.foreach_div_(update, denom)
         if adam_w_mode and weight_decay != 0:
-            torch._foreach_add_(update, wp, alpha=weight_decay)
+            _kernels.foreach_add_(update, wp, alpha=weight_decay)
         if use_nvlamb or weight_decay != 0:
             p_norm = torch.stack(l2_norms(wp))
             u_norm = torch.stack(l2_norms(update))
             ratio = torch.where((p_norm != 0) & (u_norm != 0), lr * p_norm / u_norm, lr)
-            torch._foreach_sub_(wp, torch._foreach_mul(update, list(ratio.unbind())))
+            _kernels.foreach_sub_(wp, _kernels.foreach_mul(update, list(ratio.unbind())))
         else:
-            torch._foreach_add_(wp, update, alpha=-lr)
+            _kernels.foreach_add_(wp, update, alpha=-lr)
         write_back(p, wp, skip)
         write_back(m, wm, skip)
         write_back(v, wv, skip)
@@ -198,6 +200,9 @@ class FusedLAMB(FusedOptimizer):
             max_grad_norm=max_grad_norm,
         )
         super().__init__(params, defaults, set_grad_none=set_grad_none, implementation=implementation)
+        ops = apex_kernels()
+        self.multi_tensor_l2norm = ops.multi_tensor_l2norm
+        self.multi_tensor_lamb = ops.multi_tensor_lamb
         self.adam_w_mode = 1 if adam_w_mode else 0
         self.use_nvlamb = use_nvlamb
 

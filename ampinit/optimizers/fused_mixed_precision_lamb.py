@@ -1,5 +1,5 @@
 """FusedMixedPrecisionLamb: Apex's LAMB with device-side lr/step and optional float32 masters of
-reduced-precision parameters, on :func:`ampinit.multi_tensor.multi_tensor_lamb_mp`."""
+reduced-precision parameters, on :func:`ampinit.compat.apex.amp_C.multi_tensor_lamb_mp` (Apex's ``amp_C`` op)."""
 
 from __future__ import annotations
 
@@ -112,8 +112,8 @@ class FusedMixedPrecisionLamb(torch.optim.Optimizer):
         self, closure: Callable[[], float] | None = None, grad_scaler: Any = None
     ) -> float | None:
         """One LAMB step over every group (Apex's ``step``); see the class docstring for ``grad_scaler``."""
-        # Imported here: ampinit.multi_tensor imports this package's modules.
-        from ampinit.multi_tensor import multi_tensor_l2norm_mp, multi_tensor_lamb_mp
+        # Imported here: Apex's amp_C ops (the compat layer) are built on this package's modules.
+        from ampinit.compat.apex.amp_C import multi_tensor_l2norm_mp, multi_tensor_lamb_mp
 
         loss = None
         if closure is not None:

@@ -8,15 +8,17 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ampinit import _kernels
+from ampinit._kernels import fp32_copies, fp32_work, l2_norms, write_back
 from ampinit.optimizers._base import (
     FusedOptimizer,
     Implementation,
     ParamsT,
     advance_step,
+    apex_kernels,
     check_hyperparameters,
     group_step,
 )
-from ampinit.optimizers._tensor_lists import fp32_copies, fp32_work, l2_norms, write_back
 
 # Apex keeps one norm tensor per dtype in group['exp_avg_sq']: [fp16, fp32]. bf16 is ampinit's third slot.
 NORM_SLOTS = (torch.float16, torch.float32, torch.bfloat16)
@@ -30,7 +32,7 @@ def layer_norms(grads: Sequence[Tensor], norm_type: int) -> Tensor:
         return torch.stack(l2_norms(grads))
     # The infinity norm of an empty tensor is undefined in torch; Apex's kernel reports 0 for it.
     nonempty = [g if g.numel() else g.new_zeros(1) for g in grads]
-    return torch.stack(torch._foreach_norm(nonempty, float("inf")))
+    return torch.stack(_kernels.foreach_norm(nonempty, float("inf")))
 
 
 def blend_norms(old: Tensor, new: Tensor, beta2: float, norm_type: int) -> Tensor:
@@ -72,7 +74,7 @@ def novograd_multi_tensor(
     wp, wm = fp32_work(params, private=skip is not None), fp32_work(exp_avgs, private=skip is not None)
     g = fp32_copies(grads)
     if grad_scale is not None:
-        torch._foreach_div_(g, grad_scale.to(device))
+        _kernels.foreach_div_(g, grad_scale.to(device))
     norms = blend_norms(grad_norms, layer_norms(g, norm_type), beta2, norm_type)
     t = step.to(device)
     one = torch.ones((), device=device)
@@ -81,18 +83,18 @@ def novograd_multi_tensor(
     denoms = list((norms / bias2 + eps).unbind())
     beta3 = 1 - beta1 if grad_averaging else 1.0
     if moment_mode == 0:
-        torch._foreach_div_(g, denoms)
-        torch._foreach_add_(g, wp, alpha=weight_decay)
-        torch._foreach_mul_(wm, beta1)
-        torch._foreach_add_(wm, g, alpha=beta3)
-        torch._foreach_add_(wp, torch._foreach_div(wm, bias1), alpha=-lr)
+        _kernels.foreach_div_(g, denoms)
+        _kernels.foreach_add_(g, wp, alpha=weight_decay)
+        _kernels.foreach_mul_(wm, beta1)
+        _kernels.foreach_add_(wm, g, alpha=beta3)
+        _kernels.foreach_add_(wp, _kernels.foreach_div(wm, bias1), alpha=-lr)
     else:
-        torch._foreach_mul_(wm, beta1)
-        torch._foreach_add_(wm, g, alpha=beta3)
-        update = torch._foreach_div(wm, bias1)
-        torch._foreach_div_(update, denoms)
-        torch._foreach_add_(update, wp, alpha=weight_decay)
-        torch._foreach_add_(wp, update, alpha=-lr)
+        _kernels.foreach_mul_(wm, beta1)
+        _kernels.foreach_add_(wm, g, alpha=beta3)
+        update = _kernels.foreach_div(wm, bias1)
+        _kernels.foreach_div_(update, denoms)
+        _kernels.foreach_add_(update, wp, alpha=weight_decay)
+        _kernels.foreach_add_(wp, update, alpha=-lr)
     write_back(params, wp, skip)
     write_back(exp_avgs, wm, skip)
     write_back([grad_norms], [norms], skip)
@@ -190,6 +192,8 @@ class FusedNovoGrad(FusedOptimizer):
             init_zero=init_zero,
         )
         super().__init__(params, defaults, set_grad_none=set_grad_none, implementation=implementation)
+        ops = apex_kernels()
+        self.multi_tensor_novograd = ops.multi_tensor_novograd
         self.moment_mode = 0 if reg_inside_moment else 1
 
     @torch.no_grad()

@@ -9,8 +9,9 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import _RequiredParameter, required
 
-from ampinit.optimizers._base import FusedOptimizer, Implementation, ParamsT
-from ampinit.optimizers._tensor_lists import fp32_copies, fp32_work, group_indices, pick, write_back
+from ampinit import _kernels
+from ampinit._kernels import fp32_copies, fp32_work, group_indices, pick, write_back
+from ampinit.optimizers._base import FusedOptimizer, Implementation, ParamsT, apex_kernels
 
 
 def sgd_multi_tensor(
@@ -55,7 +56,7 @@ def sgd_multi_tensor(
             # float32 runs in place; everything else goes through float32 work copies.
             direct = model_params is None and set(dtypes) == {torch.float32}
             wp, wg, wm = (p, g, m) if direct else (fp32_work(p), fp32_work(g), fp32_work(m))
-            torch._fused_sgd_(
+            _kernels.fused_sgd_(
                 wp,
                 wg,
                 wm,
@@ -91,16 +92,16 @@ def _sgd_foreach(
 ) -> None:
     """SGD with weight decay added after momentum, in place on float32 ``p``, ``m`` and a private ``g``."""
     if grad_scale is not None:
-        torch._foreach_div_(g, grad_scale)
+        _kernels.foreach_div_(g, grad_scale)
     direction: Sequence[Tensor] = g
     if momentum != 0:
         if first_run:
-            torch._foreach_copy_(m, g)
+            _kernels.copy_(m, g)
         else:
-            torch._foreach_mul_(m, momentum)
-            torch._foreach_add_(m, g, alpha=1 - dampening)
-        direction = torch._foreach_add(g, m, alpha=momentum) if nesterov else m
-    torch._foreach_add_(p, torch._foreach_add(list(direction), p, alpha=weight_decay), alpha=-lr)
+            _kernels.foreach_mul_(m, momentum)
+            _kernels.foreach_add_(m, g, alpha=1 - dampening)
+        direction = _kernels.foreach_add(g, m, alpha=momentum) if nesterov else m
+    _kernels.foreach_add_(p, _kernels.foreach_add(list(direction), p, alpha=weight_decay), alpha=-lr)
 
 
 def sgd_single_tensor(
@@ -179,6 +180,8 @@ class FusedSGD(FusedOptimizer):
             raise ValueError("Nesterov momentum requires a momentum and zero dampening")
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov)
         super().__init__(params, defaults, set_grad_none=set_grad_none, implementation=implementation)
+        ops = apex_kernels()
+        self.multi_tensor_sgd = ops.multi_tensor_sgd
         self.wd_after_momentum = wd_after_momentum
         self.materialize_master_grads = materialize_master_grads
 

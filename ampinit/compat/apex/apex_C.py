@@ -10,14 +10,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from ampinit import _kernels
 
 __all__ = ["flatten", "unflatten"]
 
 
 def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """One contiguous 1-D tensor holding every tensor's elements, in order."""
-    flat: torch.Tensor = _flatten_dense_tensors(list(tensors))  # type: ignore[no-untyped-call]
+    flat: torch.Tensor = _kernels.flatten_dense_tensors(list(tensors))
     return flat
 
 
@@ -26,4 +27,4 @@ def unflatten(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> tuple[torc
     total = sum(t.numel() for t in tensors)
     if flat.numel() != total:
         raise ValueError(f"flat has {flat.numel()} elements but the tensors hold {total}")
-    return tuple(_unflatten_dense_tensors(flat, list(tensors)))  # type: ignore[no-untyped-call]
+    return tuple(_kernels.unflatten_dense_tensors(flat, list(tensors)))

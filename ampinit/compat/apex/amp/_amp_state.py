@@ -18,9 +18,9 @@ import torch
 
 import ampinit
 from ampinit import AmpSession, Properties
+from ampinit.compat.apex.amp.scaler import LossScaler
 
 if TYPE_CHECKING:
-    from ampinit._scaler import LossScaler as SessionScaler
     from ampinit.compat.apex.amp.handle import AmpHandle
 
 logger = logging.getLogger("ampinit")
@@ -28,55 +28,8 @@ logger = logging.getLogger("ampinit")
 __all__ = ["LossScalerView", "_amp_state", "master_params", "maybe_print", "warn_or_err"]
 
 
-class LossScalerView:
-    """Apex's ``LossScaler`` fields, read from (and written to) one loss scaler of a session."""
-
-    def __init__(self, scaler: SessionScaler) -> None:
-        self._scaler = scaler
-
-    def loss_scale(self) -> float:
-        return self._scaler.loss_scale()
-
-    @property
-    def _loss_scale(self) -> float:
-        return self._scaler.loss_scale()
-
-    @_loss_scale.setter
-    def _loss_scale(self, value: float) -> None:
-        # Legacy code sets the starting scale this way (e.g. ``loss_scalers[0]._loss_scale = 2.**10``).
-        self._scaler.load_state_dict({"loss_scale": float(value), "unskipped": self._scaler.unskipped()})
-
-    @property
-    def _unskipped(self) -> int:
-        return self._scaler.unskipped()
-
-    @_unskipped.setter
-    def _unskipped(self, value: int) -> None:
-        self._scaler.load_state_dict({"loss_scale": self._scaler.loss_scale(), "unskipped": int(value)})
-
-    @property
-    def dynamic(self) -> bool:
-        return self._scaler.dynamic
-
-    @property
-    def _max_loss_scale(self) -> float | None:
-        return None if self._scaler.config is None else self._scaler.config.max_scale
-
-    @property
-    def _min_loss_scale(self) -> float | None:
-        return None if self._scaler.config is None else self._scaler.config.min_scale
-
-    @property
-    def _scale_seq_len(self) -> int | None:
-        return None if self._scaler.config is None else self._scaler.config.growth_interval
-
-    @property
-    def _has_overflow(self) -> bool:
-        """Whether the last unscale step found an inf/NaN (a host sync)."""
-        return self._scaler.device is not None and bool(self._scaler.found_inf.item())
-
-    def __repr__(self) -> str:
-        return f"LossScalerView(loss_scale={self.loss_scale()}, unskipped={self._unskipped})"
+#: The type of ``_amp_state.loss_scalers[i]``: Apex's ``LossScaler`` over one of the session's scalers.
+LossScalerView = LossScaler
 
 
 class AmpState:
@@ -103,8 +56,9 @@ class AmpState:
         return self._session("opt_properties").properties
 
     @property
-    def loss_scalers(self) -> list[LossScalerView]:
-        return [LossScalerView(scaler) for scaler in self._session("loss_scalers").scalers]
+    def loss_scalers(self) -> list[LossScaler]:
+        """Apex's scalers, as faces of the session's: ``loss_scalers[0]._scale_seq_len = 10`` changes the session."""
+        return [LossScaler.of(scaler) for scaler in self._session("loss_scalers").scalers]
 
     @property
     def verbosity(self) -> int:

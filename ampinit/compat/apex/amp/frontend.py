@@ -3,6 +3,7 @@
 Apex's loose inputs are converted here, once, and everything else is ampinit's strict core:
 
 * LARC-wrapped optimizers: the inner optimizer goes to ampinit, the LARC object comes back in its place;
+* every optimizer gets Apex's ``_amp_stash`` and ``_lazy_init_maybe_master_weights()`` (see ``_stash``);
 * ``_amp_state.allow_incoming_model_not_fp32``: models whose weights are already fp16, bf16 or mixed are
   accepted at every level, as in Apex. The level then does what it does to any model: O0/O2/O3/O5 cast it
   (O2/O5 build fp32 masters from the half values, as Apex did), O1/O4 and ``cast_model_type=False`` leave it
@@ -17,6 +18,7 @@ import torch
 
 import ampinit
 from ampinit import Properties
+from ampinit.compat.apex.amp import _stash
 from ampinit.compat.apex.amp._amp_state import _amp_state
 from ampinit.compat.apex.amp.handle import unwrap_optimizer
 
@@ -58,6 +60,8 @@ def initialize(
         max_loss_scale=max_loss_scale,
         allow_half_model=bool(_amp_state.allow_incoming_model_not_fp32),
     )
+    if enabled:
+        _attach_stashes(optimizers, inner)
     if optimizers is None or inner is optimizers:
         return result
     out_models, _ = result
@@ -69,6 +73,15 @@ def _unwrap_optimizers(optimizers: Any) -> Any:
         unwrapped = [unwrap_optimizer(o) for o in optimizers]
         return optimizers if all(a is b for a, b in zip(unwrapped, optimizers)) else unwrapped
     return unwrap_optimizer(optimizers) if optimizers is not None else None
+
+
+def _attach_stashes(given: Any, inner: Any) -> None:
+    """Apex's ``optimizer._amp_stash`` and ``_lazy_init_maybe_master_weights`` on each optimizer the caller holds."""
+    if given is None:
+        return
+    pairs = zip(given, inner) if isinstance(given, list) else [(given, inner)]
+    for holder, optimizer in pairs:
+        _stash.attach(holder, optimizer)
 
 
 def state_dict(destination: dict[str, Any] | None = None) -> dict[str, Any]:

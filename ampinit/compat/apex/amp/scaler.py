@@ -1,21 +1,41 @@
-"""``apex.amp.scaler.LossScaler``: Apex's host-side loss scaler, for code that builds one directly.
+"""``apex.amp.scaler.LossScaler``: Apex's loss scaler, as a face of one of ampinit's engine scalers.
 
-``amp.initialize`` does not use this class (ampinit's sessions keep their scale on the device); Apex's
-``FP16_Optimizer`` does, as it did in Apex. Apex's rules: a dynamic scale starts at ``min(init_scale,
-max_loss_scale)``, halves on overflow (not below ``min_loss_scale``) and doubles after ``scale_window`` clean
-steps; ``scale_factor`` is accepted and, as in Apex, not used. A static scale never skips.
+There is one scaler implementation in ampinit (:class:`ampinit._scaler.LossScaler`, the scale and its counts on
+the device); this class only gives it Apex's names. ``_amp_state.loss_scalers[i]`` is one of these over a session's
+scaler, and ``LossScaler("dynamic", ...)`` built directly (Apex's ``FP16_Optimizer`` does) owns a fresh engine
+scaler. Apex's rules, which are the engine's: a dynamic scale starts at ``min(init_scale, max_loss_scale)``, halves
+on overflow (not below ``min_loss_scale``) and doubles after ``scale_window`` clean ``update_scale()`` calls (not
+above ``max_loss_scale``); ``scale_factor`` is accepted and, as in Apex, not used. A static scale never skips.
+
+Apex's private fields that public code reads or sets are properties over the engine scaler:
+``_loss_scale``, ``_unskipped``, ``_scale_seq_len`` (the growth interval, settable), ``_max_loss_scale``,
+``_min_loss_scale``, ``_has_overflow`` and ``_overflow_buf`` (the overflow flag itself: a one-element tensor that
+``unscale`` raises and ``update_scale`` reads; Apex's was int32 on CUDA, this one is the engine's float32 flag on
+the scaler's device, which ``fill_(1)``, ``zero_()``, ``item()`` and the ``amp_C`` ops treat alike).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
 
+from ampinit._loss_scale import DynamicLossScale
+from ampinit._scaler import LossScaler as EngineScaler
+from ampinit.compat.apex.amp_C import multi_tensor_axpby, multi_tensor_scale
+
 __all__ = ["LossScaler"]
 
 
+def _default_device() -> torch.device:
+    """Where a scaler built directly keeps its flag: CUDA when there is one (Apex's choice), else the CPU."""
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
 class LossScaler:
+    """Apex's ``LossScaler(loss_scale, init_scale, scale_factor, scale_window, min_loss_scale, max_loss_scale)``."""
+
     def __init__(
         self,
         loss_scale: float | str,
@@ -25,19 +45,44 @@ class LossScaler:
         min_loss_scale: float | None = None,
         max_loss_scale: float = 2.0**24,
     ) -> None:
-        self.dynamic = loss_scale == "dynamic"
-        self._loss_scale = min(max_loss_scale, init_scale) if self.dynamic else float(loss_scale)
-        self._max_loss_scale = max_loss_scale
-        self._min_loss_scale = min_loss_scale
-        self._scale_seq_len = scale_window
-        self._unskipped = 0
-        self._has_overflow = False
+        if loss_scale == "dynamic":
+            # Apex applies a floor only when min_loss_scale is truthy (`if self._min_loss_scale:`).
+            setting: float | DynamicLossScale = DynamicLossScale(
+                init_scale=init_scale,
+                growth_interval=scale_window,
+                min_scale=min_loss_scale or None,
+                max_scale=max_loss_scale,
+            )
+        elif isinstance(loss_scale, str):
+            raise ValueError(f"loss_scale must be a number or 'dynamic', got {loss_scale!r}")
+        else:
+            setting = float(loss_scale)
+        engine = EngineScaler(setting)
+        engine.materialize(_default_device())
+        self._engine = engine
+        self._static_seq_len = scale_window
+        self._static_limits: tuple[float | None, float | None] = (min_loss_scale, max_loss_scale)
+
+    @classmethod
+    def of(cls, engine: EngineScaler) -> LossScaler:
+        """The Apex face of an existing engine scaler (a session's): reads and writes go to ``engine``."""
+        face = object.__new__(cls)
+        face._engine = engine
+        face._static_seq_len = 2000
+        face._static_limits = (None, None)
+        return face
+
+    # -- Apex's public methods ------------------------------------------------------------------------------
+    @property
+    def dynamic(self) -> bool:
+        return self._engine.dynamic
 
     def loss_scale(self) -> float:
-        return self._loss_scale
+        return self._engine.loss_scale()
 
     def clear_overflow_state(self) -> None:
-        self._has_overflow = False
+        if self._engine.device is not None:
+            self._engine.clear_overflow()
 
     def unscale(
         self,
@@ -47,35 +92,117 @@ class LossScaler:
         models_are_masters: bool = False,
         scale_override: float | None = None,
     ) -> None:
-        """``master = model * (1/scale)``; flags an inf/NaN in any model grad (dynamic scales only)."""
-        if self._has_overflow:
-            return
-        scale = self._loss_scale if scale_override is None else scale_override
+        """``master = model * (1/scale)``; raises the overflow flag if any model grad is inf/NaN (Apex's fused path)."""
+        scale = self.loss_scale() if scale_override is None else scale_override
         if scale == 1.0 and models_are_masters and not self.dynamic:
             return
-        with torch.no_grad():
-            for model, master in zip(model_grads, master_grads):
-                if self.dynamic and not bool(torch.isfinite(model).all()):
-                    self._has_overflow = True
-                if master is not model:
-                    master.copy_(model)
-                master.mul_(1.0 / scale)
+        if model_grads:
+            multi_tensor_scale(0, self._flag_for(model_grads[0].device), [model_grads, master_grads], 1.0 / scale)
+
+    def unscale_with_stashed(
+        self,
+        model_grads: Sequence[torch.Tensor],
+        stashed_master_grads: Sequence[torch.Tensor],
+        master_grads: Sequence[torch.Tensor],
+        scale_override: tuple[float, float, float] | None = None,
+    ) -> None:
+        """``master = model * (out/grads_scale) + stashed * (out/stashed_scale)``; checks only the model grads.
+
+        ``scale_override`` is Apex's ``(grads_have_scale, stashed_have_scale, out_scale)``; by default the model
+        grads carry the current scale and the stash none.
+        """
+        grads_scale, stashed_scale, out_scale = (
+            (self.loss_scale(), 1.0, 1.0) if scale_override is None else scale_override
+        )
+        if model_grads:
+            multi_tensor_axpby(
+                0,
+                self._flag_for(model_grads[0].device),
+                [model_grads, stashed_master_grads, master_grads],
+                out_scale / grads_scale,
+                out_scale / stashed_scale,
+                0,
+            )
 
     def update_scale(self) -> bool:
-        """Fold the overflow state into the scale; returns whether the step must be skipped."""
-        if self._has_overflow and self.dynamic:
-            should_skip = True
-            halved = self._loss_scale / 2.0
-            self._loss_scale = max(self._min_loss_scale, halved) if self._min_loss_scale else halved
-            self._unskipped = 0
-        else:
-            should_skip = False
-            self._unskipped += 1
-        if self._unskipped == self._scale_seq_len and self.dynamic:
-            self._loss_scale = min(self._max_loss_scale, self._loss_scale * 2.0)
-            self._unskipped = 0
+        """Fold the overflow flag into the scale (Apex's rules, run by the engine); returns whether to skip.
+
+        As in Apex, a static scale ignores the flag: it never skips and counts every call as clean.
+        """
+        engine = self._engine
+        if engine.device is None:
+            engine.materialize(_default_device())
+        should_skip = self.dynamic and self._has_overflow
+        if not self.dynamic:
+            engine.clear_overflow()
+        engine.update()
         return should_skip
+
+    # -- Apex's private fields ------------------------------------------------------------------------------
+    @property
+    def _loss_scale(self) -> float:
+        return self._engine.loss_scale()
+
+    @_loss_scale.setter
+    def _loss_scale(self, value: float) -> None:
+        # Legacy code sets the starting scale this way (e.g. ``loss_scalers[0]._loss_scale = 2.**10``).
+        self._engine.load_state_dict({"loss_scale": float(value), "unskipped": self._engine.unskipped()})
+
+    @property
+    def _unskipped(self) -> int:
+        return self._engine.unskipped()
+
+    @_unskipped.setter
+    def _unskipped(self, value: int) -> None:
+        self._engine.load_state_dict({"loss_scale": self._engine.loss_scale(), "unskipped": int(value)})
+
+    @property
+    def _scale_seq_len(self) -> int:
+        """Clean ``update_scale()`` calls before a dynamic scale doubles (Apex's ``scale_window``); settable."""
+        config = self._engine.config
+        return self._static_seq_len if config is None else config.growth_interval
+
+    @_scale_seq_len.setter
+    def _scale_seq_len(self, value: int) -> None:
+        config = self._engine.config
+        if config is None:
+            self._static_seq_len = value  # Apex stores it for a static scale too, and never uses it
+            return
+        self._engine.reconfigure(dataclasses.replace(config, growth_interval=value))
+
+    @property
+    def _max_loss_scale(self) -> float | None:
+        config = self._engine.config
+        return self._static_limits[1] if config is None else config.max_scale
+
+    @property
+    def _min_loss_scale(self) -> float | None:
+        config = self._engine.config
+        return self._static_limits[0] if config is None else config.min_scale
+
+    @property
+    def _overflow_buf(self) -> torch.Tensor:
+        """The overflow flag (one element, 1 after an overflow) that ``unscale`` raises and ``update_scale`` reads."""
+        if self._engine.device is None:
+            # A session's scaler before its first scale_loss: nothing has been checked yet, and the flag will be
+            # created on the loss's device then.
+            return torch.zeros(1, dtype=torch.float32)
+        return self._engine.found_inf
+
+    @property
+    def _has_overflow(self) -> bool:
+        """Whether the flag is raised (a host read, as Apex's ``_overflow_buf.item()``); settable."""
+        return self._engine.device is not None and bool(self._engine.found_inf.item())
+
+    @_has_overflow.setter
+    def _has_overflow(self, value: bool) -> None:
+        self._flag_for(_default_device()).fill_(1.0 if value else 0.0)
+
+    def _flag_for(self, device: torch.device) -> torch.Tensor:
+        if self._engine.device is None:
+            self._engine.materialize(device)
+        return self._engine.found_inf
 
     def __repr__(self) -> str:
         kind = "dynamic" if self.dynamic else "static"
-        return f"LossScaler({kind}, loss_scale={self._loss_scale}, unskipped={self._unskipped})"
+        return f"LossScaler({kind}, loss_scale={self.loss_scale()}, unskipped={self._unskipped})"

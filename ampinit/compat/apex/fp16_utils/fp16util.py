@@ -7,8 +7,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.nn.modules.batchnorm import _BatchNorm
+
+from ampinit import _kernels
 
 __all__ = [
     "BN_convert_float",
@@ -92,7 +93,7 @@ def prep_param_lists(model: nn.Module, flat_master: bool = False) -> tuple[list[
                 f"prep_param_lists(flat_master=True) needs parameters of a single dtype, got {sorted(map(str, dtypes))}"
                 "; use flat_master=False"
             )
-        flat_data = _flatten_dense_tensors([p.data for p in model_params])  # type: ignore[no-untyped-call]
+        flat_data = _kernels.flatten_dense_tensors([p.data for p in model_params])
         flat = nn.Parameter(flat_data.float())
         flat.grad = torch.empty_like(flat)
         return model_params, [flat]
@@ -108,7 +109,7 @@ def model_grads_to_master_grads(
         grad = master_params[0].grad
         assert grad is not None, "prep_param_lists(flat_master=True) preallocates the flat master's grad"
         grads = [p.grad for p in model_params if p.grad is not None]
-        grad.copy_(_flatten_dense_tensors(grads))  # type: ignore[no-untyped-call]
+        grad.copy_(_kernels.flatten_dense_tensors(grads))
         return
     for model, master in zip(model_params, master_params):
         if model.grad is None:
@@ -125,7 +126,7 @@ def master_params_to_model_params(
     """Copy the (updated) masters' values into the model's params."""
     with torch.no_grad():
         if flat_master:
-            values = _unflatten_dense_tensors(master_params[0].data, model_params)  # type: ignore[no-untyped-call]
+            values = _kernels.unflatten_dense_tensors(master_params[0].data, model_params)
             for model, master in zip(model_params, values):
                 model.copy_(master)
             return

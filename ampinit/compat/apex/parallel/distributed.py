@@ -6,7 +6,8 @@ can express is honoured: ``message_size`` becomes ``bucket_cap_mb``; ``gradient_
 (which Apex users set for models with parameters that get no gradient) becomes ``find_unused_parameters=True``,
 without which torch's DDP fails on the second iteration of such a model. The rest only tuned Apex's own
 CUDA-stream scheduling (``num_allreduce_streams``, ...): it is accepted, explained once in a warning, and has no
-effect on the result.
+effect on the result. The table of what each argument becomes is ``_ddp_arguments.APEX_DDP_ARGUMENTS``, shared
+with the codemod.
 
 ``flat_dist_call(tensors, call, extra_args=None)`` is Apex's helper: the tensors are grouped by type, each group
 flattened, ``call(flat, *extra_args)`` run on it (an ``all_reduce`` is then divided by the world size) and the
@@ -23,20 +24,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from ampinit import _kernels
+from ampinit.compat.apex.parallel._ddp_arguments import NO_EFFECT
 
 __all__ = ["DistributedDataParallel", "Reducer", "flat_dist_call"]
 
-# Apex-only arguments that have no torch counterpart, with their Apex defaults and why they can go.
-_IGNORED: dict[str, tuple[Any, str]] = {
-    "shared_param": (None, "deprecated in Apex; torch's DDP handles shared parameters"),
-    "allreduce_trigger_params": (None, "torch's DDP decides bucket readiness itself"),
-    "retain_allreduce_buffers": (False, "torch's DDP manages its buckets itself"),
-    "num_allreduce_streams": (1, "torch's DDP manages its communication streams itself"),
-    "allreduce_communicators": (None, "torch's DDP uses the process group's communicator"),
-    "gradient_average_split_factor": (None, "deprecated in Apex; use gradient_predivide_factor"),
-    "prof": (False, "Apex's NVTX ranges; use torch.profiler"),
-}
 _warned: set[str] = set()
 
 
@@ -114,11 +107,11 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
 
 def _explain_ignored(given: dict[str, Any]) -> None:
     """One warning per process for each Apex-only argument set to a non-default value."""
-    fresh = [name for name, value in given.items() if value != _IGNORED[name][0] and name not in _warned]
+    fresh = [name for name, value in given.items() if value != NO_EFFECT[name].default and name not in _warned]
     if not fresh:
         return
     _warned.update(fresh)
-    reasons = "; ".join(f"{name}={given[name]!r}: {_IGNORED[name][1]}" for name in fresh)
+    reasons = "; ".join(f"{name}={given[name]!r}: {NO_EFFECT[name].reason}" for name in fresh)
     warnings.warn(
         f"apex.parallel.DistributedDataParallel runs as torch.nn.parallel.DistributedDataParallel; these Apex-only "
         f"arguments are accepted and have no effect: {reasons}. (This warning is shown once.)",
@@ -134,7 +127,7 @@ def flat_dist_call(tensors: Sequence[torch.Tensor], call: Callable[..., Any], ex
     for tensor in tensors:
         groups.setdefault((str(tensor.device), tensor.dtype), []).append(tensor)
     for bucket in groups.values():
-        flat: torch.Tensor = _flatten_dense_tensors(bucket)  # type: ignore[no-untyped-call]
+        flat: torch.Tensor = _kernels.flatten_dense_tensors(bucket)
         if extra_args is not None:
             call(flat, *extra_args)
         else:
@@ -142,7 +135,7 @@ def flat_dist_call(tensors: Sequence[torch.Tensor], call: Callable[..., Any], ex
         if call is dist.all_reduce:
             flat /= dist.get_world_size()
         with torch.no_grad():
-            for tensor, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):  # type: ignore[no-untyped-call]
+            for tensor, synced in zip(bucket, _kernels.unflatten_dense_tensors(flat, bucket)):
                 tensor.copy_(synced)
 
 

@@ -1,0 +1,298 @@
+"""The kernel boundary: grouping tensors for multi-tensor kernels, and every private torch kernel ampinit calls.
+
+Engine layer. Everything that runs on lists of tensors goes through here: the engine (unscale and check,
+master copies, the scale update), the fused optimizers and Apex's ``amp_C`` ops. Each function issues one
+PyTorch multi-tensor kernel per group of tensors that share a device and, position by position, dtypes
+(:func:`group_indices`, the one grouping rule), never a Python loop over tensors.
+
+The kernels are PyTorch's own and private: ``torch._foreach_*``, ``torch._fused_adam_``/``_fused_adamw_``/
+``_fused_sgd_``/``_fused_adagrad_``, ``torch._amp_foreach_non_finite_check_and_unscale_`` and
+``torch._amp_update_scale_`` (on CUDA these are the MultiTensorApply kernels PyTorch inherited from Apex; on
+CPU they are vectorised loops), and the flatten helpers of ``torch._utils`` that Apex's ``apex_C`` bound.
+No other module names them, so a torch release that moves one breaks here, loudly, and nowhere else. The
+foreach and fused kernels are bound once, under public names and with torch's own signatures; the ones that a
+device or a torch build may lack have a plain-torch fallback (the unscale and scale-update kernels,
+``_foreach_copy_``, ``_fused_adagrad_`` off CPU before torch 2.9). Nothing here reads a tensor value on the host.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from ampinit._distributed import local
+
+GroupKey = tuple[torch.device, tuple[torch.dtype, ...]]
+
+_HAS_UNSCALE_KERNEL = hasattr(torch, "_amp_foreach_non_finite_check_and_unscale_")
+_HAS_FOREACH_COPY = hasattr(torch, "_foreach_copy_")
+_HAS_UPDATE_SCALE_KERNEL = hasattr(torch, "_amp_update_scale_")
+
+# -- torch's foreach and fused kernels, under public names ---------------------------------------------------
+# Present in every torch ampinit supports (>= 2.13); bound here so that the rest of the package never spells a
+# private torch name.
+foreach_add = torch._foreach_add
+foreach_add_ = torch._foreach_add_
+foreach_addcmul_ = torch._foreach_addcmul_
+foreach_div = torch._foreach_div
+foreach_div_ = torch._foreach_div_
+foreach_mul = torch._foreach_mul
+foreach_mul_ = torch._foreach_mul_
+foreach_norm = torch._foreach_norm
+foreach_sqrt = torch._foreach_sqrt
+foreach_sqrt_ = torch._foreach_sqrt_
+foreach_sub_ = torch._foreach_sub_
+foreach_zero_ = torch._foreach_zero_
+fused_adam_ = torch._fused_adam_
+fused_adamw_ = torch._fused_adamw_
+fused_sgd_ = torch._fused_sgd_
+fused_adagrad_ = torch._fused_adagrad_
+
+# torch._fused_adagrad_ has had a CPU kernel since it appeared (torch 2.4) and a CUDA kernel only since 2.9; on
+# other devices it has none, and the caller runs the same update on foreach ops.
+FUSED_ADAGRAD_CUDA_SINCE = (2, 9)
+
+
+def _major_minor(version: str) -> tuple[int, int]:
+    found = re.match(r"(\d+)\.(\d+)", version)
+    if found is None:
+        raise ValueError(f"Unrecognised torch version {version!r}: expected 'major.minor[...]'")
+    return int(found.group(1)), int(found.group(2))
+
+
+def has_fused_adagrad(device: torch.device, torch_version: str | None = None) -> bool:
+    """Whether ``torch._fused_adagrad_`` has a kernel for ``device`` in this torch (or ``torch_version``)."""
+    if device.type == "cpu":
+        return True
+    version = torch.__version__ if torch_version is None else torch_version
+    return device.type == "cuda" and _major_minor(version) >= FUSED_ADAGRAD_CUDA_SINCE
+
+
+def flatten_dense_tensors(tensors: Sequence[Tensor]) -> Tensor:
+    """One contiguous 1-d tensor holding ``tensors`` one after the other (torch's helper, Apex's ``apex_C``)."""
+    flat: Tensor = _flatten_dense_tensors(list(tensors))  # type: ignore[no-untyped-call]
+    return flat
+
+
+def unflatten_dense_tensors(flat: Tensor, tensors: Sequence[Tensor]) -> tuple[Tensor, ...]:
+    """Views of ``flat`` shaped like ``tensors`` (the inverse of :func:`flatten_dense_tensors`)."""
+    return tuple(_unflatten_dense_tensors(flat, list(tensors)))  # type: ignore[no-untyped-call]
+
+
+# -- grouping ----------------------------------------------------------------------------------------------
+def group_indices(tensor_lists: Sequence[Sequence[Tensor]]) -> dict[GroupKey, list[int]]:
+    """Positions grouped by the device of the first list and the dtypes found at that position in every list.
+
+    torch's foreach and fused kernels want one device and one dtype per list, so every multi-tensor op runs
+    once per group.
+    """
+    groups: dict[GroupKey, list[int]] = {}
+    for i, first in enumerate(tensor_lists[0]):
+        key = (first.device, tuple(tensors[i].dtype for tensors in tensor_lists))
+        groups.setdefault(key, []).append(i)
+    return groups
+
+
+def pick(tensors: Sequence[Tensor], indices: Sequence[int]) -> list[Tensor]:
+    return [tensors[i] for i in indices]
+
+
+def grouped(*lists: Sequence[Tensor]) -> list[tuple[GroupKey, list[list[Tensor]]]]:
+    """The parallel ``lists`` split by :func:`group_indices`: one ``(key, [sublist per list])`` per group.
+
+    Sharded tensors (FSDP2's DTensors) are taken as their local shards: the engine's ops are elementwise, and
+    the one cross-rank fact, the overflow flag, is reduced by the caller.
+    """
+    shards = [[local(t) for t in tensors] for tensors in lists]
+    if not shards[0]:
+        return []
+    return [(key, [pick(s, indices) for s in shards]) for key, indices in group_indices(shards).items()]
+
+
+# -- the engine's multi-tensor ops ----------------------------------------------------------------------------
+def to_device(tensor: Tensor, device: torch.device) -> Tensor:
+    """``tensor`` on ``device``, asynchronously where that is safe.
+
+    A copy *to* an accelerator is stream-ordered: the kernels that read it run after it. A copy to the CPU is
+    not: with ``non_blocking=True`` the host could read the buffer before the copy lands, so it blocks.
+    """
+    return tensor.to(device, non_blocking=device.type != "cpu")
+
+
+def unscale_and_check_(grads: Sequence[Tensor], found_inf: Tensor, inv_scale: Tensor) -> None:
+    """``g *= inv_scale`` for every grad, in place, and set ``found_inf`` to 1.0 if any grad is inf or NaN.
+
+    The inf/NaN check looks at the values *before* the multiply. ``found_inf`` is a one-element float32
+    tensor; it is only ever raised, never cleared, so several calls accumulate into one flag. This is the one
+    unscale-and-check path of the package: the loss scalers, Apex's ``amp_C`` ops and the master step all
+    come here.
+    """
+    for (device, _), (group,) in grouped(grads):
+        flag = found_inf if found_inf.device == device else torch.zeros_like(found_inf, device=device)
+        scale = to_device(inv_scale, device).reshape(1)
+        if _HAS_UNSCALE_KERNEL:
+            torch._amp_foreach_non_finite_check_and_unscale_(group, flag, scale)
+        else:  # pragma: no cover - only on a torch without the private kernel
+            _unscale_and_check_reference(group, flag, scale)
+        if flag is not found_inf:
+            found_inf.add_(to_device(flag, found_inf.device)).clamp_(max=1.0)
+
+
+def _unscale_and_check_reference(grads: list[Tensor], found_inf: Tensor, inv_scale: Tensor) -> None:
+    """The plain-torch meaning of the fused kernel above (also its fallback)."""
+    norms = foreach_norm(grads, ord=float("inf")) if grads else []
+    if norms:
+        found_inf.add_(torch.stack(list(norms)).float().isfinite().logical_not().any()).clamp_(max=1.0)
+    foreach_mul_(grads, inv_scale.reshape(()))
+
+
+def copy_(destinations: Sequence[Tensor], sources: Sequence[Tensor]) -> None:
+    """``dst.copy_(src)`` for each pair (casting between dtypes), one kernel per group."""
+    with torch.no_grad():
+        for _, (dst, src) in grouped(destinations, sources):
+            if _HAS_FOREACH_COPY:
+                torch._foreach_copy_(dst, src)
+            else:  # pragma: no cover - only on a torch without _foreach_copy_
+                for d, s in zip(dst, src):
+                    d.copy_(s)
+
+
+def mul_(tensors: Sequence[Tensor], factor: Tensor) -> None:
+    """``t *= factor`` for each tensor, ``factor`` being a 0-d tensor (kept on device: no host sync).
+
+    Runs on the unscale kernel with ``factor`` as its multiplier and a scratch flag: on CPU,
+    ``torch._foreach_mul_`` by a tensor takes a slow per-tensor path (about 10x the time of this kernel).
+    """
+    scratch = torch.zeros(1, dtype=torch.float32, device=factor.device)
+    unscale_and_check_(tensors, scratch, factor)
+
+
+def add_(tensors: Sequence[Tensor], others: Sequence[Tensor]) -> None:
+    """``t += other`` for each pair."""
+    for _, (group, other) in grouped(tensors, others):
+        foreach_add_(group, other)
+
+
+def update_scale_(
+    scale: Tensor,
+    growth_tracker: Tensor,
+    found_inf: Tensor,
+    growth_factor: float,
+    backoff_factor: float,
+    growth_interval: int,
+) -> None:
+    """GradScaler's update rule in one kernel, in place and on device.
+
+    An overflow multiplies ``scale`` by ``backoff_factor`` and resets ``growth_tracker``; a clean step counts
+    it up, and reaching ``growth_interval`` multiplies ``scale`` by ``growth_factor`` (unless that would make
+    it non-finite) and resets the tracker.
+    """
+    if _HAS_UPDATE_SCALE_KERNEL:
+        torch._amp_update_scale_(scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval)
+        return
+    found = found_inf.reshape(()) > 0  # pragma: no cover - only on a torch without the private kernel
+    tracker = torch.where(found, torch.zeros_like(growth_tracker), growth_tracker + 1)
+    grow = tracker == growth_interval
+    grown = scale * growth_factor
+    scale.copy_(torch.where(found, scale * backoff_factor, torch.where(grow & grown.isfinite(), grown, scale)))
+    growth_tracker.copy_(torch.where(grow, torch.zeros_like(tracker), tracker))
+
+
+# -- float32 work lists of the optimizers ---------------------------------------------------------------------
+def fp32_copies(tensors: Sequence[Tensor]) -> list[Tensor]:
+    """Fresh float32 copies (same shapes and strides) of ``tensors``."""
+    copies = [torch.empty_like(t, dtype=torch.float32) for t in tensors]
+    if copies:
+        copy_(copies, tensors)
+    return copies
+
+
+def fp32_work(tensors: Sequence[Tensor], *, private: bool = False) -> list[Tensor]:
+    """Tensors to do float32 math on.
+
+    Float32 tensors are used in place unless ``private`` asks for copies (needed when a skipped step must
+    leave the originals untouched). Other dtypes always get float32 copies, written back later with
+    :func:`write_back`; this keeps half-precision parameters on Apex's numerics (fp32 math, one rounding).
+    """
+    if not private and all(t.dtype == torch.float32 for t in tensors):
+        return list(tensors)
+    return fp32_copies(tensors)
+
+
+def write_back(targets: Sequence[Tensor], work: Sequence[Tensor], skip: Tensor | None = None) -> None:
+    """Store ``work`` into ``targets`` (rounded to their dtype), except where the 0-d bool ``skip`` is true.
+
+    Pairs whose work tensor *is* the target were updated in place already and are left alone.
+    """
+    pairs = [(t, w) for t, w in zip(targets, work) if t is not w]
+    if not pairs:
+        return
+    if skip is None:
+        copy_([t for t, _ in pairs], [w for _, w in pairs])
+        return
+    for target, value in pairs:
+        # torch has no foreach `where`; one select per tensor keeps the skip decision on the device.
+        torch.where(skip, target, value.to(target.dtype), out=target)
+
+
+def device_scalar(value: float, device: torch.device) -> Tensor:
+    """A 0-d float32 tensor holding ``value`` on ``device``.
+
+    Made by a fill kernel that takes ``value`` as a kernel argument, never by ``torch.tensor(value,
+    device=...)``, which stages the number in host memory and copies it (a blocking host-to-device copy on
+    CUDA, and a copy of a host buffer that a CUDA graph would replay stale).
+    """
+    return torch.full((), value, dtype=torch.float32, device=device)
+
+
+# -- norms ---------------------------------------------------------------------------------------------------
+# torch's CPU norm kernels accumulate long vectors with too few partial sums: about 1e-3 relative error on
+# fp32 tensors of tens of millions of elements (1e-5 at 1M, 1e-7 at 4k). Tensors above NORM_CHUNK * 4
+# elements are therefore reduced the way Apex's kernel does it: fp32 sums of squares per chunk, then a
+# (pairwise) sum of the chunk results. That costs one small temporary per tensor (numel / NORM_CHUNK floats).
+NORM_CHUNK = 2048
+
+
+def _chunked_norm(tensor: Tensor) -> Tensor:
+    flat = tensor.reshape(-1)
+    whole = flat.numel() // NORM_CHUNK * NORM_CHUNK
+    rows = flat[:whole].view(-1, NORM_CHUNK)
+    squares = torch.linalg.vector_norm(rows, dim=1, dtype=torch.float32).square().sum()
+    tail = flat[whole:]
+    if tail.numel():
+        squares = squares + torch.linalg.vector_norm(tail, dtype=torch.float32).square()
+    root: Tensor = squares.sqrt()
+    return root
+
+
+def l2_norms(tensors: Sequence[Tensor]) -> list[Tensor]:
+    """Float32 L2 norm (0-d) of each tensor, in input order, accurate to ~1e-7 relative at any size.
+
+    Small tensors share one ``foreach_norm`` per (device, dtype) group; large ones are reduced by chunks
+    (see ``NORM_CHUNK``).
+    """
+    norms: list[Tensor] = [torch.empty(0)] * len(tensors)
+    if not tensors:
+        return norms
+    for indices in group_indices([tensors]).values():
+        small = [i for i in indices if tensors[i].numel() <= NORM_CHUNK * 4]
+        if small:
+            for i, norm in zip(small, foreach_norm(pick(tensors, small), 2, dtype=torch.float32)):
+                norms[i] = norm
+        for i in indices:
+            if tensors[i].numel() > NORM_CHUNK * 4:
+                norms[i] = _chunked_norm(tensors[i])
+    return norms
+
+
+def total_norm(norms: Sequence[Tensor], device: torch.device) -> Tensor:
+    """L2 norm (shape [1], float32, on ``device``) of a list of per-tensor L2 norms."""
+    if not norms:
+        return torch.zeros(1, dtype=torch.float32, device=device)
+    stacked = torch.stack([n.to(device=device, dtype=torch.float32) for n in norms])
+    norm: Tensor = torch.linalg.vector_norm(stacked)
+    return norm.reshape(1)
