@@ -22,6 +22,7 @@ import torch
 
 import ampinit
 from ampinit import AmpSession
+from ampinit._optimizer_record import Stage
 from ampinit._types import HALF_DTYPES
 from ampinit.compat.apex.amp_C import multi_tensor_l2norm, multi_tensor_scale
 
@@ -150,17 +151,18 @@ def _master_groups(
     return groups
 
 
-# The session keeps these per optimizer; they are read here, in one place each.
+# The session keeps one record per optimizer; it is read here, in one place.
 def _skip_pending(session: AmpSession, optimizer: torch.optim.Optimizer) -> bool:
-    pending: dict[int, bool] = session._skip_pending
-    flags: dict[int, torch.Tensor] = session._skip_flags
-    flag = flags.get(id(optimizer))
-    return pending.get(id(optimizer), False) or (flag is not None and bool(flag.item()))
+    record = session._record_of(optimizer)
+    if record is None:
+        return False
+    flag = record.skip_flag
+    return record.skip_pending or (flag is not None and bool(flag.item()))
 
 
 def _grads_scaled(session: AmpSession, optimizer: torch.optim.Optimizer) -> bool:
-    record = session._grads.get(id(optimizer))
-    return bool(record is not None and record.has_scaled_grads)
+    record = session._record_of(optimizer)
+    return bool(record is not None and record.stage is Stage.SCALED)
 
 
 def attach(holder: Any, optimizer: torch.optim.Optimizer) -> None:
