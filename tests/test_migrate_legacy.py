@@ -7,6 +7,7 @@ from __future__ import annotations
 import textwrap
 
 import pytest
+import torch
 
 from ampinit.migrate import migrate_source
 
@@ -28,6 +29,71 @@ FP16_RUN_SWITCH = textwrap.dedent(
                     scaled_loss.backward()
             else:
                 loss.backward()
+            optimizer.step()
+    """
+)
+
+# The flag that guards initialize changes afterwards: enabled=<flag> at the GradScaler could not follow it.
+FLAG_CHANGES = textwrap.dedent(
+    """
+    import torch
+    from apex import amp
+
+
+    def train(model, optimizer, data, fp16_run):
+        if fp16_run:
+            model, optimizer = amp.initialize(model, optimizer, opt_level="O1")
+        fp16_run = False
+        for x, y in data:
+            optimizer.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            if fp16_run:
+                with amp.scale_loss(loss, optimizer) as scaled_loss:
+                    scaled_loss.backward()
+            else:
+                loss.backward()
+            optimizer.step()
+    """
+)
+
+# initialize under `try`: the other path (the except) has no GradScaler.
+INIT_UNDER_TRY = textwrap.dedent(
+    """
+    import torch
+    from apex import amp
+
+
+    def train(model, optimizer, data):
+        try:
+            model, optimizer = amp.initialize(model, optimizer, opt_level="O1")
+        except RuntimeError:
+            pass
+        for x, y in data:
+            optimizer.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            with amp.scale_loss(loss, optimizer) as scaled_loss:
+                scaled_loss.backward()
+            optimizer.step()
+    """
+)
+
+# a plain backward on the path where amp is on: scaler.step() would see unscaled gradients.
+PLAIN_BACKWARD_WHEN_ON = textwrap.dedent(
+    """
+    import torch
+    from apex import amp
+
+
+    def train(model, optimizer, data, fp16_run):
+        if fp16_run:
+            model, optimizer = amp.initialize(model, optimizer, opt_level="O1")
+        for x, y in data:
+            optimizer.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            if fp16_run:
+                with amp.scale_loss(loss, optimizer) as scaled_loss:
+                    scaled_loss.backward()
+            loss.backward()
             optimizer.step()
     """
 )
@@ -98,8 +164,9 @@ ONE_PATH = textwrap.dedent(
 @pytest.mark.parametrize(
     ("source", "reason"),
     [
-        (FP16_RUN_SWITCH, "amp.initialize runs only on some paths (it sits under `if`)"),
-        (FP16_RUN_SWITCH, "a backward() outside amp.scale_loss"),
+        (FLAG_CHANGES, "the flag `fp16_run` that guards amp.initialize is assigned again later"),
+        (INIT_UNDER_TRY, "amp.initialize runs only on some paths (it sits under `try`"),
+        (PLAIN_BACKWARD_WHEN_ON, "a backward() outside amp.scale_loss"),
         (TRY_IMPORT_GUARD, "the Apex import sits under `try`"),
         (CONDITIONAL_SCALE, "optimizer.step() can run on a path without amp.scale_loss before it"),
     ],
@@ -118,28 +185,58 @@ def test_to_torch_rewrites_the_one_path_shape() -> None:
     assert "apex" not in result.migrated and "ampinit" not in result.migrated
 
 
-def test_fp16_switch_old_rewrite_would_break_without_amp() -> None:
-    """What the refusal prevents: run the file under ``ampinit run``-free torch with fp16 off after --to ampinit (the
-    compat path keeps the switch), and check it still trains in fp32 exactly like the original would."""
-    import torch
+def _train(source: str, fp16_run: bool, apex_aliases: bool = False) -> torch.Tensor:
+    """Run ``train`` of ``source`` on a fixed problem; returns the trained weight. ``apex_aliases``: the original
+    file as ``ampinit run`` runs it (``apex`` resolves to ampinit's Apex layer)."""
+    import ampinit
+    from ampinit.compat import apex
 
-    result = migrate_source(FP16_RUN_SWITCH, "ampinit")
-    assert not result.needs_human
-    namespace: dict[str, object] = {}
-    exec(compile(result.migrated, "fp16_run.py", "exec"), namespace)
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
-    reference = torch.nn.Linear(4, 2)
-    reference.load_state_dict(model.state_dict())
-    data = [(torch.randn(8, 4), torch.randn(8, 2)) for _ in range(3)]
+    data = [(torch.randn(8, 4), torch.randn(8, 2)) for _ in range(4)]
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    namespace["train"](model, optimizer, data, False)  # type: ignore[operator]
-    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    namespace: dict[str, object] = {}
+    if apex_aliases:
+        apex.install()
+    try:
+        exec(compile(source, "fp16_run.py", "exec"), namespace)
+        namespace["train"](model, optimizer, data, fp16_run)  # type: ignore[operator]
+    finally:
+        if apex_aliases:
+            apex.uninstall()
+            ampinit.deinitialize()
+    return model.weight.detach().clone()
+
+
+def _fp32(fp16_run: bool) -> torch.Tensor:
+    """The same training in plain fp32: the reference for both paths."""
+    del fp16_run
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    data = [(torch.randn(8, 4), torch.randn(8, 2)) for _ in range(4)]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     for x, y in data:
-        ref_optimizer.zero_grad()
-        torch.nn.functional.mse_loss(reference(x), y).backward()
-        ref_optimizer.step()
-    torch.testing.assert_close(model.weight, reference.weight)
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+    return model.weight.detach().clone()
+
+
+def test_to_torch_rewrites_initialize_under_a_flag_with_enabled_flag() -> None:
+    """Tacotron2/WaveGlow's `if fp16_run: amp.initialize(...)`: the GradScaler is created before the `if` with
+    enabled=bool(fp16_run), so the rewritten calls hold on both paths (this used to be refused, and before that
+    rewritten into an UnboundLocalError)."""
+    result = migrate_source(FP16_RUN_SWITCH, "torch")
+    assert not result.refused and not result.needs_human, [s.render() for s in result.sites]
+    assert "    scaler = torch.amp.GradScaler(amp_device, enabled=bool(fp16_run))\n" in result.migrated
+    assert "    if fp16_run:\n        model, optimizer" not in result.migrated
+    assert "apex" not in result.migrated and "ampinit" not in result.migrated
+    # fp16 off: bitwise the fp32 loop, as the original was
+    torch.testing.assert_close(_train(result.migrated, False), _fp32(False), rtol=0, atol=0)
+    # fp16 on: the original under the Apex aliases and the native rewrite train alike, and like fp32
+    native, original = _train(result.migrated, True), _train(FP16_RUN_SWITCH, True, apex_aliases=True)
+    torch.testing.assert_close(native, original, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(native, _fp32(True), rtol=1e-2, atol=1e-2)
 
 
 # -- no emitted import that does not resolve --------------------------------------------------------------------------
@@ -181,15 +278,19 @@ def test_a_name_ampinit_does_not_provide_is_left_for_a_human_with_the_reason() -
     ],
 )
 def test_names_real_code_imports_are_rewritten_to_homes_that_exist(source: str, emitted: str) -> None:
+    """--to ampinit rewrites them to ampinit's Apex layer; --to torch leaves no dependency, so it refuses them
+    (torch has no counterpart), unchanged, with the reason."""
     from ampinit.migrate._resolve import unresolved_imports
 
-    for to in ("ampinit", "torch"):
-        result = migrate_source(source, to)  # type: ignore[arg-type]
-        assert not result.refused and not result.needs_human, [s.message for s in result.sites]
-        assert emitted in result.migrated
-        assert unresolved_imports(result.migrated, source) == []
-        namespace: dict[str, object] = {}
-        exec(compile(result.migrated, "migrated.py", "exec"), namespace)
+    result = migrate_source(source, "ampinit")
+    assert not result.refused and not result.needs_human, [s.message for s in result.sites]
+    assert emitted in result.migrated
+    assert unresolved_imports(result.migrated, source) == []
+    namespace: dict[str, object] = {}
+    exec(compile(result.migrated, "migrated.py", "exec"), namespace)
+    native = migrate_source(source, "torch")
+    assert native.refused and not native.changed
+    assert all("has no native torch equivalent" in site.message for site in native.needs_human)
 
 
 def test_the_codemod_refuses_its_own_rewrite_to_a_missing_name(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -286,13 +387,32 @@ GUARDS = textwrap.dedent(
 )
 
 
-def test_availability_guards_are_flagged_for_a_human() -> None:
+def test_availability_guards_are_rewritten_to_ask_for_ampinit() -> None:
+    """--to ampinit: after the migration the file's Apex names come from ampinit, so each check asks for ampinit
+    (`'ampinit' in sys.modules`, `find_spec("ampinit")`) or holds (`is_apex_available()` -> True), and the guarded
+    code takes the path it took where Apex was installed."""
+    import ampinit  # noqa: F401  (the migrated file's own imports load it)
+
     result = migrate_source(GUARDS, "ampinit")
-    flagged = sorted(site.line for site in result.needs_human)
-    assert flagged == [7, 9, 10], [s.render() for s in result.sites]
+    assert not result.needs_human, [s.render() for s in result.sites]
+    assert 'if "ampinit" in sys.modules:' in result.migrated
+    assert 'importlib.util.find_spec("ampinit") is not None' in result.migrated
+    assert "if True:" in result.migrated
+    namespace: dict[str, object] = {}
+    runnable = result.migrated.replace("from transformers.file_utils import is_apex_available\n", "")
+    exec(compile(runnable, "guards.py", "exec"), namespace)
+    assert namespace["HAS_APEX"] is True and namespace["fused"] is True
+
+
+def test_availability_guards_stay_flagged_under_to_torch_and_local_helpers_are_migrated_with_their_body() -> None:
+    result = migrate_source(GUARDS, "torch")
+    assert sorted(site.line for site in result.needs_human) == [7, 9, 10], [s.render() for s in result.sites]
     assert all("an Apex availability guard" in site.message for site in result.needs_human)
     assert result.migrated.count("# ampinit: an Apex availability guard") == 3
-    compile(result.migrated, "guards.py", "exec")
+    local = "def is_apex_available():\n    return True\n\n\nif is_apex_available():\n    from apex import amp\n"
+    migrated = migrate_source(local, "ampinit")
+    assert "if is_apex_available():\n    from ampinit import amp" in migrated.migrated
+    assert not migrated.needs_human
 
 
 def test_star_import_from_fp16_utils_is_rewritten_to_a_module_that_has_the_names() -> None:
