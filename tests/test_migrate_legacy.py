@@ -439,3 +439,139 @@ def test_a_second_pass_counts_the_notes_the_first_pass_left() -> None:
     assert not second.changed
     [site] = second.needs_human
     assert "left by an earlier migration: dropped Apex-only gradient_predivide_factor" in site.message
+
+
+# -- --to torch: try-guards, helper modules, unused imports, checkpoints ---------------------------------------------
+
+
+def test_a_guard_that_only_raises_is_dropped_and_a_fallback_is_kept() -> None:
+    """`except ImportError: raise ...` could only turn a missing Apex into a crash: the body stays; a guard whose
+    handler is the code's own no-Apex path keeps that path (what the file did where Apex was not installed)."""
+    raises = (
+        "try:\n    from apex.parallel import DistributedDataParallel as DDP\n"
+        'except ImportError:\n    raise ImportError("install apex")\n'
+    )
+    result = migrate_source(raises, "torch")
+    assert result.migrated == "from torch.nn.parallel import DistributedDataParallel as DDP\n", result.migrated
+    fallback = (
+        "try:\n    from apex.normalization import FusedLayerNorm\n\n    fused = True\n"
+        "except ImportError:\n    fused = False\n"
+    )
+    kept = migrate_source(fallback, "torch")
+    assert kept.migrated == "fused = False\n" and not kept.needs_human
+    assert "the code's own fallback is kept" in kept.sites[0].message
+    namespace: dict[str, object] = {}
+    exec(compile(kept.migrated, "fallback.py", "exec"), namespace)
+    assert namespace["fused"] is False
+    # --to ampinit keeps the guard: ampinit provides the name, so the body runs
+    assert "from ampinit.compat.apex.normalization import FusedLayerNorm" in migrate_source(fallback).migrated
+
+
+def test_an_unused_amp_import_is_removed() -> None:
+    source = "import torch\nfrom apex import amp\n\nscaler = torch.amp.GradScaler('cpu')\n"
+    result = migrate_source(source, "torch")
+    assert result.migrated == "import torch\n\nscaler = torch.amp.GradScaler('cpu')\n"
+    assert not result.refused and not result.needs_human
+
+
+HELPER_MODULE = textwrap.dedent(
+    """
+    import torch
+    from apex import amp
+
+
+    @amp.float_function
+    def upsample(x, scale=2):
+        return torch.nn.functional.interpolate(x, scale_factor=scale, mode="nearest")
+
+
+    def head(x, weight):
+        with amp.disable_casts():
+            return x @ weight
+    """
+)
+
+
+def test_a_helper_module_of_float_function_and_disable_casts_migrates_natively(session_cleanup: None) -> None:
+    """The written decorator casts like Apex's float_function under ampinit's aliases (O1): fp32 in, whatever the
+    caller's autocast; outside autocast nothing changes."""
+    from ampinit.compat import apex
+
+    result = migrate_source(HELPER_MODULE, "torch")
+    assert not result.refused and not result.needs_human, [s.render() for s in result.sites]
+    assert "@amp_float_function\n" in result.migrated and "apex" not in result.migrated
+    native: dict[str, object] = {}
+    exec(compile(result.migrated, "helpers.py", "exec"), native)
+    x = torch.randn(1, 1, 2, 2).half()
+    assert native["upsample"](x).dtype == torch.float16  # type: ignore[operator]  # no autocast: no cast
+    apex.install()
+    try:
+        original: dict[str, object] = {}
+        exec(compile(HELPER_MODULE, "helpers_apex.py", "exec"), original)
+        model = torch.nn.Linear(2, 2)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        import ampinit.compat.apex.amp as amp
+
+        amp.initialize(model, optimizer, opt_level="O1", verbosity=0)
+        with torch.autocast("cpu", dtype=torch.float16):
+            got = native["upsample"](x)  # type: ignore[operator]
+            weight = torch.randn(2, 2)
+            plain = native["head"](torch.randn(2, 2), weight)  # type: ignore[operator]
+        want = original["upsample"](x)  # type: ignore[operator]
+    finally:
+        apex.uninstall()
+    assert got.dtype == want.dtype == torch.float32
+    torch.testing.assert_close(got, want)
+    assert plain.dtype == torch.float32  # disable_casts: no fp16 matmul inside
+
+
+def test_load_state_dict_takes_checkpoints_of_either_format() -> None:
+    """The helper written for amp.load_state_dict gives GradScaler the state ampinit.migrate.grad_scaler_state
+    computes from an Apex checkpoint, and passes GradScaler's own state through."""
+    from ampinit.migrate import grad_scaler_state
+
+    source = textwrap.dedent(
+        """
+        import torch
+        from apex import amp
+
+
+        def train(model, optimizer, data, checkpoint):
+            model, optimizer = amp.initialize(model, optimizer, opt_level="O1")
+            amp.load_state_dict(checkpoint["amp"])
+            for x, y in data:
+                optimizer.zero_grad()
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                with amp.scale_loss(loss, optimizer) as scaled_loss:
+                    scaled_loss.backward()
+                optimizer.step()
+            return amp.state_dict()
+        """
+    )
+    result = migrate_source(source, "torch")
+    assert not result.refused and not result.needs_human, [s.render() for s in result.sites]
+    assert 'scaler.load_state_dict(grad_scaler_state(checkpoint["amp"]))' in result.migrated
+    namespace: dict[str, object] = {}
+    exec(compile(result.migrated, "resume.py", "exec"), namespace)
+    apex_state = {"loss_scaler0": {"loss_scale": 1024.0, "unskipped": 7}}
+    assert namespace["grad_scaler_state"](apex_state) == grad_scaler_state(apex_state)  # type: ignore[operator]
+    model = torch.nn.Linear(2, 2)
+    state = namespace["train"](  # type: ignore[operator]
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        [(torch.randn(4, 2), torch.randn(4, 2))],
+        {"amp": apex_state},
+    )
+    assert state["scale"] == 1024.0 and state["_growth_tracker"] == 8
+    again = namespace["grad_scaler_state"](state)  # type: ignore[operator]
+    assert again is state
+
+
+def test_the_codemod_reads_apex_signatures_from_the_apex_layer() -> None:
+    """One source: the parameter names the codemod matches arguments by are those of the Apex layer's functions,
+    which are Apex's (shared/reference/apex-amp.md §1.1, §1.2)."""
+    from ampinit.migrate._to_torch import APEX_SIGNATURE, SCALE_LOSS_SIGNATURE
+
+    assert APEX_SIGNATURE[:4] == ("models", "optimizers", "enabled", "opt_level")
+    assert APEX_SIGNATURE[-3:] == ("verbosity", "min_loss_scale", "max_loss_scale") and len(APEX_SIGNATURE) == 14
+    assert SCALE_LOSS_SIGNATURE == ("loss", "optimizers", "loss_id", "model", "delay_unscale", "delay_overflow_check")

@@ -14,6 +14,7 @@ and then the file is left unchanged: ``--to ampinit`` handles it.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Union
@@ -21,29 +22,17 @@ from typing import Any, Union
 import libcst as cst
 from libcst.metadata import MetadataWrapper, ParentNodeProvider, PositionProvider
 
+from ampinit.compat.apex.amp import frontend as apex_frontend
+from ampinit.compat.apex.amp import handle as apex_handle
 from ampinit.migrate._helper_modules import GRAD_SCALER_STATE, HELPER_USES, add_definitions, migrate_helper_module
 from ampinit.migrate._report import Site
 from ampinit.migrate._to_ampinit import add_comments, apex_bindings, dotted
 
 Block = Union[cst.Module, cst.IndentedBlock]
 CLIP_FUNCTIONS = ("clip_grad_norm_", "clip_grad_norm", "clip_grad_value_")
-APEX_SIGNATURE = (
-    "models",
-    "optimizers",
-    "enabled",
-    "opt_level",
-    "cast_model_type",
-    "patch_torch_functions",
-    "keep_batchnorm_fp32",
-    "master_weights",
-    "loss_scale",
-    "cast_model_outputs",
-    "num_losses",
-    "verbosity",
-    "min_loss_scale",
-    "max_loss_scale",
-)
-SCALE_LOSS_SIGNATURE = ("loss", "optimizers", "loss_id", "model", "delay_unscale", "delay_overflow_check")
+# Apex's parameter names, in order, read from the Apex layer that reproduces its signatures (one source of truth).
+APEX_SIGNATURE = tuple(inspect.signature(apex_frontend.initialize).parameters)
+SCALE_LOSS_SIGNATURE = tuple(inspect.signature(apex_handle.scale_loss).parameters)
 NO_NATIVE = {
     "cast_model_type": "cast_model_type casts the model's weights (O2/O3): torch.amp has no half model",
     "patch_torch_functions": "patch_torch_functions is O1's switch: keep the default",
