@@ -575,3 +575,52 @@ def test_the_codemod_reads_apex_signatures_from_the_apex_layer() -> None:
     assert APEX_SIGNATURE[:4] == ("models", "optimizers", "enabled", "opt_level")
     assert APEX_SIGNATURE[-3:] == ("verbosity", "min_loss_scale", "max_loss_scale") and len(APEX_SIGNATURE) == 14
     assert SCALE_LOSS_SIGNATURE == ("loss", "optimizers", "loss_id", "model", "delay_unscale", "delay_overflow_check")
+
+
+@pytest.mark.parametrize(
+    ("mode", "options"),
+    [
+        ("", {}),
+        (", adam_w_mode=False, weight_decay=0.1", {"adam_w_mode": False, "weight_decay": 0.1}),
+        (", adam_w_mode=True, weight_decay=0.1", {"adam_w_mode": True, "weight_decay": 0.1}),
+    ],
+)
+def test_fused_adam_becomes_the_torch_optimizer_with_apex_semantics(mode: str, options: dict[str, object]) -> None:
+    """FusedAdam -> torch.optim.AdamW (Apex's default decoupled decay) or Adam (adam_w_mode=False, L2): five steps
+    match ampinit's FusedAdam, which implements Apex's update."""
+    from ampinit.optimizers import FusedAdam
+
+    source = (
+        f"from apex.optimizers import FusedAdam\n\n\ndef make(params):\n    return FusedAdam(params, lr=0.01{mode})\n"
+    )
+    result = migrate_source(source, "torch")
+    assert not result.refused and not result.needs_human, [s.render() for s in result.sites]
+    assert "apex" not in result.migrated and "torch.optim.Adam" in result.migrated
+    namespace: dict[str, object] = {}
+    exec(compile(result.migrated, "optim.py", "exec"), namespace)
+    torch.manual_seed(0)
+    native_model, apex_model = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+    apex_model.load_state_dict(native_model.state_dict())
+    native = namespace["make"](native_model.parameters())  # type: ignore[operator]
+    reference = FusedAdam(apex_model.parameters(), lr=0.01, **options)  # type: ignore[arg-type]
+    for _ in range(5):
+        x = torch.randn(8, 4)
+        for model, optimizer in ((native_model, native), (apex_model, reference)):
+            optimizer.zero_grad()
+            model(x).square().mean().backward()
+            optimizer.step()
+    torch.testing.assert_close(native_model.weight, apex_model.weight)
+
+
+def test_fused_adam_outside_the_torch_semantics_is_refused_with_the_reason() -> None:
+    for call, reason in [
+        ("FusedAdam(p, bias_correction=False)", "FusedAdam(bias_correction=False)"),
+        ("FusedAdam(p, amsgrad=True)", "FusedAdam(amsgrad=True)"),
+        ("FusedAdam(p, set_grad_none=False)", "FusedAdam(set_grad_none=False)"),
+        ("FusedAdam(p, adam_w_mode=args.w)", "FusedAdam(adam_w_mode=<not a literal>)"),
+    ]:
+        result = migrate_source(f"from apex.optimizers import FusedAdam\nopt = {call}\n", "torch")
+        assert result.refused and not result.changed
+        assert any(reason in site.message for site in result.needs_human), [s.render() for s in result.sites]
+    subclass = migrate_source("from apex.optimizers import FusedAdam\n\n\nclass Mine(FusedAdam):\n    pass\n", "torch")
+    assert subclass.refused

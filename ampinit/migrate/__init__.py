@@ -11,6 +11,7 @@ from collections.abc import Iterable, Iterator
 from typing import Literal
 
 from ampinit.migrate._guards import line_map, rewrite_guards
+from ampinit.migrate._optimizers import rewrite_fused_adam
 from ampinit.migrate._report import FileResult, Report, Site
 from ampinit.migrate._resolve import imported_modules, unresolved_imports
 from ampinit.migrate._to_ampinit import COMMENT_PREFIX, migrate_module
@@ -50,12 +51,18 @@ def _to_torch(source: str, path: str) -> FileResult:
     sites = _relined(sites, guarded, source)
     if refused:
         return _earlier_notes(FileResult(path, source, source, sites, refused=True))
-    migrated, more = migrate_module(native, "torch")
-    more = _relined(more, native, source)
+    optimizers, optimizer_sites = rewrite_fused_adam(native)
+    optimizer_sites = _relined(optimizer_sites, native, source)
+    migrated, more = migrate_module(optimizers, "torch")
+    more = _relined(more, optimizers, source)
     left = _dependencies_left(migrated, more)
     if left:
-        return _earlier_notes(FileResult(path, source, source, left, refused=True))
-    return _checked(FileResult(path, source, migrated, sorted(guard_sites + sites + more, key=lambda s: s.line)))
+        reasons = [s for s in optimizer_sites if s.needs_human]
+        if reasons:  # the specific reason replaces the generic one
+            left = [s for s in left if "FusedAdam" not in s.message]
+        return _earlier_notes(FileResult(path, source, source, sorted(reasons + left, key=lambda s: s.line), True))
+    found = guard_sites + sites + optimizer_sites + more
+    return _checked(FileResult(path, source, migrated, sorted(found, key=lambda s: s.line)))
 
 
 def _relined(sites: list[Site], source: str, original: str) -> list[Site]:
