@@ -624,3 +624,36 @@ def test_fused_adam_outside_the_torch_semantics_is_refused_with_the_reason() -> 
         assert any(reason in site.message for site in result.needs_human), [s.render() for s in result.sites]
     subclass = migrate_source("from apex.optimizers import FusedAdam\n\n\nclass Mine(FusedAdam):\n    pass\n", "torch")
     assert subclass.refused
+
+
+LEVEL_VARIABLE = textwrap.dedent(
+    """
+    import torch
+    from apex import amp
+
+
+    def train(model, optimizer, data, fp16_run):
+        amp_opt_level = "O1" if fp16_run else "O0"
+        model, optimizer = amp.initialize(model, optimizer, opt_level=amp_opt_level)
+        for x, y in data:
+            optimizer.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            with amp.scale_loss(loss, optimizer) as scaled_loss:
+                scaled_loss.backward()
+            optimizer.step()
+    """
+)
+
+
+def test_an_opt_level_variable_that_holds_o0_or_o1_switches_the_scaler() -> None:
+    """MaskRCNN's `amp_opt_level = 'O1' if fp16 else 'O0'`: O0 is a disabled GradScaler and no autocast, so
+    enabled=(level == "O1") is right on both paths; a level that could be O2 is still refused."""
+    result = migrate_source(LEVEL_VARIABLE, "torch")
+    assert not result.refused and not result.needs_human, [s.render() for s in result.sites]
+    assert 'enabled=bool(amp_opt_level == "O1")' in result.migrated
+    torch.testing.assert_close(_train(result.migrated, False), _fp32(False), rtol=0, atol=0)
+    native, original = _train(result.migrated, True), _train(LEVEL_VARIABLE, True, apex_aliases=True)
+    torch.testing.assert_close(native, original, rtol=1e-3, atol=1e-3)
+    maybe_o2 = LEVEL_VARIABLE.replace('"O1" if fp16_run else "O0"', '"O2" if fp16_run else "O0"')
+    refused = migrate_source(maybe_o2, "torch")
+    assert refused.refused and any("opt_level is not a literal" in s.message for s in refused.needs_human)

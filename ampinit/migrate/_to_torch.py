@@ -92,6 +92,7 @@ class _Plan:
     # amp.initialize under `if <condition>:` (Tacotron2's `if hparams.fp16_run:`): the GradScaler is created before
     # that `if` with enabled=<condition>, so the same calls are right on both paths
     condition: str | None = None
+    level_switch: str | None = None  # `level == "O1"` when opt_level is a variable that holds O0 or O1
     guard_if: cst.If | None = None
     loads_state: int = 0  # the line of amp.load_state_dict: checkpoints of either format go through a helper
     enabled_bodies: set[int] = field(default_factory=set)  # blocks that run only when the condition holds
@@ -99,12 +100,12 @@ class _Plan:
 
     @property
     def enabled_expression(self) -> str | None:
-        """What turns the GradScaler and autocast on: Apex's ``enabled=`` and the guarding condition."""
-        if self.condition is None:
+        """What turns the GradScaler and autocast on: the guarding condition, Apex's ``enabled=``, and an
+        ``opt_level`` variable that is O1 or O0."""
+        parts = [p for p in (self.condition, self.enabled, self.level_switch) if p is not None]
+        if not parts or parts == [self.enabled]:
             return self.enabled
-        if self.enabled is None:
-            return f"bool({self.condition})"
-        return f"bool({self.condition} and {self.enabled})"
+        return f"bool({' and '.join(parts)})"
 
 
 class _Analysis(cst.CSTVisitor):
@@ -420,6 +421,8 @@ def _check_initialize(analysis: _Analysis, attribute: cst.Attribute) -> None:
         analysis.refuse(call, "amp.initialize needs exactly one model and one optimizer (no lists) for --to torch")
         return
     level = _literal(args.get("opt_level")) if "opt_level" in args else "O1"
+    if level is _NOT_LITERAL:
+        level = _variable_level(analysis, call, args["opt_level"])
     if level not in ("O0", "O1"):
         reason = (
             f"opt_level={level!r} keeps a half-precision model (and fp32 master weights for O2): no native equivalent"
@@ -449,6 +452,35 @@ def _check_initialize(analysis: _Analysis, attribute: cst.Attribute) -> None:
             plan.model, plan.optimizer = (_code(e.value) for e in target.elements)
         else:
             analysis.refuse(call, "amp.initialize's result is not unpacked into (model, optimizer)")
+
+
+def _variable_level(analysis: _Analysis, call: cst.Call, node: cst.BaseExpression) -> Any:
+    """The level an ``opt_level`` variable holds at ``amp.initialize`` when the function assigns it once, before
+    the call, from literals (``level = 'O1' if fp16 else 'O0'``): that literal, or ``"O1"`` with the GradScaler
+    switched by ``level == "O1"`` when it can be either; ``_NOT_LITERAL`` otherwise."""
+    if not isinstance(node, cst.Name):
+        return _NOT_LITERAL
+    function = analysis.function_of(call)
+    stores = [t for t in analysis.assignments if _code(t) == node.value and analysis.function_of(t) is function]
+    if len(stores) != 1 or analysis.line(stores[0]) >= analysis.line(call):
+        return _NOT_LITERAL
+    target = analysis.parent(stores[0])
+    assign = analysis.parent(target) if isinstance(target, cst.AssignTarget) else None
+    values = _literal_choices(assign.value) if isinstance(assign, cst.Assign) and len(assign.targets) == 1 else None
+    if values is None or not values <= {"O0", "O1"}:
+        return _NOT_LITERAL
+    if len(values) == 1:
+        return next(iter(values))
+    analysis.plan.level_switch = f'{node.value} == "O1"'
+    return "O1"
+
+
+def _literal_choices(node: cst.BaseExpression) -> set[Any] | None:
+    if isinstance(node, cst.IfExp):
+        body, orelse = _literal_choices(node.body), _literal_choices(node.orelse)
+        return None if body is None or orelse is None else body | orelse
+    value = _literal(node)
+    return None if value is _NOT_LITERAL else {value}
 
 
 def _check_scale_loss(analysis: _Analysis, attribute: cst.Attribute) -> None:
@@ -846,7 +878,8 @@ def migrate_module_to_torch(source: str) -> tuple[str, list[Site], bool]:
     )
     state_helper = _fresh(["grad_scaler_state", "_grad_scaler_state"], plan.names)
     rewritten = wrapped.visit(_Rewrite(plan, scaler, device, has_torch, state_helper))
-    sites = [Site(1, f"amp ({plan.level}) -> torch.autocast + torch.amp.GradScaler ({scaler})")]
+    level = plan.level if plan.level_switch is None else f"O0 or O1: {plan.level_switch}"
+    sites = [Site(1, f"amp ({level}) -> torch.autocast + torch.amp.GradScaler ({scaler})")]
     if plan.loads_state:
         rewritten = add_definitions(rewritten, [], [GRAD_SCALER_STATE.format(name=state_helper)])
         sites.append(
