@@ -657,3 +657,24 @@ def test_an_opt_level_variable_that_holds_o0_or_o1_switches_the_scaler() -> None
     maybe_o2 = LEVEL_VARIABLE.replace('"O1" if fp16_run else "O0"', '"O2" if fp16_run else "O0"')
     refused = migrate_source(maybe_o2, "torch")
     assert refused.refused and any("opt_level is not a literal" in s.message for s in refused.needs_human)
+
+
+def test_a_guarded_import_apex_in_a_file_that_uses_apex_amp_is_not_taken_as_a_fallback() -> None:
+    """Taking `apex = None` would silently turn amp off where the file reaches apex.amp: refused instead."""
+    source = textwrap.dedent(
+        """
+        try:
+            import apex
+        except ImportError:
+            apex = None
+
+
+        def setup(model, optimizer):
+            if apex is not None:
+                return apex.amp.initialize(model, optimizer, opt_level="O1")
+            return model, optimizer
+        """
+    )
+    result = migrate_source(source, "torch")
+    assert result.refused and not result.changed
+    assert "apex = None" in result.migrated and "import apex" in result.migrated

@@ -69,8 +69,9 @@ def only_raises(handler: cst.ExceptHandler) -> bool:
     return all(isinstance(s, cst.Expr) and isinstance(s.value, cst.Call) for s in smalls[:-1])
 
 
-def guard_shape(node: cst.Try) -> str | None:
-    """``"raises"``, ``"fallback"`` or None (not an Apex import guard this pass rewrites)."""
+def guard_shape(node: cst.Try, file_uses_amp: bool) -> str | None:
+    """``"raises"``, ``"fallback"`` or None (not an Apex import guard this pass rewrites). A guarded
+    ``import apex`` in a file that reaches ``apex.amp`` is no fallback: taking it would turn amp off."""
     if node.orelse is not None or node.finalbody is not None or not node.handlers:
         return None
     body = list(node.body.body) if isinstance(node.body, cst.IndentedBlock) else []
@@ -79,6 +80,8 @@ def guard_shape(node: cst.Try) -> str | None:
         return None
     if all(only_raises(h) for h in node.handlers):
         return "raises"
+    if file_uses_amp and "apex" in names:
+        return None
     if len(node.handlers) == 1 and apex_imports(body[0]) and not imports_amp(names):
         return "fallback"
     return None
@@ -87,12 +90,13 @@ def guard_shape(node: cst.Try) -> str | None:
 class _Guards(cst.CSTTransformer):
     METADATA_DEPENDENCIES = (PositionProvider,)
 
-    def __init__(self) -> None:
+    def __init__(self, file_uses_amp: bool) -> None:
         super().__init__()
+        self.file_uses_amp = file_uses_amp
         self.sites: list[Site] = []
 
     def leave_Try(self, original_node: cst.Try, updated_node: cst.Try) -> Any:
-        shape = guard_shape(original_node)
+        shape = guard_shape(original_node, self.file_uses_amp)
         if shape is None:
             return updated_node
         line = int(self.get_metadata(PositionProvider, original_node).start.line)
@@ -125,7 +129,7 @@ class _Guards(cst.CSTTransformer):
 def rewrite_guards(source: str) -> tuple[str, list[Site]]:
     """Apply the two rewrites above; returns the new source and one site per guard (lines of ``source``)."""
     wrapper = MetadataWrapper(cst.parse_module(source))
-    transformer = _Guards()
+    transformer = _Guards(file_uses_amp="apex.amp" in source)
     new = wrapper.visit(transformer)
     return new.code, transformer.sites
 
