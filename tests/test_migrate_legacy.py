@@ -678,3 +678,25 @@ def test_a_guarded_import_apex_in_a_file_that_uses_apex_amp_is_not_taken_as_a_fa
     result = migrate_source(source, "torch")
     assert result.refused and not result.changed
     assert "apex = None" in result.migrated and "import apex" in result.migrated
+
+
+def test_apex_private_attributes_ampinit_lacks_are_left_for_a_human() -> None:
+    """fairseq's FusedAdam subclass checks `self.multi_tensor_adam`: until ampinit's FusedAdam has it, a clean
+    rewrite would crash at construction ("Apex installation is outdated"), so the site needs a human."""
+    from ampinit.migrate._rules import private_attribute_provided
+
+    source = textwrap.dedent(
+        """
+        from apex.optimizers import FusedAdam
+
+
+        class Mine(FusedAdam):
+            def check(self):
+                return hasattr(self, "multi_tensor_adam"), self._dummy_overflow_buf
+        """
+    )
+    result = migrate_source(source, "ampinit")
+    expected = [n for n in ("_dummy_overflow_buf",) if not private_attribute_provided(n)]
+    flagged = [s.message for s in result.needs_human]
+    assert len(flagged) == len(expected), flagged
+    assert all("Apex's private `_dummy_overflow_buf`" in m for m in flagged)

@@ -370,6 +370,13 @@ class _ToAmpinit(cst.CSTTransformer):
 
     # -- uses ------------------------------------------------------------------------------------------------------
     def leave_Attribute(self, original_node: cst.Attribute, updated_node: cst.Attribute) -> cst.BaseExpression:
+        private = original_node.attr.value
+        if private in _rules.PRIVATE_ATTRIBUTES and not _rules.private_attribute_provided(private):
+            note = (
+                f"uses Apex's private `{private}` ({_rules.PRIVATE_ATTRIBUTES[private]}), which ampinit does not "
+                "provide yet: keep Apex for this code, or rewrite it against ampinit's public API"
+            )
+            self._site(original_node, cst.Module([]).code_for_node(original_node), note)
         parent = self.get_metadata(ParentNodeProvider, original_node)
         if isinstance(parent, cst.Attribute) and parent.value is original_node:
             return updated_node  # only the outermost attribute of a chain is rewritten
