@@ -5,7 +5,12 @@ each ``scale_loss`` block, back to the last ``zero_grad``/``step``) go under ``t
 ``scale_loss`` block becomes ``scaler.scale(loss).backward()``; ``optimizer.step()`` becomes
 ``scaler.step(optimizer); scaler.update()``; clipping ``amp.master_params(optimizer)`` becomes
 ``scaler.unscale_(optimizer)`` and clipping the model's parameters; ``amp.state_dict()`` becomes
-``scaler.state_dict()``.
+``scaler.state_dict()`` and ``amp.load_state_dict(s)`` loads either format through a function written into the file.
+
+``amp.initialize`` directly under ``if <flag>:``, or with an ``opt_level`` variable that holds O0 or O1, gets a
+GradScaler created on every path with ``enabled=`` that flag (a disabled GradScaler is a pass-through, so the same
+calls are right on both paths). Helper modules that only use ``float_function``/``disable_casts``, and an unused
+amp import, are handled by :mod:`ampinit.migrate._helper_modules` and here.
 
 Anything without a native equivalent is refused with a reason per site (O2/O3 master weights or half models,
 several models, optimizers or losses, ``delay_unscale``, static loss scales, loss-scale bounds, Apex internals),
