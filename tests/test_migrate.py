@@ -62,7 +62,7 @@ def test_every_rule_has_a_golden_site() -> None:
         "amp (O1) -> torch.autocast + torch.amp.GradScaler",
         "scale_loss block -> scaler.scale(loss).backward()",
         "optimizer.step() -> scaler.step(optimizer); scaler.update()",
-        "grad_scaler_state()",
+        "scaler.load_state_dict(grad_scaler_state(s)): loads either format",
         "opt_level='O2' keeps a half-precision model",
         "num_losses > 1",
         "loss_id selects one of several loss scalers",

@@ -10,8 +10,12 @@ import os
 from collections.abc import Iterable, Iterator
 from typing import Literal
 
+from ampinit.migrate._guards import line_map, rewrite_guards
+from ampinit.migrate._optimizers import rewrite_fused_adam
 from ampinit.migrate._report import FileResult, Report, Site
-from ampinit.migrate._to_ampinit import COMMENT_PREFIX
+from ampinit.migrate._resolve import imported_modules, unresolved_imports
+from ampinit.migrate._to_ampinit import COMMENT_PREFIX, migrate_module
+from ampinit.migrate._to_torch import migrate_module_to_torch
 from ampinit.migrate.checkpoint import convert_apex_checkpoint, grad_scaler_state
 
 __all__ = [
@@ -29,20 +33,70 @@ Destination = Literal["ampinit", "torch"]
 
 def migrate_source(source: str, to: Destination = "ampinit", path: str = "<string>") -> FileResult:
     """Migrate one file's source. ``--to torch`` rewrites the amp part natively (or refuses, leaving the file
-    unchanged) and then applies the ``--to ampinit`` rules to the rest of Apex (parallel, fp16_utils...)."""
-    from ampinit.migrate._to_ampinit import migrate_module
-    from ampinit.migrate._to_torch import migrate_module_to_torch
+    unchanged), then the rest of Apex (parallel, fp16_utils...) where torch has it; a file that would still import
+    Apex or ampinit afterwards is refused with the names that have no native equivalent."""
 
     if to not in ("ampinit", "torch"):
         raise ValueError(f"to must be 'ampinit' or 'torch', got {to!r}")
     if to == "torch":
-        native, sites, refused = migrate_module_to_torch(source)
-        if refused:
-            return _earlier_notes(FileResult(path, source, source, sites, refused=True))
-        migrated, more = migrate_module(native)
-        return _checked(FileResult(path, source, migrated, sites + more))
+        return _to_torch(source, path)
     migrated, sites = migrate_module(source)
     return _checked(FileResult(path, source, migrated, sites))
+
+
+def _to_torch(source: str, path: str) -> FileResult:
+
+    guarded, guard_sites = rewrite_guards(source)
+    native, sites, refused = migrate_module_to_torch(guarded)
+    sites = _relined(sites, guarded, source)
+    if refused:
+        return _earlier_notes(FileResult(path, source, source, sites, refused=True))
+    optimizers, optimizer_sites = rewrite_fused_adam(native)
+    optimizer_sites = _relined(optimizer_sites, native, source)
+    migrated, more = migrate_module(optimizers, "torch")
+    more = _relined(more, optimizers, source)
+    left = _dependencies_left(migrated, more)
+    if left:
+        reasons = [s for s in optimizer_sites if s.needs_human]
+        if reasons:  # the specific reason replaces the generic one
+            left = [s for s in left if "FusedAdam" not in s.message]
+        return _earlier_notes(FileResult(path, source, source, sorted(reasons + left, key=lambda s: s.line), True))
+    found = guard_sites + sites + optimizer_sites + more
+    return _checked(FileResult(path, source, migrated, sorted(found, key=lambda s: s.line)))
+
+
+def _relined(sites: list[Site], source: str, original: str) -> list[Site]:
+    """Sites found in an intermediate ``source`` with their lines in the ``original`` file."""
+    if source == original:
+        return sites
+    mapping = line_map(original, source)
+    out = []
+    for site in sites:
+        line = site.line
+        while line > 1 and line not in mapping:
+            line -= 1
+        out.append(Site(mapping.get(line, site.line), site.message, site.needs_human))
+    return out
+
+
+def _dependencies_left(migrated: str, sites: list[Site]) -> list[Site]:
+    """``--to torch`` leaves no dependency: the Apex names that would keep one (through ampinit, or unrewritten),
+    each with the reason; empty when the output imports neither."""
+    roots = {module.split(".")[0] for _, module in imported_modules(migrated)}
+    if not roots & {"apex", "amp_C", "apex_C", "ampinit"}:
+        return []
+    left = []
+    for site in sites:
+        name = site.message.split(" -> ")[0].split(": ")[0]
+        if site.needs_human and "ampinit provides no" in site.message:
+            left.append(Site(site.line, f"{name} has no native torch equivalent (nor an ampinit one)", True))
+        elif " -> ampinit" in site.message or " -> import ampinit" in site.message:
+            reason = f"{name} has no native torch equivalent: use --to ampinit (or replace it by hand)"
+            left.append(Site(site.line, reason, True))
+    if not left:
+        lines = [line for line, module in imported_modules(migrated) if module.split(".")[0] in roots]
+        left.append(Site(lines[0], "the migrated file would still import Apex or ampinit: use --to ampinit", True))
+    return left
 
 
 def _earlier_notes(result: FileResult) -> FileResult:
@@ -69,8 +123,6 @@ def _earlier_notes(result: FileResult) -> FileResult:
 
 def _checked(result: FileResult) -> FileResult:
     """The codemod's last check: a result that would import a name that does not exist is refused, unchanged."""
-    from ampinit.migrate._resolve import unresolved_imports
-
     result = _earlier_notes(result)
     if not result.changed:
         return result

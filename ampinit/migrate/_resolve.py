@@ -33,6 +33,20 @@ def _imports(source: str) -> list[Import]:
     return [item for item in found if item[1].split(".")[0] in CHECKED_ROOTS]
 
 
+def imported_modules(source: str) -> list[tuple[int, str]]:
+    """(line, module) of every absolute import in ``source``, whatever the package."""
+    out: list[tuple[int, str]] = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tree = ast.parse(source)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.extend((node.lineno, alias.name) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module is not None:
+            out.append((node.lineno, node.module))
+    return sorted(out)
+
+
 def _resolves_from(module: str, name: str) -> bool:
     if resolves(module, name):
         return True

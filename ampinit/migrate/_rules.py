@@ -140,6 +140,31 @@ SPECIAL_NOTES = {
 }
 
 
+#: Apex-private attributes that public code touches (issue 15, item 3), with where Apex has them. A file that uses one
+#: needs a human until ampinit provides it: :func:`private_attribute_provided` probes for it, so rows need no edit
+#: when the compat layer gains them.
+PRIVATE_ATTRIBUTES = {
+    "_amp_stash": "Apex's per-optimizer amp state",
+    "_lazy_init_maybe_master_weights": "Apex's lazy O2 master-weight setup on the optimizer",
+    "_scale_seq_len": "the growth interval of Apex's loss scaler",
+    "multi_tensor_adam": "FusedAdam's kernel handle (fairseq's subclass checks for it)",
+    "_dummy_overflow_buf": "FusedAdam's overflow buffer",
+}
+
+
+@cache
+def private_attribute_provided(name: str) -> bool:
+    """Whether ampinit's Apex layer has ``name`` where Apex had it (a FusedAdam, an initialized optimizer)."""
+    import torch
+
+    from ampinit.compat.apex import optimizers as apex_optimizers
+    from ampinit.compat.apex.amp._amp_state import LossScalerView
+
+    parameter = torch.nn.Parameter(torch.zeros(1))
+    probes = [apex_optimizers.FusedAdam([parameter]), torch.optim.SGD([parameter], lr=0.1), LossScalerView]
+    return any(hasattr(probe, name) for probe in probes)
+
+
 def target_for(qualified: str) -> Target:
     """The new home of an Apex name; anything unmapped stays reachable through ampinit's Apex layer."""
     found = TARGETS.get(qualified)

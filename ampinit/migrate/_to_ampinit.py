@@ -191,10 +191,18 @@ class _ToAmpinit(cst.CSTTransformer):
     METADATA_DEPENDENCIES = (ParentNodeProvider, PositionProvider)
 
     def __init__(
-        self, bindings: dict[str, Binding], amp_locals: set[str], stores: set[int], existing_imports: set[str]
+        self,
+        bindings: dict[str, Binding],
+        amp_locals: set[str],
+        stores: set[int],
+        existing_imports: set[str],
+        to: str,
+        local_functions: set[str],
     ) -> None:
         super().__init__()
         self.bindings = bindings
+        self.to = to  # "ampinit", or "torch" for the rest of Apex after the native amp rewrite
+        self.local_functions = local_functions  # a locally defined is_apex_available is migrated with its body
         self.imported = set(existing_imports)  # modules imported plainly (``import x``) at module level
         self.amp_locals = amp_locals
         self.stores = stores
@@ -328,23 +336,47 @@ class _ToAmpinit(cst.CSTTransformer):
         return [import_statement(Target(m)) for m in fresh]
 
     # -- availability guards ---------------------------------------------------------------------------------------
-    def visit_Comparison(self, node: cst.Comparison) -> None:
-        membership = any(isinstance(c.operator, (cst.In, cst.NotIn)) for c in node.comparisons)
-        if membership and isinstance(node.left, cst.SimpleString) and _names_apex(node.left):
-            self._site(node, f"{cst.Module([]).code_for_node(node)}", GUARD_NOTE)
+    def leave_Comparison(self, original_node: cst.Comparison, updated_node: cst.Comparison) -> cst.BaseExpression:
+        membership = any(isinstance(c.operator, (cst.In, cst.NotIn)) for c in original_node.comparisons)
+        left = original_node.left
+        if not (membership and isinstance(left, cst.SimpleString) and _names_apex(left)):
+            return updated_node
+        code = cst.Module([]).code_for_node(original_node)
+        container = dotted(original_node.comparisons[0].comparator) or ""
+        if self.to == "ampinit" and _is_apex_root(left) and container.endswith("modules"):
+            self._site(original_node, f"{code}: the Apex check now asks for ampinit, which this file's imports load")
+            return updated_node.with_changes(left=_renamed(left))
+        self._site(original_node, code, GUARD_NOTE)
+        return updated_node
 
-    def visit_Call(self, node: cst.Call) -> None:
+    def _guard_call(self, node: cst.Call, updated: cst.Call) -> cst.BaseExpression | None:
+        """``find_spec("apex")`` -> ``find_spec("ampinit")``; ``is_apex_available()`` -> ``True`` (both under
+        ``--to ampinit``, where ampinit provides what the check guarded); flagged for a human otherwise."""
         name = dotted(node.func) or ""
         last = name.rpartition(".")[2]
         first = node.args[0].value if node.args else None
-        if last in ("find_spec", "find_loader", "import_module") and isinstance(first, cst.SimpleString):
-            if _names_apex(first) and last != "import_module":
-                self._site(node, f"{name}({first.value})", GUARD_NOTE)
-        elif last == "is_apex_available":
+        if last in ("find_spec", "find_loader") and isinstance(first, cst.SimpleString) and _names_apex(first):
+            if self.to == "ampinit" and _is_apex_root(first):
+                self._site(node, f"{name}({first.value}) -> {name}({_renamed(first).value})")
+                renamed = updated.args[0].with_changes(value=_renamed(first))
+                return updated.with_changes(args=[renamed, *updated.args[1:]])
+            self._site(node, f"{name}({first.value})", GUARD_NOTE)
+        elif last == "is_apex_available" and name not in self.local_functions:
+            if self.to == "ampinit":
+                self._site(node, f"{name}() -> True: ampinit provides the Apex names this file uses")
+                return cst.Name("True")
             self._site(node, f"{name}()", GUARD_NOTE)
+        return None
 
     # -- uses ------------------------------------------------------------------------------------------------------
     def leave_Attribute(self, original_node: cst.Attribute, updated_node: cst.Attribute) -> cst.BaseExpression:
+        private = original_node.attr.value
+        if private in _rules.PRIVATE_ATTRIBUTES and not _rules.private_attribute_provided(private):
+            note = (
+                f"uses Apex's private `{private}` ({_rules.PRIVATE_ATTRIBUTES[private]}), which ampinit does not "
+                "provide yet: keep Apex for this code, or rewrite it against ampinit's public API"
+            )
+            self._site(original_node, cst.Module([]).code_for_node(original_node), note)
         parent = self.get_metadata(ParentNodeProvider, original_node)
         if isinstance(parent, cst.Attribute) and parent.value is original_node:
             return updated_node  # only the outermost attribute of a chain is rewritten
@@ -400,6 +432,9 @@ class _ToAmpinit(cst.CSTTransformer):
         return expression(binding.target.expression)
 
     def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.BaseExpression:
+        guard = self._guard_call(original_node, updated_node)
+        if guard is not None:
+            return guard
         if id(original_node) not in self.stores:
             stats = stats_rewrite(original_node, self.amp_locals)
             if stats is not None:
@@ -495,6 +530,15 @@ GUARD_NOTE = (
     "takes its no-Apex path although ampinit provides what it guarded; replace the test (True) or remove it"
 )
 GUARD_WORDS = ("find_spec", "find_loader", "sys.modules", "is_apex_available")
+
+
+def _is_apex_root(node: cst.SimpleString) -> bool:
+    return node.evaluated_value == "apex"
+
+
+def _renamed(node: cst.SimpleString) -> cst.SimpleString:
+    """The same string literal (prefix and quotes kept) naming ``ampinit`` instead of ``apex``."""
+    return node.with_changes(value=node.value.replace("apex", "ampinit", 1))
 
 
 def _names_apex(node: cst.SimpleString) -> bool:
@@ -647,8 +691,9 @@ class _ImportNeeds(cst.CSTVisitor):
                 binding.imports.add("torch")
 
 
-def migrate_module(source: str) -> tuple[str, list[Site]]:
-    """Rewrite one module's Apex code to ampinit; returns the new source and the sites."""
+def migrate_module(source: str, to: str = "ampinit") -> tuple[str, list[Site]]:
+    """Rewrite one module's Apex code to ampinit; returns the new source and the sites. ``to="torch"`` is the
+    second pass of ``--to torch``: availability guards are flagged, not turned into checks for ampinit."""
     module = cst.parse_module(source)
     wrapper = MetadataWrapper(module)
     bindings, collector = classify(module, wrapper)
@@ -669,7 +714,8 @@ def migrate_module(source: str) -> tuple[str, list[Site]]:
         for alias in small.names
         if alias.asname is None and not is_apex(dotted(alias.name) or "")
     }
-    transformer = _ToAmpinit(bindings, amp_locals, collector.stores, existing)
+    local_functions = {s.name.value for s in module.body if isinstance(s, cst.FunctionDef)}
+    transformer = _ToAmpinit(bindings, amp_locals, collector.stores, existing, to, local_functions)
     new = wrapper.visit(transformer)
     sites = sorted(transformer.sites, key=lambda s: s.line)
     return new.code, sites

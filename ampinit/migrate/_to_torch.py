@@ -5,7 +5,12 @@ each ``scale_loss`` block, back to the last ``zero_grad``/``step``) go under ``t
 ``scale_loss`` block becomes ``scaler.scale(loss).backward()``; ``optimizer.step()`` becomes
 ``scaler.step(optimizer); scaler.update()``; clipping ``amp.master_params(optimizer)`` becomes
 ``scaler.unscale_(optimizer)`` and clipping the model's parameters; ``amp.state_dict()`` becomes
-``scaler.state_dict()``.
+``scaler.state_dict()`` and ``amp.load_state_dict(s)`` loads either format through a function written into the file.
+
+``amp.initialize`` directly under ``if <flag>:``, or with an ``opt_level`` variable that holds O0 or O1, gets a
+GradScaler created on every path with ``enabled=`` that flag (a disabled GradScaler is a pass-through, so the same
+calls are right on both paths). Helper modules that only use ``float_function``/``disable_casts``, and an unused
+amp import, are handled by :mod:`ampinit.migrate._helper_modules` and here.
 
 Anything without a native equivalent is refused with a reason per site (O2/O3 master weights or half models,
 several models, optimizers or losses, ``delay_unscale``, static loss scales, loss-scale bounds, Apex internals),
@@ -14,6 +19,7 @@ and then the file is left unchanged: ``--to ampinit`` handles it.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Union
@@ -21,28 +27,17 @@ from typing import Any, Union
 import libcst as cst
 from libcst.metadata import MetadataWrapper, ParentNodeProvider, PositionProvider
 
+from ampinit.compat.apex.amp import frontend as apex_frontend
+from ampinit.compat.apex.amp import handle as apex_handle
+from ampinit.migrate._helper_modules import GRAD_SCALER_STATE, HELPER_USES, add_definitions, migrate_helper_module
 from ampinit.migrate._report import Site
 from ampinit.migrate._to_ampinit import add_comments, apex_bindings, dotted
 
 Block = Union[cst.Module, cst.IndentedBlock]
 CLIP_FUNCTIONS = ("clip_grad_norm_", "clip_grad_norm", "clip_grad_value_")
-APEX_SIGNATURE = (
-    "models",
-    "optimizers",
-    "enabled",
-    "opt_level",
-    "cast_model_type",
-    "patch_torch_functions",
-    "keep_batchnorm_fp32",
-    "master_weights",
-    "loss_scale",
-    "cast_model_outputs",
-    "num_losses",
-    "verbosity",
-    "min_loss_scale",
-    "max_loss_scale",
-)
-SCALE_LOSS_SIGNATURE = ("loss", "optimizers", "loss_id", "model", "delay_unscale", "delay_overflow_check")
+# Apex's parameter names, in order, read from the Apex layer that reproduces its signatures (one source of truth).
+APEX_SIGNATURE = tuple(inspect.signature(apex_frontend.initialize).parameters)
+SCALE_LOSS_SIGNATURE = tuple(inspect.signature(apex_handle.scale_loss).parameters)
 NO_NATIVE = {
     "cast_model_type": "cast_model_type casts the model's weights (O2/O3): torch.amp has no half model",
     "patch_torch_functions": "patch_torch_functions is O1's switch: keep the default",
@@ -99,6 +94,23 @@ class _Plan:
     # (id of block, first index, last index) of the statements to run under autocast
     autocast: list[tuple[int, int, int]] = field(default_factory=list)
     names: set[str] = field(default_factory=set)
+    # amp.initialize under `if <condition>:` (Tacotron2's `if hparams.fp16_run:`): the GradScaler is created before
+    # that `if` with enabled=<condition>, so the same calls are right on both paths
+    condition: str | None = None
+    level_switch: str | None = None  # `level == "O1"` when opt_level is a variable that holds O0 or O1
+    guard_if: cst.If | None = None
+    loads_state: int = 0  # the line of amp.load_state_dict: checkpoints of either format go through a helper
+    enabled_bodies: set[int] = field(default_factory=set)  # blocks that run only when the condition holds
+    disabled_bodies: set[int] = field(default_factory=set)  # blocks that run only when it does not
+
+    @property
+    def enabled_expression(self) -> str | None:
+        """What turns the GradScaler and autocast on: the guarding condition, Apex's ``enabled=``, and an
+        ``opt_level`` variable that is O1 or O0."""
+        parts = [p for p in (self.condition, self.enabled, self.level_switch) if p is not None]
+        if not parts or parts == [self.enabled]:
+            return self.enabled
+        return f"bool({' and '.join(parts)})"
 
 
 class _Analysis(cst.CSTVisitor):
@@ -112,6 +124,36 @@ class _Analysis(cst.CSTVisitor):
         self.steps: list[cst.Call] = []
         self.backwards: list[cst.Call] = []
         self.imports: list[cst.CSTNode] = []
+        self.ifs: list[cst.If] = []
+        self.assignments: list[cst.BaseExpression] = []  # every assignment target, to prove a flag stable
+        self.references = 0  # uses of the amp name outside its imports
+
+    def visit_If(self, node: cst.If) -> None:
+        self.ifs.append(node)
+
+    def visit_AssignTarget(self, node: cst.AssignTarget) -> None:
+        self._assigned(node.target)
+
+    def visit_AugAssign(self, node: cst.AugAssign) -> None:
+        self._assigned(node.target)
+
+    def visit_AnnAssign(self, node: cst.AnnAssign) -> None:
+        self._assigned(node.target)
+
+    def visit_For(self, node: cst.For) -> None:
+        self._assigned(node.target)
+
+    def visit_AsName(self, node: cst.AsName) -> None:
+        self._assigned(node.name)
+
+    def _assigned(self, target: cst.BaseExpression) -> None:
+        if isinstance(target, (cst.Tuple, cst.List)):
+            for element in target.elements:
+                self._assigned(element.value)
+        elif isinstance(target, cst.StarredElement):
+            self._assigned(target.value)
+        else:
+            self.assignments.append(target)
 
     def line(self, node: cst.CSTNode) -> int:
         return int(self.positions[node].start.line)
@@ -130,6 +172,17 @@ class _Analysis(cst.CSTVisitor):
 
     def visit_Name(self, node: cst.Name) -> None:
         self.plan.names.add(node.value)
+        parent = self.parents.get(node)
+        if isinstance(parent, cst.Attribute) and parent.attr is node:
+            return  # `torch.cuda.amp`: an attribute, not the name
+        if isinstance(parent, cst.Arg) and parent.keyword is node:
+            return
+        if node.value == self.plan.amp:
+            self.references += 1
+
+    def path(self, node: cst.CSTNode) -> list[int]:
+        """:meth:`blocks` on the path where amp is enabled: the bodies of `if <condition>:` are always entered."""
+        return [b for b in self.blocks(node) if b not in self.plan.enabled_bodies]
 
     def blocks(self, node: cst.CSTNode) -> list[int]:
         """The blocks that hold ``node``, innermost first, up to its function's body: one path through the code."""
@@ -199,9 +252,10 @@ def _analyse(wrapper: MetadataWrapper, amp_local: str) -> tuple[_Plan, _Analysis
         return plan, analysis
     _check_initialize(analysis, inits[0])
     plan.init_function = analysis.function_of(inits[0])
+    _check_init_guard(analysis, inits[0])
     for statement in analysis.imports:
         guard = analysis.guard(statement)
-        if guard is not None:
+        if guard is not None and not _in_guard_if(analysis, statement):
             analysis.refuse(
                 statement,
                 f"the Apex import sits under `{guard}` (an availability guard or a switch): after the rewrite the "
@@ -211,7 +265,7 @@ def _analyse(wrapper: MetadataWrapper, amp_local: str) -> tuple[_Plan, _Analysis
     for name, node in analysis.uses:
         if name == "initialize":
             continue
-        if analysis.function_of(node) is not plan.init_function and name in ("scale_loss", "master_params"):
+        if analysis.function_of(node) is not plan.init_function and name in _NEED_THE_SCALER:
             analysis.refuse(
                 node, f"amp.{name} is used in another function than amp.initialize: pass a GradScaler there"
             )
@@ -237,20 +291,94 @@ def _analyse(wrapper: MetadataWrapper, amp_local: str) -> tuple[_Plan, _Analysis
     return plan, analysis
 
 
+_NEED_THE_SCALER = ("scale_loss", "master_params", "state_dict", "load_state_dict")
+
+
+def _statement_of(analysis: _Analysis, node: cst.CSTNode) -> cst.CSTNode:
+    current = node
+    while not isinstance(current, (cst.SimpleStatementLine, cst.BaseCompoundStatement)):
+        current = analysis.parent(current)
+    return current
+
+
+def _in_guard_if(analysis: _Analysis, node: cst.CSTNode) -> bool:
+    """Whether ``node`` sits directly in the body of the `if <condition>:` that guards amp.initialize."""
+    guard_if = analysis.plan.guard_if
+    return guard_if is not None and analysis.parent(analysis.parent(_statement_of(analysis, node))) is guard_if
+
+
+def _check_init_guard(analysis: _Analysis, init: cst.Attribute) -> None:
+    """``amp.initialize`` may sit directly under `if <flag>:` (no `else`, in its function's body) when the flag is a
+    name or attribute that the function does not assign afterwards: the GradScaler is then created before the `if`
+    with enabled=<flag>. Disabled, GradScaler.scale/unscale_/update do nothing and step() is optimizer.step(), so
+    every rewritten call is right on both paths; a plain backward() is allowed where the flag is known false."""
+    plan = analysis.plan
+    if analysis.guard(init) is None:
+        return
+    statement = _statement_of(analysis, init)
+    block = analysis.parent(statement)
+    guard_if = analysis.parent(block)
+    flag = dotted(guard_if.test) if isinstance(guard_if, cst.If) else None
+    if not (
+        isinstance(guard_if, cst.If)
+        and block is guard_if.body
+        and guard_if.orelse is None
+        and analysis.guard(guard_if) is None
+        and flag is not None
+    ):
+        guard = analysis.guard(init)
+        analysis.refuse(
+            init,
+            f"amp.initialize runs only on some paths (it sits under `{guard}`, not directly under a plain "
+            "`if <flag>:`): on the others the rewritten scaler.step()/scaler.scale() would have no GradScaler; "
+            "create the GradScaler unconditionally with enabled=<the condition> by hand, or use --to ampinit",
+        )
+        return
+    start = analysis.line(guard_if)
+    changed = [
+        _code(target)
+        for target in analysis.assignments
+        if _code(target) in _prefixes(flag)
+        and analysis.line(target) > start
+        and analysis.function_of(target) is plan.init_function
+    ]
+    if changed:
+        analysis.refuse(
+            guard_if,
+            f"the flag `{flag}` that guards amp.initialize is assigned again later ({changed[0]}): the GradScaler's "
+            "enabled= could not follow it; rewrite by hand, or use --to ampinit",
+        )
+        return
+    plan.condition, plan.guard_if = flag, guard_if
+    for node in analysis.ifs:
+        if analysis.function_of(node) is not plan.init_function:
+            continue
+        test = node.test
+        if dotted(test) == flag:
+            plan.enabled_bodies.add(id(node.body))
+            if isinstance(node.orelse, cst.Else):
+                plan.disabled_bodies.add(id(node.orelse.body))
+        elif _negates(test, flag):
+            plan.disabled_bodies.add(id(node.body))
+
+
+def _negates(test: cst.BaseExpression, flag: str) -> bool:
+    negated = isinstance(test, cst.UnaryOperation) and isinstance(test.operator, cst.Not)
+    return negated and dotted(test.expression) == flag  # type: ignore[attr-defined]
+
+
+def _prefixes(flag: str) -> set[str]:
+    """``a.b.c`` -> {``a``, ``a.b``, ``a.b.c``}: assigning any of them may change the flag."""
+    parts = flag.split(".")
+    return {".".join(parts[: i + 1]) for i in range(len(parts))}
+
+
 def _check_paths(analysis: _Analysis, init: cst.Attribute, steps: list[cst.Call]) -> None:
     """Refuse unless the rewrite is equivalent on every path through the function: ``amp.initialize`` runs on all
     of them (it creates the GradScaler that every ``scaler.step()`` needs), and every ``optimizer.step()`` comes
     after a ``scale_loss`` block that runs whenever the step runs (GradScaler.step needs a scaled backward), with
     no unscaled ``backward()`` beside them."""
     plan = analysis.plan
-    guard = analysis.guard(init)
-    if guard is not None:
-        analysis.refuse(
-            init,
-            f"amp.initialize runs only on some paths (it sits under `{guard}`): on the others the rewritten "
-            "scaler.step()/scaler.scale() would have no GradScaler; create the GradScaler unconditionally with "
-            "enabled=<the condition> by hand, or use --to ampinit",
-        )
     start = analysis.positions[init].start
     blocks = [b for b in analysis.scale_blocks if analysis.function_of(b) is plan.init_function]
     scaled = {id(b) for b in blocks}
@@ -261,9 +389,9 @@ def _check_paths(analysis: _Analysis, init: cst.Attribute, steps: list[cst.Call]
         if (where.line, where.column) < (start.line, start.column):
             analysis.refuse(step, "optimizer.step() comes before amp.initialize: it would run without a GradScaler")
             continue
-        path = analysis.blocks(step)
+        path = analysis.path(step)
         before = [b for b in blocks if analysis.positions[b].start.line < where.line]
-        if not before or any(analysis.blocks(b)[::-1] != path[::-1][: len(analysis.blocks(b))] for b in before):
+        if not before or any(analysis.path(b)[::-1] != path[::-1][: len(analysis.path(b))] for b in before):
             analysis.refuse(
                 step,
                 "optimizer.step() can run on a path without amp.scale_loss before it (scale_loss is conditional, "
@@ -275,7 +403,7 @@ def _check_paths(analysis: _Analysis, init: cst.Attribute, steps: list[cst.Call]
         current: cst.CSTNode | None = call
         while current is not None and id(current) not in scaled:
             current = analysis.parents.get(current)
-        if current is None:
+        if current is None and not set(analysis.blocks(call)) & plan.disabled_bodies:
             analysis.refuse(
                 call,
                 "a backward() outside amp.scale_loss in the function that steps the optimizer: on that path "
@@ -298,6 +426,8 @@ def _check_initialize(analysis: _Analysis, attribute: cst.Attribute) -> None:
         analysis.refuse(call, "amp.initialize needs exactly one model and one optimizer (no lists) for --to torch")
         return
     level = _literal(args.get("opt_level")) if "opt_level" in args else "O1"
+    if level is _NOT_LITERAL:
+        level = _variable_level(analysis, call, args["opt_level"])
     if level not in ("O0", "O1"):
         reason = (
             f"opt_level={level!r} keeps a half-precision model (and fp32 master weights for O2): no native equivalent"
@@ -327,6 +457,35 @@ def _check_initialize(analysis: _Analysis, attribute: cst.Attribute) -> None:
             plan.model, plan.optimizer = (_code(e.value) for e in target.elements)
         else:
             analysis.refuse(call, "amp.initialize's result is not unpacked into (model, optimizer)")
+
+
+def _variable_level(analysis: _Analysis, call: cst.Call, node: cst.BaseExpression) -> Any:
+    """The level an ``opt_level`` variable holds at ``amp.initialize`` when the function assigns it once, before
+    the call, from literals (``level = 'O1' if fp16 else 'O0'``): that literal, or ``"O1"`` with the GradScaler
+    switched by ``level == "O1"`` when it can be either; ``_NOT_LITERAL`` otherwise."""
+    if not isinstance(node, cst.Name):
+        return _NOT_LITERAL
+    function = analysis.function_of(call)
+    stores = [t for t in analysis.assignments if _code(t) == node.value and analysis.function_of(t) is function]
+    if len(stores) != 1 or analysis.line(stores[0]) >= analysis.line(call):
+        return _NOT_LITERAL
+    target = analysis.parent(stores[0])
+    assign = analysis.parent(target) if isinstance(target, cst.AssignTarget) else None
+    values = _literal_choices(assign.value) if isinstance(assign, cst.Assign) and len(assign.targets) == 1 else None
+    if values is None or not values <= {"O0", "O1"}:
+        return _NOT_LITERAL
+    if len(values) == 1:
+        return next(iter(values))
+    analysis.plan.level_switch = f'{node.value} == "O1"'
+    return "O1"
+
+
+def _literal_choices(node: cst.BaseExpression) -> set[Any] | None:
+    if isinstance(node, cst.IfExp):
+        body, orelse = _literal_choices(node.body), _literal_choices(node.orelse)
+        return None if body is None or orelse is None else body | orelse
+    value = _literal(node)
+    return None if value is _NOT_LITERAL else {value}
 
 
 def _check_scale_loss(analysis: _Analysis, attribute: cst.Attribute) -> None:
@@ -363,12 +522,18 @@ def _check_scale_loss(analysis: _Analysis, attribute: cst.Attribute) -> None:
     loss = args["loss"]
     if plan.level == "O0":
         return
+    anchor: cst.CSTNode = block
     container = analysis.parent(block)
+    while id(container) in plan.enabled_bodies and isinstance(container, cst.IndentedBlock):
+        if container.body[0] is not anchor:
+            break
+        anchor = analysis.parent(container)  # `if <flag>: with amp.scale_loss(...)`: the forward is before the if
+        container = analysis.parent(anchor)
     if not isinstance(container, (cst.Module, cst.IndentedBlock)) or not isinstance(loss, cst.Name):
         plan.notes.append(Site(analysis.line(block), _AUTOCAST_NOTE, True))
         return
     body = list(container.body)
-    end = body.index(block) - 1
+    end = body.index(anchor) - 1  # type: ignore[arg-type]
     while end >= 0 and not _assigns(body[end], loss.value):
         end -= 1
     if end < 0:
@@ -421,14 +586,10 @@ def _check_plain_call(analysis: _Analysis, attribute: cst.Attribute) -> None:
 
 def _check_load_state_dict(analysis: _Analysis, attribute: cst.Attribute) -> None:
     _check_plain_call(analysis, attribute)
-    analysis.plan.notes.append(
-        Site(
-            analysis.line(attribute),
-            "checkpoints written before the migration hold Apex's amp state: convert them with "
-            "ampinit.migrate.grad_scaler_state() before scaler.load_state_dict()",
-            True,
-        )
-    )
+    call = analysis.parent(attribute)
+    if isinstance(call, cst.Call) and (len(call.args) != 1 or call.args[0].keyword is not None or call.args[0].star):
+        analysis.refuse(call, "amp.load_state_dict with other arguments than one state: rewrite it by hand")
+    analysis.plan.loads_state = analysis.line(attribute)
 
 
 _USE_CHECKS = {
@@ -489,12 +650,51 @@ class _WrapAutocast(cst.CSTTransformer):
 
 
 class _Rewrite(cst.CSTTransformer):
-    def __init__(self, plan: _Plan, scaler: str, device: str, has_torch: bool) -> None:
+    def __init__(self, plan: _Plan, scaler: str, device: str, has_torch: bool, state_helper: str = "") -> None:
         super().__init__()
         self.plan = plan
+        self.state_helper = state_helper
         self.scaler = scaler
         self.device = device
         self.has_torch = has_torch
+        self.depth = 0  # indented blocks around the current statement: 0 at module level
+
+    def visit_IndentedBlock(self, node: cst.IndentedBlock) -> None:
+        self.depth += 1
+
+    def leave_IndentedBlock(self, original_node: cst.IndentedBlock, updated_node: cst.IndentedBlock) -> Any:
+        self.depth -= 1
+        return updated_node
+
+    def leave_Module(self, original_node: cst.Module, updated_node: cst.Module) -> cst.Module:
+        if self.has_torch:
+            return updated_node
+        body = list(updated_node.body)
+        index = 0
+        while index < len(body) and _is_docstring_or_future(body[index]):
+            index += 1
+        body.insert(index, cst.parse_statement("import torch"))
+        return updated_node.with_changes(body=body)
+
+    def leave_If(self, original_node: cst.If, updated_node: cst.If) -> Any:
+        """The `if <flag>:` that guarded amp.initialize: the GradScaler is created before it, on every path."""
+        if self.plan.condition is None:
+            return updated_node
+        calls = [self._init_call(s) for s in original_node.body.body]
+        call = next((c for c in calls if c is not None), None)
+        if call is None:
+            return updated_node
+        created = self._create_scaler(original_node.leading_lines)
+        if not updated_node.body.body:
+            return cst.FlattenSentinel(created)
+        return cst.FlattenSentinel([*created, updated_node.with_changes(leading_lines=[])])
+
+    def _init_call(self, statement: cst.CSTNode) -> cst.Call | None:
+        if not isinstance(statement, cst.SimpleStatementLine) or len(statement.body) != 1:
+            return None
+        small = statement.body[0]
+        value = small.value if isinstance(small, (cst.Assign, cst.Expr)) else None
+        return self._amp_call(value, "initialize") if value is not None else None
 
     def _amp_call(self, node: cst.BaseExpression, name: str) -> cst.Call | None:
         if (
@@ -529,7 +729,12 @@ class _Rewrite(cst.CSTTransformer):
                 return self._replace_import(updated_node, small, rest)
         value = small.value if isinstance(small, (cst.Assign, cst.Expr)) else None
         if value is not None and self._amp_call(value, "initialize") is not None:
-            return cst.FlattenSentinel(self._initialize(small, lines))
+            renamed = self._renamed_models(small)
+            if self.plan.condition is not None:  # the GradScaler is created before the `if` (leave_If)
+                return cst.FlattenSentinel(renamed) if renamed else cst.RemoveFromParent()
+            created = [*renamed, *self._create_scaler([])]
+            created[0] = created[0].with_changes(leading_lines=lines)
+            return cst.FlattenSentinel(created)
         if value is not None and _is_step(value, self.plan.optimizer):
             step = small.with_changes(value=cst.parse_expression(f"{self.scaler}.step({self.plan.optimizer})"))
             update = cst.parse_statement(f"{self.scaler}.update()")
@@ -547,7 +752,7 @@ class _Rewrite(cst.CSTTransformer):
         if rest:
             rest[-1] = rest[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)
             out.append(statement.with_changes(body=[small.with_changes(names=rest)]))
-        if not self.has_torch:
+        if not self.has_torch and self.depth == 0:  # in a function, `import torch` would make torch a local name
             self.has_torch = True
             out.append(cst.parse_statement("import torch"))  # type: ignore[arg-type]
         if not out:
@@ -557,18 +762,23 @@ class _Rewrite(cst.CSTTransformer):
         )
         return cst.FlattenSentinel(out)
 
-    def _initialize(self, small: cst.BaseSmallStatement, lines: Any) -> list[cst.BaseStatement]:
+    def _renamed_models(self, small: cst.BaseSmallStatement) -> list[cst.BaseStatement]:
+        """``new_model, new_opt = model, opt`` where amp.initialize's result was bound to other names."""
         plan = self.plan
-        out: list[cst.BaseStatement] = []
-        call = small.value  # type: ignore[attr-defined]
-        args = _call_args(call, APEX_SIGNATURE) or {}
+        args = _call_args(small.value, APEX_SIGNATURE) or {}  # type: ignore[attr-defined]
         given = (_code(args["models"]), _code(args["optimizers"]))
-        if (plan.model, plan.optimizer) != given:
-            out.append(cst.parse_statement(f"{plan.model}, {plan.optimizer} = {given[0]}, {given[1]}"))
-        out.append(cst.parse_statement(f'{self.device} = "cuda" if torch.cuda.is_available() else "cpu"'))
-        enabled = "False" if plan.level == "O0" else plan.enabled
+        if (plan.model, plan.optimizer) == given:
+            return []
+        return [cst.parse_statement(f"{plan.model}, {plan.optimizer} = {given[0]}, {given[1]}")]
+
+    def _create_scaler(self, lines: Any) -> list[cst.BaseStatement]:
+        plan = self.plan
+        enabled = "False" if plan.level == "O0" else plan.enabled_expression
         options = f", enabled={enabled}" if enabled is not None else ""
-        out.append(cst.parse_statement(f"{self.scaler} = torch.amp.GradScaler({self.device}{options})"))
+        out: list[cst.BaseStatement] = [
+            cst.parse_statement(f'{self.device} = "cuda" if torch.cuda.is_available() else "cpu"'),
+            cst.parse_statement(f"{self.scaler} = torch.amp.GradScaler({self.device}{options})"),
+        ]
         out[0] = out[0].with_changes(leading_lines=lines)
         return out
 
@@ -599,10 +809,22 @@ class _Rewrite(cst.CSTTransformer):
         if self._amp_call(updated_node, "state_dict") is not None:
             return updated_node.with_changes(func=cst.parse_expression(f"{self.scaler}.state_dict"))
         if self._amp_call(updated_node, "load_state_dict") is not None:
-            return updated_node.with_changes(func=cst.parse_expression(f"{self.scaler}.load_state_dict"))
+            state = updated_node.args[0].with_changes(
+                value=cst.Call(func=cst.Name(self.state_helper), args=[cst.Arg(updated_node.args[0].value)])
+            )
+            return updated_node.with_changes(func=cst.parse_expression(f"{self.scaler}.load_state_dict"), args=[state])
         if self._amp_call(updated_node, "disable_casts") is not None:
             return cst.parse_expression(f"torch.autocast({self.device}, enabled=False)")
         return updated_node
+
+
+def _is_docstring_or_future(statement: cst.BaseStatement) -> bool:
+    if not isinstance(statement, cst.SimpleStatementLine) or len(statement.body) != 1:
+        return False
+    small = statement.body[0]
+    if isinstance(small, cst.Expr) and isinstance(small.value, cst.SimpleString):
+        return True
+    return isinstance(small, cst.ImportFrom) and dotted(small.module or cst.Name("")) == "__future__"
 
 
 def _is_step(value: cst.BaseExpression, optimizer: str) -> bool:
@@ -636,11 +858,22 @@ def migrate_module_to_torch(source: str) -> tuple[str, list[Site], bool]:
     if len(amp_locals) > 1:
         return source, [Site(1, "apex.amp is imported under several names: use --to ampinit", True)], True
     plan, analysis = _analyse(wrapper, amp_locals[0])
+    uses = {name for name, _ in analysis.uses}
+    if uses and uses <= HELPER_USES and analysis.references == len(analysis.uses):
+        line = min((analysis.line(i) for i in analysis.imports), default=1)
+        code, sites = migrate_helper_module(
+            module, amp_locals[0], uses, _fresh(["amp_float_function", "_amp_float_function"], plan.names), line
+        )
+        return code, sites, False
+    if analysis.references == 0:
+        unused = module.visit(_Rewrite(plan, "", "", has_torch=True))
+        lines = sorted(analysis.line(i) for i in analysis.imports) or [1]
+        return unused.code, [Site(lines[0], "amp is imported but never used here: the import is removed")], False
     if plan.refusals:
         return source, sorted(plan.refusals, key=lambda s: s.line), True
     scaler = _fresh(["scaler", "grad_scaler"], plan.names)
     device = _fresh(["amp_device"], plan.names)
-    enabled = f", enabled={plan.enabled}" if plan.enabled is not None else ""
+    enabled = f", enabled={plan.enabled_expression}" if plan.enabled_expression is not None else ""
     header = f"torch.autocast({device}, dtype=torch.float16{enabled})"
     wrapped = wrapper.module.visit(_WrapAutocast(plan.autocast, header, plan.notes, analysis.positions))
     has_torch = any(
@@ -648,8 +881,18 @@ def migrate_module_to_torch(source: str) -> tuple[str, list[Site], bool]:
         and any(isinstance(x, cst.Import) and any(dotted(a.name) == "torch" for a in x.names) for x in s.body)
         for s in module.body
     )
-    rewritten = wrapped.visit(_Rewrite(plan, scaler, device, has_torch))
-    sites = [Site(1, f"amp ({plan.level}) -> torch.autocast + torch.amp.GradScaler ({scaler})")]
+    state_helper = _fresh(["grad_scaler_state", "_grad_scaler_state"], plan.names)
+    rewritten = wrapped.visit(_Rewrite(plan, scaler, device, has_torch, state_helper))
+    level = plan.level if plan.level_switch is None else f"O0 or O1: {plan.level_switch}"
+    sites = [Site(1, f"amp ({level}) -> torch.autocast + torch.amp.GradScaler ({scaler})")]
+    if plan.loads_state:
+        rewritten = add_definitions(rewritten, [], [GRAD_SCALER_STATE.format(name=state_helper)])
+        sites.append(
+            Site(
+                plan.loads_state,
+                f"amp.load_state_dict(s) -> {scaler}.load_state_dict({state_helper}(s)): loads either format",
+            )
+        )
     sites += [
         Site(analysis.line(b), "scale_loss block -> scaler.scale(loss).backward()") for b in analysis.scale_blocks
     ]

@@ -1,0 +1,166 @@
+"""``--to torch``: ``apex.optimizers.FusedAdam`` -> ``torch.optim.AdamW`` (Apex's default ``adam_w_mode=True``) or
+``torch.optim.Adam`` (``adam_w_mode=False``: L2 decay added to the gradient), where the semantics match.
+
+They match when every argument is one torch has with the same meaning: ``lr``, ``betas``, ``eps`` (added after the
+square root in both) and ``weight_decay`` (Apex's default 0.0 is written out, since AdamW's default is 0.01);
+``bias_correction``, ``amsgrad``, ``capturable`` and ``master_weights`` only at their defaults (torch has no
+switch for the first; Apex refuses amsgrad; the others are Apex's CUDA-graph and O2 machinery), and
+``set_grad_none`` only True (torch's ``zero_grad`` sets grads to None too). A name used other than by calling it
+(a subclass, an ``isinstance``) is left alone, and the file is then refused for its Apex import.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import libcst as cst
+from libcst.metadata import MetadataWrapper, ParentNodeProvider, PositionProvider
+
+from ampinit.compat.apex import optimizers as apex_optimizers
+from ampinit.migrate._helper_modules import add_definitions
+from ampinit.migrate._report import Site
+from ampinit.migrate._to_ampinit import dotted
+
+#: FusedAdam's parameters in Apex's order (after ``self``), from the Apex layer that reproduces its signature.
+FUSED_ADAM_SIGNATURE = tuple(inspect.signature(apex_optimizers.FusedAdam.__init__).parameters)[1:]
+KEPT = ("lr", "betas", "eps", "weight_decay")
+AT_DEFAULT = {"bias_correction": "True", "amsgrad": "False", "capturable": "False", "master_weights": "False"}
+
+
+def _arguments(call: cst.Call) -> dict[str, cst.Arg] | None:
+    found: dict[str, cst.Arg] = {}
+    for index, arg in enumerate(call.args):
+        if arg.star:
+            return None
+        if arg.keyword is not None:
+            found[arg.keyword.value] = arg
+        elif index < len(FUSED_ADAM_SIGNATURE):
+            found[FUSED_ADAM_SIGNATURE[index]] = arg
+        else:
+            return None
+    return found
+
+
+def native_adam(call: cst.Call) -> tuple[str, str] | tuple[None, str]:
+    """(the torch.optim call's source, what was done) or (None, why not)."""
+    args = _arguments(call)
+    if args is None or "params" not in args:
+        return None, "FusedAdam(*args/**kwargs): the arguments cannot be read statically"
+    given = {name: cst.Module([]).code_for_node(arg.value) for name, arg in args.items()}
+    for name, default in AT_DEFAULT.items():
+        if given.get(name, default) != default:
+            return None, f"FusedAdam({name}={given[name]}): torch.optim's Adam has no such switch"
+    if given.get("set_grad_none", "True") != "True":
+        return None, "FusedAdam(set_grad_none=False): torch's zero_grad sets gradients to None"
+    unknown = sorted(set(given) - {"params", "adam_w_mode", "set_grad_none", *KEPT, *AT_DEFAULT})
+    if unknown:
+        return None, f"FusedAdam({', '.join(unknown)}=...): no torch.optim counterpart"
+    mode = given.get("adam_w_mode", "True")
+    if mode not in ("True", "False"):
+        return None, "FusedAdam(adam_w_mode=<not a literal>): AdamW or Adam cannot be chosen statically"
+    kind = "AdamW" if mode == "True" else "Adam"
+    options = [given["params"]]
+    options += [f"{name}={given[name]}" for name in KEPT if name in given]
+    if kind == "AdamW" and "weight_decay" not in given:
+        options.append("weight_decay=0.0")  # Apex's default; AdamW's is 0.01
+    return f"torch.optim.{kind}({', '.join(options)})", f"apex FusedAdam -> torch.optim.{kind}"
+
+
+class _Uses(cst.CSTVisitor):
+    METADATA_DEPENDENCIES = (ParentNodeProvider,)
+
+    def __init__(self, local: str) -> None:
+        self.local = local
+        self.calls: list[cst.Call] = []
+        self.other = False
+
+    def visit_Import(self, node: cst.Import) -> bool:
+        return False
+
+    def visit_ImportFrom(self, node: cst.ImportFrom) -> bool:
+        return False
+
+    def visit_Name(self, node: cst.Name) -> None:
+        if node.value != self.local:
+            return
+        parent = self.get_metadata(ParentNodeProvider, node)
+        if isinstance(parent, cst.Attribute) and parent.attr is node:
+            return
+        if isinstance(parent, cst.Call) and parent.func is node:
+            self.calls.append(parent)
+        else:
+            self.other = True
+
+
+class _Rewrite(cst.CSTTransformer):
+    METADATA_DEPENDENCIES = (PositionProvider,)
+
+    def __init__(self, local: str, calls: dict[int, str]) -> None:
+        super().__init__()
+        self.local = local
+        self.calls = calls
+        self.sites: list[Site] = []
+
+    def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> Any:
+        native = self.calls.get(id(original_node))
+        return updated_node if native is None else cst.parse_expression(native)
+
+    def leave_ImportFrom(self, original_node: cst.ImportFrom, updated_node: cst.ImportFrom) -> Any:
+        names = updated_node.names
+        if dotted(original_node.module or cst.Name("")) != "apex.optimizers" or isinstance(names, cst.ImportStar):
+            return updated_node
+        rest = [a for a in names if _local(a) != self.local]
+        if len(rest) == len(names):
+            return updated_node
+        if not rest:
+            return cst.RemoveFromParent()
+        rest[-1] = rest[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)
+        return updated_node.with_changes(names=rest)
+
+
+def _local(alias: cst.ImportAlias) -> str:
+    if alias.asname is not None and isinstance(alias.asname.name, cst.Name):
+        return alias.asname.name.value
+    return dotted(alias.name) or ""
+
+
+def rewrite_fused_adam(source: str) -> tuple[str, list[Site]]:
+    """``from apex.optimizers import FusedAdam [as X]`` whose every use is a call that maps: calls rewritten to
+    torch.optim, the name dropped from the import. Otherwise the source is returned as it is, with the reason."""
+    module = cst.parse_module(source)
+    locals_ = [
+        _local(a)
+        for statement in module.body
+        if isinstance(statement, cst.SimpleStatementLine)
+        for small in statement.body
+        if isinstance(small, cst.ImportFrom)
+        and dotted(small.module or cst.Name("")) == "apex.optimizers"
+        and not isinstance(small.names, cst.ImportStar)
+        for a in small.names
+        if dotted(a.name) == "FusedAdam"
+    ]
+    if len(locals_) != 1:
+        return source, []
+    wrapper = MetadataWrapper(module)
+    uses = _Uses(locals_[0])
+    wrapper.visit(uses)
+    positions = wrapper.resolve(PositionProvider)
+    natives = {id(call): native_adam(call) for call in uses.calls}
+    refused = [(call, why) for call in uses.calls for code, why in [natives[id(call)]] if code is None]
+    if uses.other or refused or not uses.calls:
+        sites = [Site(positions[c].start.line, why, True) for c, why in refused]
+        return source, sites
+    calls = {key: code for key, (code, _) in natives.items() if code is not None}
+    new = wrapper.visit(_Rewrite(locals_[0], calls))
+    if not any(
+        isinstance(s, cst.SimpleStatementLine)
+        and any(
+            isinstance(x, cst.Import) and any(dotted(a.name) == "torch" and a.asname is None for a in x.names)
+            for x in s.body
+        )
+        for s in new.body
+    ):
+        new = add_definitions(new, ["torch"], [])
+    sites = [Site(positions[c].start.line, natives[id(c)][1]) for c in uses.calls]
+    return new.code, sites
