@@ -209,6 +209,16 @@ def test_amp_stash_and_lazy_init_under_the_aliases() -> None:
     check_stash_script(run_script(STASH_SCRIPT), uninterrupted)
 
 
+@pytest.mark.usefixtures("session_cleanup")
+def test_amp_stash_and_lazy_init_after_migrate() -> None:
+    """A file that reads the stash keeps amp on the Apex layer, which attaches it: it runs as it did with Apex."""
+    uninterrupted = run_script(migrated(UNINTERRUPTED_SCRIPT))["UNINTERRUPTED"]
+    result = migrate_source(STASH_SCRIPT, "ampinit")
+    assert "from ampinit.compat.apex import amp" in result.migrated, result.migrated
+    assert not result.needs_human, [site.message for site in result.needs_human]
+    check_stash_script(run_script(migrated(STASH_SCRIPT)), uninterrupted)
+
+
 @pytest.mark.usefixtures("aliases", "session_cleanup")
 def test_amp_stash_without_master_weights_and_after_close() -> None:
     from apex import amp  # type: ignore[import-not-found]

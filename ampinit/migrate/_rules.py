@@ -129,6 +129,14 @@ WRAPPER_INFO = (
     "on ampinit's Apex layer (ampinit.compat.apex.amp)"
 )
 
+#: Apex's per-optimizer amp state, which only the Apex-compatible amp.initialize attaches to an optimizer: a file that
+#: reads one keeps ``amp`` on that layer (as with LARC), where the attribute exists.
+COMPAT_AMP_ATTRIBUTES = ("_amp_stash", "_lazy_init_maybe_master_weights")
+COMPAT_AMP_INFO = (
+    "this file reads Apex's per-optimizer amp state (optimizer._amp_stash / _lazy_init_maybe_master_weights), which "
+    "ampinit's Apex-compatible amp.initialize attaches: amp is kept on ampinit's Apex layer (ampinit.compat.apex.amp)"
+)
+
 SPECIAL_NOTES = {
     "apex.fp16_utils.FP16_Optimizer": (
         "FP16_Optimizer is kept through ampinit's Apex layer; consider amp.initialize(model, optimizer, "
@@ -155,6 +163,8 @@ PRIVATE_ATTRIBUTES = {
 @cache
 def private_attribute_provided(name: str) -> bool:
     """Whether ampinit's Apex layer has ``name`` where Apex had it (a FusedAdam, an initialized optimizer)."""
+    if name in COMPAT_AMP_ATTRIBUTES:
+        return True  # attached by the Apex layer's amp.initialize, which such a file keeps (see classify)
     import torch
 
     from ampinit.compat.apex import optimizers as apex_optimizers

@@ -632,6 +632,7 @@ def classify(module: cst.Module, wrapper: MetadataWrapper) -> tuple[dict[str, Bi
     wrapped = any(q.startswith(_rules.OPTIMIZER_WRAPPERS) for q in raw.values()) or (
         any(q in _rules.PACKAGES for q in raw.values()) and ".LARC" in module.code
     )
+    reads_amp_stash = any(f".{name}" in module.code for name in _rules.COMPAT_AMP_ATTRIBUTES)
     for local, qualified in raw.items():
         used = collector.used.get(local, set())
         if qualified in _rules.PACKAGES:
@@ -647,6 +648,8 @@ def classify(module: cst.Module, wrapper: MetadataWrapper) -> tuple[dict[str, Bi
                 target = _rules.compat_target(qualified, unknown)
             elif qualified == "apex.amp" and wrapped:
                 target = Target(_rules.COMPAT, "amp", info=_rules.WRAPPER_INFO)
+            elif qualified == "apex.amp" and reads_amp_stash:
+                target = Target(_rules.COMPAT, "amp", info=_rules.COMPAT_AMP_INFO)
             kind = "direct" if target.importable else "inline"
             if not target.resolves:
                 kind = "keep"
