@@ -70,22 +70,7 @@ def resolve_options(
     allow_half_model: object,
 ) -> AmpOptions:
     """Check every option once and resolve the level's properties; the first bad value raises."""
-    count = _count("num_losses", num_losses, minimum=1)
-    level_of_detail = _count("verbosity", verbosity, minimum=0)
-    flags = {
-        name: _flag(name, value)
-        for name, value in (
-            ("allow_banned", allow_banned),
-            ("sync_free", sync_free),
-            ("skip_nonfinite", skip_nonfinite),
-            ("allow_half_model", allow_half_model),
-        )
-    }
     floor, ceiling = _scale_bounds(min_loss_scale, max_loss_scale)
-    if cast_policy not in CAST_POLICIES:
-        raise ValueError(f"cast_policy must be one of {list(CAST_POLICIES)}, got {cast_policy!r}")
-    if cast_model_outputs is not None and not isinstance(cast_model_outputs, torch.dtype):
-        raise TypeError(f"cast_model_outputs must be a torch.dtype or None, got {cast_model_outputs!r}")
     if not enabled:
         # Apex ignores the level and its overrides when amp is off; so does ampinit.
         properties = resolve(opt_level if opt_level in LEVELS else "O0", {"enabled": False})
@@ -99,23 +84,39 @@ def resolve_options(
             "loss_scale": loss_scale,
         }
         properties = resolve(opt_level, {"enabled": enabled, **overrides})
-    scale = _scale_setting(properties, floor, ceiling)
-    if flags["sync_free"] and isinstance(scale, DynamicLossScale) and scale.raise_at_min:
-        raise ValueError("DynamicLossScale(raise_at_min=True) needs a host sync per step; it cannot be sync_free")
-    return AmpOptions(
+    options = AmpOptions(
         properties=properties,
-        loss_scale=scale,
-        num_losses=count,
-        verbosity=level_of_detail,
-        cast_model_outputs=cast_model_outputs,
-        cast_policy=cast_policy,
-        **flags,
+        loss_scale=_scale_setting(properties, floor, ceiling),
+        num_losses=_count("num_losses", num_losses, minimum=1),
+        verbosity=_count("verbosity", verbosity, minimum=0),
+        cast_model_outputs=_dtype_or_none("cast_model_outputs", cast_model_outputs),
+        cast_policy=_cast_policy(cast_policy),
+        allow_banned=_flag("allow_banned", allow_banned),
+        sync_free=_flag("sync_free", sync_free),
+        skip_nonfinite=_flag("skip_nonfinite", skip_nonfinite),
+        allow_half_model=_flag("allow_half_model", allow_half_model),
     )
+    if options.sync_free and isinstance(options.loss_scale, DynamicLossScale) and options.loss_scale.raise_at_min:
+        raise ValueError("DynamicLossScale(raise_at_min=True) needs a host sync per step; it cannot be sync_free")
+    return options
 
 
 def _count(name: str, value: object, *, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def _cast_policy(value: object) -> CastPolicyName:
+    for name in CAST_POLICIES:
+        if value == name:
+            return name
+    raise ValueError(f"cast_policy must be one of {list(CAST_POLICIES)}, got {value!r}")
+
+
+def _dtype_or_none(name: str, value: object) -> torch.dtype | None:
+    if value is not None and not isinstance(value, torch.dtype):
+        raise TypeError(f"{name} must be a torch.dtype or None, got {value!r}")
     return value
 
 

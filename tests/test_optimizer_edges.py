@@ -1,13 +1,11 @@
 """Edge cases of the fused optimizers and amp_C ops: empty and frozen groups, norms of very large tensors,
-host syncs, the FusedAdagrad fallback where torch has no fused kernel, and Python 3.9 compatibility."""
+host syncs, and the FusedAdagrad fallback where torch has no fused kernel."""
 
 from __future__ import annotations
 
-import ast
 import copy
 from collections import Counter
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,7 +13,6 @@ import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import ampinit
 import ampinit.multi_tensor as mt
 from ampinit import _kernels
 from ampinit.optimizers import (
@@ -284,53 +281,6 @@ def test_fused_adagrad_falls_back_to_foreach_without_a_kernel(
             assert p.grad is not None and q.grad is not None
             torch.testing.assert_close(p.grad, q.grad if found else q.grad / 8, rtol=rtol, atol=atol)
             torch.testing.assert_close(new_opt.state[p]["sum"], ref_opt.state[q]["sum"], rtol=rtol, atol=atol)
-
-
-# ---- Python 3.9: no `X | Y` type union evaluated at run time ------------------------------------------
-
-
-def _annotation_nodes(tree: ast.AST) -> set[int]:
-    """ids of every node inside an annotation (not evaluated under `from __future__ import annotations`)."""
-    roots: list[ast.AST] = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.arg) and node.annotation is not None:
-            roots.append(node.annotation)
-        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.returns is not None:
-            roots.append(node.returns)
-        elif isinstance(node, ast.AnnAssign):
-            roots.append(node.annotation)
-    return {id(sub) for root in roots for sub in ast.walk(root)}
-
-
-def _looks_like_type(node: ast.AST) -> bool:
-    if isinstance(node, ast.Subscript):
-        return True
-    if isinstance(node, ast.Constant) and node.value is None:
-        return True
-    name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
-    return name in {"int", "float", "str", "bool", "bytes", "list", "dict", "tuple", "set", "Tensor"} or (
-        name[:1].isupper() and not name.isupper()
-    )
-
-
-def test_no_runtime_type_unions_for_python_3_9() -> None:
-    root = Path(ampinit.__file__).parent
-    found = []
-    for path in sorted(root.rglob("*.py")):
-        tree = ast.parse(path.read_text(), str(path))
-        skip = _annotation_nodes(tree)
-        for node in ast.walk(tree):
-            union = isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr) and id(node) not in skip
-            if union and (_looks_like_type(node.left) or _looks_like_type(node.right)):  # type: ignore[attr-defined]
-                found.append(f"{path.relative_to(root.parent)}:{getattr(node, 'lineno', '?')}")
-    assert not found, f"`X | Y` evaluated at run time (TypeError on Python 3.9): {found}"
-
-
-def test_the_union_scan_sees_a_runtime_union() -> None:
-    tree = ast.parse("from __future__ import annotations\nA = list[int] | None\ndef f(x: int | None) -> None: ...")
-    skip = _annotation_nodes(tree)
-    unions = [n for n in ast.walk(tree) if isinstance(n, ast.BinOp) and id(n) not in skip]
-    assert len(unions) == 1 and _looks_like_type(unions[0].left)
 
 
 def test_capturable_fused_adam_keeps_lr_on_the_device_and_follows_a_scheduler() -> None:
