@@ -30,6 +30,7 @@ import torch
 
 import ampinit
 from ampinit import amp
+from ampinit._types import OPT_LEVELS
 from benchmarks.models import Workload, make_checkerboard, make_mlp
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "amp_step.json"
@@ -39,7 +40,6 @@ FP32, AUTOCAST_BF16, AUTOCAST_FP16, PURE_BF16 = (
     "native autocast fp16 + GradScaler",
     "pure bf16",
 )
-OPT_LEVELS = ("O0", "O1", "O2", "O3", "O4", "O5")
 # Levels whose session switches autocast on for the whole thread while it is open.
 THREAD_AUTOCAST_LEVELS = ("O1", "O4")
 LR = 1e-3

@@ -35,6 +35,7 @@ from torch.nn import functional as F
 
 import ampinit
 from ampinit import amp
+from ampinit._types import OPT_LEVELS
 from benchmarks.models import make_mlp
 
 FP32, AUTOCAST_BF16, AUTOCAST_FP16, PURE_BF16 = (
@@ -44,7 +45,6 @@ FP32, AUTOCAST_BF16, AUTOCAST_FP16, PURE_BF16 = (
     "pure bf16",
 )
 PLAIN_ADAMW = "plain fused AdamW (fp32)"
-OPT_LEVELS = ("O0", "O1", "O2", "O3", "O4", "O5")
 VARIANTS = (FP32, AUTOCAST_BF16, AUTOCAST_FP16, PURE_BF16, *OPT_LEVELS)
 # (level, native baseline it is judged against, max time ratio, whether peak memory must not exceed it)
 TARGETS = (

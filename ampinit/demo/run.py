@@ -40,11 +40,12 @@ from torch import nn
 
 import ampinit
 from ampinit import amp
+from ampinit._types import OPT_LEVELS as _OPT_LEVELS
 from ampinit.demo.machine import busy_reasons, cpu_flags, cpu_model, load_average, relative_spread
 from ampinit.demo.tasks import checkerboard, coordinate_grid, make_checkerboard, make_classifier
 from ampinit.demo.verdict import LevelOutcome, choose_level
 
-OPT_LEVELS: tuple[str, ...] = ("O0", "O1", "O2", "O3", "O4", "O5")
+OPT_LEVELS: tuple[str, ...] = _OPT_LEVELS
 TASKS: tuple[str, ...] = ("checkerboard", "mlp")
 DEVICES: tuple[str, ...] = ("cpu", "cuda")
 FP16_LEVELS: tuple[str, ...] = ("O1", "O2", "O3")

@@ -9,6 +9,7 @@ from functools import cache
 import ampinit.amp
 import ampinit.optimizers
 from ampinit.compat.apex import amp_C
+from ampinit.compat.apex.parallel import _ddp_arguments
 
 COMPAT = "ampinit.compat.apex"
 
@@ -100,26 +101,11 @@ DDP_NAMES = frozenset({"apex.parallel.DistributedDataParallel", "apex.parallel.d
 SYNCBN_NAMES = frozenset({"apex.parallel.SyncBatchNorm"})
 CONVERT_SYNCBN = "apex.parallel.convert_syncbn_model"
 
-# Apex's delay_allreduce=True is what Apex users set for models with parameters that get no gradient; torch's DDP
-# needs find_unused_parameters=True for those (it fails on the second iteration otherwise).
-DDP_RENAMED = {"delay_allreduce": "find_unused_parameters"}
-
-# Apex DDP arguments that torch's DDP lacks, and what dropping them means.
-DDP_DROPPED_SILENTLY = {
-    "message_size": "bucket size; torch's DDP uses bucket_cap_mb (MiB) instead",
-    "num_allreduce_streams": "Apex's stream scheduling",
-    "allreduce_communicators": "Apex's stream scheduling",
-    "retain_allreduce_buffers": "Apex's bucket management",
-    "allreduce_trigger_params": "Apex's bucket management",
-    "shared_param": "deprecated in Apex",
-    "prof": "Apex's NVTX ranges",
-}
-DDP_DROPPED_WITH_EFFECT = {
-    "gradient_average": "torch's DDP always averages; for a sum, register a comm hook",
-    "gradient_predivide_factor": "torch's DDP divides by the world size after the allreduce; register a comm hook",
-    "gradient_average_split_factor": "deprecated in Apex; torch's DDP always averages",
-    "allreduce_always_fp32": "torch's DDP reduces in the gradients' dtype; register a comm hook to reduce in fp32",
-}
+# Apex DDP arguments: renamed for torch's DDP (delay_allreduce=True -> find_unused_parameters=True), dropped with a
+# note, or dropped silently. One table, shared with the Apex layer's DDP class.
+DDP_RENAMED = _ddp_arguments.DDP_RENAMED
+DDP_DROPPED_SILENTLY = _ddp_arguments.DDP_DROPPED_SILENTLY
+DDP_DROPPED_WITH_EFFECT = _ddp_arguments.DDP_DROPPED_WITH_EFFECT
 
 #: Optimizer wrappers that only Apex's amp.initialize (ampinit's Apex layer) accepts: a file that uses one keeps
 #: ``amp`` on that layer, where ``ampinit run`` already trains it.
