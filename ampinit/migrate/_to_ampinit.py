@@ -478,8 +478,12 @@ class _ToAmpinit(cst.CSTTransformer):
         dropped: list[str] = []
         for index, arg in enumerate(updated.args):
             keyword = arg.keyword.value if arg.keyword is not None else None
-            if keyword is None and index < positional:
-                kept.append(arg)
+            if keyword is None:
+                if index < positional:
+                    kept.append(arg)
+                else:
+                    dropped.append(f"argument {index + 1}")
+                    notes.append(f"dropped positional argument {index + 1} (an Apex-only option)")
             elif keyword in _rules.DDP_RENAMED:
                 renamed = _rules.DDP_RENAMED[keyword]
                 kept.append(arg.with_changes(keyword=cst.Name(renamed)))
@@ -489,9 +493,6 @@ class _ToAmpinit(cst.CSTTransformer):
                 notes.append(f"dropped Apex-only {keyword}=: {_rules.DDP_DROPPED_WITH_EFFECT[keyword]}")
             elif keyword in _rules.DDP_DROPPED_SILENTLY:
                 dropped.append(keyword)
-            elif keyword is None:
-                dropped.append(f"argument {index + 1}")
-                notes.append(f"dropped positional argument {index + 1} (an Apex-only option)")
             else:
                 kept.append(arg)
         renames = [d for d in dropped if " -> " in d]
