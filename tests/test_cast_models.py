@@ -20,7 +20,7 @@ LEVELS = [pytest.param("O1", torch.float16, id="O1-fp16"), pytest.param("O4", to
 
 
 def assert_within_rounding(actual: torch.Tensor, reference: torch.Tensor, dtype: torch.dtype) -> None:
-    """``actual`` (computed in ``dtype``) is the fp32 ``reference`` up to ``dtype``'s rounding, at the reference's scale.
+    """``actual`` (computed in ``dtype``) is the fp32 ``reference`` to ``dtype``'s rounding, at the reference's scale.
 
     Casting rounds the inputs, the weights and each gate's result to ``dtype`` (relative error eps/2 each); along
     a few recurrent steps these add up to a few eps of the tensor's largest value. 4 eps of it, per tensor, leaves
