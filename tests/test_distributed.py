@@ -3,11 +3,13 @@ resume, no_sync accumulation, FSDP2 with O1/O4 (and the refusal of O2 on sharded
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 import socket
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +17,8 @@ import pytest
 import torch
 from torch import nn
 
+import ampinit
+from ampinit import _distributed
 from tests import _dist_worker
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -131,3 +135,30 @@ def test_ddp_example_under_torchrun() -> None:
     assert first is not None, result.stdout
     # O2 runs the forward in fp16: the first loss is fp32's to fp16's precision.
     assert float(first.group(1)) == pytest.approx(ddp_example_first_loss(), rel=torch.finfo(torch.float16).eps)
+
+
+def test_the_flag_handed_to_the_backend_outlives_the_session(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A backend thread may drop its reference to a collective's tensor after the caller resumed; if it is the last
+    one during interpreter shutdown the process aborts (see ampinit/_distributed.py). So the tensor ampinit hands
+    to ``all_reduce`` must stay alive in Python after the session, and after ampinit's own reference is gone."""
+    handed: list[weakref.ref[torch.Tensor]] = []
+
+    def all_reduce(tensor: torch.Tensor, op: Any) -> None:
+        handed.append(weakref.ref(tensor))
+
+    monkeypatch.setattr(_distributed, "world_size", lambda: 2)
+    monkeypatch.setattr(_distributed.dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(_distributed, "_EXCHANGE", {})
+    model = nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ampinit.initialize(model, optimizer, opt_level="O2", verbosity=0)
+    try:
+        with ampinit.scale_loss(model(torch.randn(2, 4)).float().sum(), optimizer) as scaled:
+            scaled.backward()
+        optimizer.step()
+    finally:
+        ampinit.deinitialize()
+    _distributed._EXCHANGE.clear()
+    del model, optimizer
+    gc.collect()
+    assert handed and all(ref() is not None for ref in handed)
