@@ -9,6 +9,7 @@ element on the device: it adds no host synchronisation of its own.
 
 from __future__ import annotations
 
+import ctypes
 import sys
 
 import torch
@@ -32,10 +33,37 @@ def world_size() -> int:
     return dist.get_world_size()
 
 
+# The tensors the overflow flags are all-reduced in, by (device, dtype, shape); see _exchange_buffer.
+_EXCHANGE: dict[tuple[torch.device, torch.dtype, torch.Size], torch.Tensor] = {}
+
+
+def _exchange_buffer(flag: torch.Tensor) -> torch.Tensor:
+    """The tensor ``flag`` is all-reduced in: one per device, dtype and shape, whose Python object is never freed.
+
+    A collective's tensor is also held by the backend's worker thread, which lets go of it some time after the
+    waiting caller has resumed (gloo's run loop, NCCL's watchdog). When the Python object of the tensor is gone
+    by then, that thread frees it, which takes the GIL; if the interpreter has begun to shut down, CPython ends
+    the thread inside a noexcept C++ frame and the process aborts with "terminate called without an active
+    exception" (pytorch/pytorch#190489). A session's own flag dies with the session (``deinitialize``, or at
+    exit), possibly right after the last step's all-reduce; this buffer outlives interpreter shutdown, so the
+    last reference to it is never a torch thread's.
+    """
+    key = (flag.device, flag.dtype, flag.shape)
+    buffer = _EXCHANGE.get(key)
+    if buffer is None:
+        buffer = torch.empty_like(flag)
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(buffer))  # never released: see above
+        _EXCHANGE[key] = buffer
+    return buffer
+
+
 def agree_on_overflow_(flag: torch.Tensor) -> None:
     """Make ``flag`` the maximum over all ranks, in place (a no-op outside a multi-rank job)."""
     if world_size() > 1:
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        buffer = _exchange_buffer(flag)
+        buffer.copy_(flag)
+        dist.all_reduce(buffer, op=dist.ReduceOp.MAX)
+        flag.copy_(buffer)
 
 
 def is_sharded(tensor: torch.Tensor) -> bool:

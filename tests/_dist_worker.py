@@ -41,12 +41,19 @@ def data() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(GLOBAL_BATCH, 8, generator=gen), torch.randn(GLOBAL_BATCH, 4, generator=gen)
 
 
+INIT_SCALE = 2.0**12  # fp16's dynamic scale: low enough that this problem never overflows
+
+
+def sgd(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
 def build(level: str, **overrides: Any) -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = Net()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    opt = sgd(model)
     if level in ("O1", "O2") and "loss_scale" not in overrides:
-        overrides["loss_scale"] = ampinit.DynamicLossScale(init_scale=2.0**12)
+        overrides["loss_scale"] = ampinit.DynamicLossScale(init_scale=INIT_SCALE)
     amp.initialize(model, opt, opt_level=level, verbosity=0, **overrides)
     return model, opt
 
@@ -158,6 +165,10 @@ def accumulate_with_no_sync(rank: int, world: int, out: Path) -> None:
     amp.deinitialize()
 
 
+FSDP_LEVELS = {"O1": torch.float16, "O4": torch.bfloat16}
+FSDP_STEPS = 8
+
+
 def fsdp2(rank: int, world: int, out: Path) -> None:
     try:
         from torch.distributed.fsdp import fully_shard
@@ -165,15 +176,16 @@ def fsdp2(rank: int, world: int, out: Path) -> None:
         from torch.distributed._composable.fsdp import fully_shard  # type: ignore[no-redef]
 
     x, y = shard(rank, world)
-    for level in ("O1", "O4"):
+    for level in FSDP_LEVELS:
         torch.manual_seed(0)
         model = Net()
         fully_shard(model.fc1)
         fully_shard(model.fc2)
         fully_shard(model)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        amp.initialize(model, opt, opt_level=level, verbosity=0)
-        losses = [train_step(model, opt, x, y) for _ in range(8)]
+        opt = sgd(model)
+        overrides = {"loss_scale": ampinit.DynamicLossScale(init_scale=INIT_SCALE)} if level == "O1" else {}
+        amp.initialize(model, opt, opt_level=level, verbosity=0, **overrides)
+        losses = [train_step(model, opt, x, y) for _ in range(FSDP_STEPS)]
         full = [p.full_tensor().detach().clone() for p in model.parameters()]
         torch.save({"losses": losses, "params": full, "amp": amp.state_dict()}, out / f"fsdp_{level}.{rank}.pt")
         amp.deinitialize()
@@ -215,6 +227,28 @@ def reference(level: str) -> dict[str, Any]:
     result = {"params": params(model), "amp": amp.state_dict(), "losses": losses}
     amp.deinitialize()
     return result
+
+
+def autocast_reference(level: str) -> dict[str, Any]:
+    """The fsdp2 scenario's training in one process on the global batch, in plain torch: ``torch.autocast`` to the
+    level's dtype, and for fp16 a ``torch.amp.GradScaler`` with the same starting scale."""
+    x, y = data()
+    torch.manual_seed(0)
+    model = Net()
+    opt = sgd(model)
+    dtype = FSDP_LEVELS[level]
+    scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE, enabled=dtype == torch.float16)
+    losses = []
+    for _ in range(FSDP_STEPS):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=dtype):
+            prediction = model(x)
+        loss = (prediction.float() - y).pow(2).mean()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        losses.append(loss.item())
+    return {"params": params(model), "losses": losses, "scale": scaler.get_scale() if scaler.is_enabled() else 1.0}
 
 
 if __name__ == "__main__":
