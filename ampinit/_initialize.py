@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ampinit import _registry
-from ampinit._cast_policy import CAST_POLICIES, CastPolicyName
+from ampinit._casting import CAST_POLICIES, CastPolicyName
 from ampinit._distributed import is_sharded
 from ampinit._loss_scale import DynamicLossScale
 from ampinit._opt_levels import LEVELS, Properties, resolve, unknown_level_message

@@ -15,6 +15,7 @@ from typing import Any, Literal, Union
 import torch
 
 from ampinit._loss_scale import DynamicLossScale
+from ampinit._types import FUNCTION_CAST_LEVELS as _FUNCTION_CAST_LEVELS
 from ampinit._types import HALF_DTYPES, MODEL_DTYPES, OptLevel
 
 LossScaleSetting = Union[float, Literal["dynamic"], DynamicLossScale]
@@ -140,8 +141,6 @@ LEVELS: dict[OptLevel, OptLevelSpec] = {
         1.0,
     ),
 }
-
-_FUNCTION_CAST_LEVELS = ("O1", "O4")
 
 
 def unknown_level_message(opt_level: object) -> str:

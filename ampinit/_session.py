@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ampinit import _registry
-from ampinit._cast_policy import CastPolicy, CastPolicyName
+from ampinit._casting import CastPolicy, CastPolicyName
 from ampinit._distributed import agree_on_overflow_
 from ampinit._loss_scale import DynamicLossScale
 from ampinit._master_weights import OptimizerGrads

@@ -30,6 +30,7 @@ import torch
 
 import ampinit
 from ampinit import amp
+from ampinit._types import FUNCTION_CAST_LEVELS as THREAD_AUTOCAST_LEVELS  # their session casts in the whole thread
 from benchmarks.models import Workload, make_checkerboard, make_mlp
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "amp_step.json"
@@ -40,8 +41,6 @@ FP32, AUTOCAST_BF16, AUTOCAST_FP16, PURE_BF16 = (
     "pure bf16",
 )
 OPT_LEVELS = ("O0", "O1", "O2", "O3", "O4", "O5")
-# Levels whose session switches autocast on for the whole thread while it is open.
-THREAD_AUTOCAST_LEVELS = ("O1", "O4")
 LR = 1e-3
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ampinit import _cast_policy, _functions
+from ampinit._casting import kernels, scopes, user_functions
 from ampinit.compat.apex import _alias
 from tests import _device
 
@@ -33,7 +33,7 @@ def _torch_state() -> dict[str, Any]:
 
 
 def _function_registrations() -> dict[str, Any]:
-    registry = _functions.REGISTRY
+    registry = user_functions.REGISTRY
     with registry.lock:
         pending = [(id(r.module), r.name, r.kind) for r in registry.pending]
         applied = registry.applied
@@ -42,9 +42,9 @@ def _function_registrations() -> dict[str, Any]:
 
 def _cast_policy_state() -> dict[str, Any]:
     return {
-        "autocast kernels (device -> holders)": _cast_policy.KERNELS.registered(),
-        "cast-policy scopes": [id(p) for p in _cast_policy._scope_stack()],
-        "activated cast policies": [id(p) for p in _cast_policy._activated_stack()],
+        "autocast kernels (device -> holders)": kernels.KERNELS.registered(),
+        "cast-policy scopes": [id(p) for p in scopes.thread_scopes()],
+        "activated cast policies": [id(p) for p in scopes.activated()],
     }
 
 

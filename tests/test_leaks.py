@@ -8,24 +8,24 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from ampinit import _cast_policy, _functions
+from ampinit._casting import kernels, user_functions
 from ampinit.compat import apex
 from tests import _leaks
 
 
 def _pending_registration() -> Callable[[], None]:
-    _functions.register_half_function(torch, "tanh")
+    user_functions.register_half_function(torch, "tanh")
 
     def undo() -> None:
-        with _functions.REGISTRY.lock:
-            _functions.REGISTRY.pending.pop()
+        with user_functions.REGISTRY.lock:
+            user_functions.REGISTRY.pending.pop()
 
     return undo
 
 
 def _autocast_kernels() -> Callable[[], None]:
-    _cast_policy.KERNELS.acquire("cpu")
-    return lambda: _cast_policy.KERNELS.release("cpu")
+    kernels.KERNELS.acquire("cpu")
+    return lambda: kernels.KERNELS.release("cpu")
 
 
 def _apex_alias() -> Callable[[], None]:
