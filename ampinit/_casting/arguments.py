@@ -6,8 +6,10 @@ Shared by the extra autocast kernels (``kernels``) and the user-function decorat
 from __future__ import annotations
 
 import functools
+import operator
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,14 +18,42 @@ import torch
 _thread = threading.local()
 
 
+# ``tensor.is_cpu`` costs a fifth of ``tensor.device.type == "cpu"``, and these tests run on every argument of
+# every listed op.
+_ON_DEVICE: dict[str, Callable[[torch.Tensor], bool]] = {
+    "cpu": operator.attrgetter("is_cpu"),
+    "cuda": operator.attrgetter("is_cuda"),
+    "xpu": operator.attrgetter("is_xpu"),
+    "mps": operator.attrgetter("is_mps"),
+}
+# ``tensor.float()`` costs about half of ``tensor.to(torch.float32)`` (no overload resolution); same autograd node.
+_CASTS: dict[torch.dtype, Callable[[torch.Tensor], torch.Tensor]] = {
+    torch.float32: torch.Tensor.float,
+    torch.float16: torch.Tensor.half,
+    torch.bfloat16: torch.Tensor.bfloat16,
+    torch.float64: torch.Tensor.double,
+}
+
+
+def on_device(tensor: torch.Tensor, device_type: str) -> bool:
+    test = _ON_DEVICE.get(device_type)
+    return test(tensor) if test is not None else tensor.device.type == device_type
+
+
 def eligible(value: object, device_type: str) -> bool:
     """Autocast's rule: a floating tensor on ``device_type`` that is not float64."""
     return (
         isinstance(value, torch.Tensor)
         and value.is_floating_point()
         and value.dtype != torch.float64
-        and value.device.type == device_type
+        and on_device(value, device_type)
     )
+
+
+def cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``tensor.to(dtype)``, by the cheapest call that does it."""
+    method = _CASTS.get(dtype)
+    return method(tensor) if method is not None else tensor.to(dtype)
 
 
 @dataclass
@@ -67,7 +97,7 @@ def cast_lower(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if tensor.dtype == dtype:
         return tensor
     if not _cacheable(tensor):
-        return tensor.to(dtype)
+        return cast(tensor, dtype)
     cache = _cache()
     key = (id(tensor), dtype)
     entry = cache.get(key)
@@ -78,9 +108,9 @@ def cast_lower(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         and (entry.cast.requires_grad or not torch.is_grad_enabled())
     ):
         return entry.cast
-    cast = tensor.to(dtype)
-    cache[key] = _CacheEntry(weakref.ref(tensor), tensor._version, cast)
-    return cast
+    result = cast(tensor, dtype)
+    cache[key] = _CacheEntry(weakref.ref(tensor), tensor._version, result)
+    return result
 
 
 def cast_all(value: Any, dtype: torch.dtype, device_type: str, *, lower: bool = False) -> Any:
@@ -89,7 +119,7 @@ def cast_all(value: Any, dtype: torch.dtype, device_type: str, *, lower: bool = 
         # Cheapest tests first: this runs on every argument of every listed op under the Apex policy.
         if value.dtype == dtype or not eligible(value, device_type):
             return value
-        return cast_lower(value, dtype) if lower else value.to(dtype)
+        return cast_lower(value, dtype) if lower else cast(value, dtype)
     if type(value) in (list, tuple) and value:
         items = [cast_all(item, dtype, device_type, lower=lower) for item in value]
         return items if type(value) is list else tuple(items)

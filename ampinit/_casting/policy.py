@@ -29,8 +29,9 @@ from typing import Any, Literal
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from ampinit._casting import arguments, scopes, user_functions
+from ampinit._casting import arguments, lists, scopes, user_functions
 from ampinit._casting.kernels import AUTOCAST_KEYS, KERNELS
+from ampinit._casting.lists import Policy
 from ampinit._types import HALF_DTYPES
 
 CastPolicyName = Literal["apex", "native"]
@@ -78,11 +79,14 @@ class CastPolicy:
         if self.active:
             raise RuntimeError("CastPolicy.activate() called twice without deactivate()")
         try:
+            patches: list[tuple[object, str, Policy]] = []
             if self.policy == "apex":
+                apex_lists = lists.current_lists()  # as the code edited apex.amp.lists before initialize
                 for device in self.device_types:
-                    KERNELS.acquire(device)
+                    KERNELS.acquire(device, apex_lists)
                     self._acquired.append(device)
-            self._restore_user_functions = user_functions.REGISTRY.apply()
+                patches = lists.python_patches(apex_lists)
+            self._restore_user_functions = user_functions.REGISTRY.apply(patches)
         except BaseException:
             self._release_kernels()
             raise

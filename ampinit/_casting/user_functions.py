@@ -15,15 +15,18 @@ from __future__ import annotations
 import functools
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 import torch
 
 from ampinit._casting.arguments import cast_all, device_of, floating_dtypes, widest
+from ampinit._casting.lists import Policy
 
 CastKind = Literal["half", "float", "promote"]
+# The decorator that casts like each list policy (``lists.KIND_POLICY``).
+_POLICY_KIND: dict[Policy, CastKind] = {"lower": "half", "fp32": "float", "promote": "promote"}
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -103,11 +106,14 @@ class _Registry:
                 stacklevel=3,
             )
 
-    def apply(self) -> Callable[[], None]:
-        """Patch every pending registration (consuming them); return the function that undoes the patches."""
+    def apply(self, list_patches: Sequence[tuple[object, str, Policy]] = ()) -> Callable[[], None]:
+        """Patch every pending registration (consuming them), then ``list_patches`` (names added to Apex's lists
+        that no kernel carries, ``lists.python_patches``), in Apex's order; return the function that undoes them.
+        """
         with self.lock:
             registrations, self.pending = self.pending, []
             self.applied += 1
+        registrations += [_Registration(module, name, _POLICY_KIND[policy]) for module, name, policy in list_patches]
         undo: list[Callable[[], None]] = []
         try:
             for registration in registrations:
