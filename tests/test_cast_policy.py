@@ -272,6 +272,15 @@ def test_native_policy_keeps_pytorchs_cpu_lists(session: torch.dtype) -> None:
     assert cast_kernels.KERNELS.registered() == {}
 
 
+def test_ops_that_aten_promotes_itself_get_no_kernel() -> None:
+    """Where aten's type promotion already gives Apex's promote (mixed half/fp32 -> fp32), nothing is added."""
+    half, full = torch.ones(3, 4, dtype=torch.float16), torch.ones(3, 4)
+    assert torch.addcmul(half, full, full).dtype == torch.float32  # no session: aten's own promotion
+    planned = {op.name() for op in cast_lists.plan("AutocastCPU")}
+    assert not {"aten::addcmul", "aten::addcdiv", "aten::atan2"} & planned
+    assert {"aten::dot", "aten::scatter_add"} <= planned  # these raise on mixed dtypes natively
+
+
 # -- promote and match --------------------------------------------------------------------------------------------
 PROMOTE_CASES: list[tuple[str, Fn, tuple[tuple[int, ...], ...]]] = [
     ("add", torch.add, ((3, 4), (3, 4))),

@@ -143,6 +143,9 @@ PYTORCH_CUDA_PROMOTE = ("addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot
 RNN_OPS = ("lstm", "gru", "rnn_tanh", "rnn_relu", "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell")
 # A device whose autocast key has a kernel for the value's op already casts the key's op (at a lower level).
 COVERED_BY: Mapping[str, str] = {name: "_cudnn_rnn" for name in ("lstm", "gru", "rnn_tanh", "rnn_relu")}
+# Ops of PyTorch's CUDA promote list that aten's own type promotion already widens on every device, as Apex's
+# promote did: both agree, so they get no kernel (a Python kernel would only add its cost to every call).
+NATIVELY_PROMOTED = ("addcdiv", "addcmul", "atan2")
 # Policies of ops that PyTorch's own type promotion does not widen: mixed half/fp32 inputs raise natively.
 EXTRA_PROMOTE = ("vdot", "linalg_cross", "index_put", "tensordot", "scatter_add")
 
@@ -267,7 +270,7 @@ def op_policies(lists: ApexLists = DEFAULT_LISTS) -> dict[str, Policy]:
         ("lower", RNN_OPS),
         ("lower", (op for op in PYTORCH_CUDA_LOWER if op not in removed)),
         ("fp32", (op for op in PYTORCH_CUDA_FP32 if op not in removed)),
-        ("promote", PYTORCH_CUDA_PROMOTE),
+        ("promote", (op for op in PYTORCH_CUDA_PROMOTE if op not in NATIVELY_PROMOTED)),
         ("promote", EXTRA_PROMOTE),
     )
     for policy, ops in sources:
