@@ -352,6 +352,14 @@ def mlp_targets(rows: dict[str, dict[str, Any]]) -> list[Target]:
             1.03,
             False,
         ),
+        # Apex's lists run layer_norm, gelu, softmax... in fp32: their bytes, not only the casts (docs/cast-policy.md).
+        target(
+            "O4 (Apex's lists) cost over native autocast bf16 (O4 ms / autocast ms)",
+            "ampinit O4",
+            AUTOCAST_BF16,
+            1.05,
+            False,
+        ),
     ]
 
 
