@@ -7,7 +7,7 @@ with amp.scale_loss(loss, optimizer) as scaled_loss:
 optimizer.step()
 """
 
-from ampinit._functions import (
+from ampinit._casting import (
     float_function,
     half_function,
     promote_function,

@@ -143,7 +143,7 @@ _TABLE = (
 LEVELS: dict[OptLevel, OptLevelSpec] = {spec.defaults.opt_level: spec for spec in _TABLE}
 
 # The levels that cast around functions (O1/O4) rather than casting the model, read from the table.
-_FUNCTION_CAST_LEVELS = tuple(level for level, spec in LEVELS.items() if spec.defaults.patch_torch_functions)
+FUNCTION_CAST_LEVELS = tuple(level for level, spec in LEVELS.items() if spec.defaults.patch_torch_functions)
 
 
 def unknown_level_message(opt_level: object) -> str:
@@ -198,7 +198,7 @@ def _check_cast_model_type(level: OptLevel, value: object) -> torch.dtype | Lite
         raise TypeError(f"cast_model_type must be a torch.dtype, False or None, got {value!r}")
     if value not in MODEL_DTYPES:
         raise ValueError(f"cast_model_type must be one of {list(MODEL_DTYPES)}, got {value!r}")
-    if level in _FUNCTION_CAST_LEVELS and value is not torch.float32:
+    if level in FUNCTION_CAST_LEVELS and value is not torch.float32:
         raise RuntimeError(
             f"{level} inserts casts around Torch functions rather than model weights, so with {level}, the model "
             "weights themselves should remain FP32. If you wish to cast the model to a different type, use "
@@ -209,7 +209,7 @@ def _check_cast_model_type(level: OptLevel, value: object) -> torch.dtype | Lite
 
 def _check_patch_torch_functions(level: OptLevel, value: object) -> bool:
     flag = _loose_bool("patch_torch_functions", value)
-    if level not in _FUNCTION_CAST_LEVELS and flag:
+    if level not in FUNCTION_CAST_LEVELS and flag:
         raise RuntimeError(
             "Currently, patch_torch_functions=True should only be set by selecting opt_level='O1'."
             if level in ("O0", "O2", "O3")
@@ -219,7 +219,7 @@ def _check_patch_torch_functions(level: OptLevel, value: object) -> bool:
 
 
 def _check_patch_torch_functions_type(level: OptLevel, value: object) -> torch.dtype:
-    if level not in _FUNCTION_CAST_LEVELS:
+    if level not in FUNCTION_CAST_LEVELS:
         raise RuntimeError(
             "Currently, patch_torch_functions_type should only be set by selecting opt_level='O1' or 'O4'."
         )
@@ -232,7 +232,7 @@ def _check_patch_torch_functions_type(level: OptLevel, value: object) -> torch.d
 
 
 def _check_keep_batchnorm_fp32(level: OptLevel, value: object) -> bool:
-    if level in _FUNCTION_CAST_LEVELS:
+    if level in FUNCTION_CAST_LEVELS:
         raise RuntimeError(
             f"With opt_level {level}, batchnorm functions are automatically patched to run in FP32, so "
             f"keep_batchnorm_fp32 should be None. keep_batchnorm_fp32 was {value}"
@@ -249,7 +249,7 @@ def _check_keep_batchnorm_fp32(level: OptLevel, value: object) -> bool:
 
 
 def _check_master_weights(level: OptLevel, value: object) -> bool:
-    if level in _FUNCTION_CAST_LEVELS:
+    if level in FUNCTION_CAST_LEVELS:
         raise RuntimeError(
             f"It doesn't make sense to use master_weights with {level}. With {level}, your model weights "
             "themselves should be FP32."

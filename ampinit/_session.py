@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ampinit import _registry, _setup, _skip
-from ampinit._cast_policy import CastPolicy
+from ampinit._casting import CastPolicy
 from ampinit._distributed import agree_on_overflow_
 from ampinit._opt_levels import LEVELS, describe
 from ampinit._optimizer_record import OptimizerRecord, StepCounts

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampinit._cast_policy import CastPolicy
+from ampinit._casting import CastPolicy
 from ampinit._model_cast import MasterLookup, ModelCast, plan
 from ampinit._opt_levels import Properties
 from ampinit._optimizer_record import OptimizerRecord

@@ -12,7 +12,7 @@ backward (through ``scale_loss`` for ampinit), step:
 An O1/O4 session switches autocast on for the whole thread, so each timed block opens and closes its own
 session (excluded from the timing). Blocks are interleaved round by round; medians reported. Usage:
 
-    python benchmarks/cast_policy.py [--quick] [--rounds N] [--json PATH]
+    python benchmarks/cast_policy.py [--quick] [--rounds N] [--only small-op|mlp] [--cpu-time] [--json PATH]
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import platform
 import statistics
 import time
@@ -111,7 +112,9 @@ class Contender:
         self.scaler.update()
 
 
-def interleaved(contenders: list[Contender], rounds: int, steps: int) -> dict[str, float]:
+def interleaved(
+    contenders: list[Contender], rounds: int, steps: int, clock: Callable[[], float] = time.perf_counter
+) -> dict[str, float]:
     """Median seconds per step of each contender; blocks rotate order each round so drift hits all alike."""
     for c in contenders:  # warm-up: page faults, thread pool, first registrations
         c.open()
@@ -121,15 +124,15 @@ def interleaved(contenders: list[Contender], rounds: int, steps: int) -> dict[st
     for r in range(rounds):
         for c in contenders[r % len(contenders) :] + contenders[: r % len(contenders)]:
             c.open()
-            start = time.perf_counter()
+            start = clock()
             for _ in range(steps):
                 c.step()
-            times[c.kind].append((time.perf_counter() - start) / steps)
+            times[c.kind].append((clock() - start) / steps)
             c.close()
     return {kind: statistics.median(ts) for kind, ts in times.items()}
 
 
-def run(quick: bool, rounds: int | None) -> list[dict[str, Any]]:
+def run(quick: bool, rounds: int | None, only: str | None = None, cpu_time: bool = False) -> list[dict[str, Any]]:
     # (build, rounds, steps per block): fp16 matmuls are slow on CPUs without fp16 matrix units, so the MLP
     # gets fewer, shorter blocks.
     workloads: dict[str, tuple[Callable[[], tuple[nn.Module, torch.Tensor, torch.Tensor]], int, int]] = {
@@ -137,11 +140,15 @@ def run(quick: bool, rounds: int | None) -> list[dict[str, Any]]:
         "mlp (4 x Linear(1024)+LN+GELU, batch 256)": (mlp_model, 2 if quick else 5, 1),
     }
     rows = []
+    clock = time.thread_time if cpu_time else time.perf_counter
     for name, (build, default_rounds, steps) in workloads.items():
+        if only is not None and not name.startswith(only):
+            continue
         model, x, y = build()
         for level in LEVELS:
             kinds = ["native", "ampinit-native", "ampinit-apex", "function-mode"]
-            medians = interleaved([Contender(k, level, model, x, y) for k in kinds], rounds or default_rounds, steps)
+            contenders = [Contender(k, level, model, x, y) for k in kinds]
+            medians = interleaved(contenders, rounds or default_rounds, steps, clock)
             base = medians["native"]
             rows.append(
                 {
@@ -151,6 +158,7 @@ def run(quick: bool, rounds: int | None) -> list[dict[str, Any]]:
                     "steps_per_block": steps,
                     "ms": {k: round(v * 1e3, 3) for k, v in medians.items()},
                     "ratio_vs_native": {k: round(v / base, 3) for k, v in medians.items()},
+                    "load_average_1min": round(os.getloadavg()[0], 1),
                 }
             )
     return rows
@@ -161,15 +169,26 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="few rounds, for a smoke run")
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
+    parser.add_argument("--only", choices=["small-op", "mlp"], default=None, help="one workload only")
+    parser.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="one torch thread, timed by the thread's CPU time: on a machine loaded by other processes, what the "
+        "step costs rather than how long it waited for a core",
+    )
     args = parser.parse_args()
-    rows = run(args.quick, args.rounds)
-    header = f"{'workload':46} {'level':5} {'native ms':>10} {'amp-native':>11} {'amp-apex':>9} {'fn-mode':>8}"
+    if args.cpu_time:
+        torch.set_num_threads(1)
+    rows = run(args.quick, args.rounds, args.only, args.cpu_time)
+    header = (
+        f"{'workload':46} {'level':5} {'native ms':>10} {'amp-native':>11} {'amp-apex':>9} {'fn-mode':>8} {'load':>5}"
+    )
     lines = [header, "-" * len(header)]
     for row in rows:
         ratio = row["ratio_vs_native"]
         lines.append(
             f"{row['workload']:46} {row['level']:5} {row['ms']['native']:10.2f} {ratio['ampinit-native']:10.3f}x"
-            f" {ratio['ampinit-apex']:8.3f}x {ratio['function-mode']:7.3f}x"
+            f" {ratio['ampinit-apex']:8.3f}x {ratio['function-mode']:7.3f}x {row['load_average_1min']:5.1f}"
         )
     print("\n".join(lines))
     result = {
@@ -177,6 +196,7 @@ def main() -> None:
         "torch": torch.__version__,
         "machine": platform.machine(),
         "threads": torch.get_num_threads(),
+        "clock": "thread CPU time" if args.cpu_time else "wall",
         "rows": rows,
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)

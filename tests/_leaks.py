@@ -3,7 +3,8 @@ conftest.py: two snapshots taken around a test must be equal.
 
 Covered: torch's thread-wide state (autocast per device and its cache, default dtype, grad mode), the user's
 pending function registrations and the patches they applied (``register_*_function``), the autocast kernels
-registered through ``torch.library``, the cast-policy scopes of this thread, the Apex import alias
+registered through ``torch.library``, the cast-policy scopes of this thread, Apex's O1 lists as ``apex.amp.lists``
+holds them, the Apex import alias
 (``sys.modules`` entries and the finder on ``sys.meta_path``), and ``sys.meta_path`` itself. Live amp sessions
 are checked separately (conftest closes them so that one leak does not cascade).
 """
@@ -15,7 +16,8 @@ from typing import Any
 
 import torch
 
-from ampinit import _cast_policy, _functions
+from ampinit._casting import kernels, scopes, user_functions
+from ampinit._casting import lists as cast_lists
 from ampinit.compat.apex import _alias
 from tests import _device
 
@@ -33,7 +35,7 @@ def _torch_state() -> dict[str, Any]:
 
 
 def _function_registrations() -> dict[str, Any]:
-    registry = _functions.REGISTRY
+    registry = user_functions.REGISTRY
     with registry.lock:
         pending = [(id(r.module), r.name, r.kind) for r in registry.pending]
         applied = registry.applied
@@ -42,9 +44,11 @@ def _function_registrations() -> dict[str, Any]:
 
 def _cast_policy_state() -> dict[str, Any]:
     return {
-        "autocast kernels (device -> holders)": _cast_policy.KERNELS.registered(),
-        "cast-policy scopes": [id(p) for p in _cast_policy._scope_stack()],
-        "activated cast policies": [id(p) for p in _cast_policy._activated_stack()],
+        "autocast kernels (device -> holders)": kernels.KERNELS.registered(),
+        "cast-policy scopes": [id(p) for p in scopes.thread_scopes()],
+        "activated cast policies": [id(p) for p in scopes.activated()],
+        # Edits to apex.amp.lists persist for the process, as in Apex: a test that makes one must undo it.
+        "Apex's O1 lists (apex.amp.lists)": cast_lists.current_lists(),
     }
 
 

@@ -14,7 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import ampinit as amp
-from ampinit import _cast_lists, _cast_policy
+from ampinit._casting import kernels as cast_kernels
+from ampinit._casting import lists as cast_lists
+from ampinit._casting import policy as cast_policy
 
 Fn = Callable[..., torch.Tensor]
 LEVELS = [pytest.param("O1", torch.float16, id="O1-fp16"), pytest.param("O4", torch.bfloat16, id="O4-bf16")]
@@ -82,7 +84,7 @@ def fp32_reference(fn: Fn, *args: torch.Tensor) -> torch.Tensor:
 
 # -- the data ------------------------------------------------------------------------------------------------------
 def test_lists_are_apexs_lists() -> None:
-    c = _cast_lists
+    c = cast_lists
     assert set(c.APEX_FUNCTIONAL_FP16 + c.APEX_TORCH_FP16 + c.APEX_TENSOR_FP16) == APEX_FP16
     assert set(c.APEX_FUNCTIONAL_FP32 + c.APEX_TORCH_FP32 + c.APEX_TENSOR_FP32) == APEX_FP32
     assert set(c.APEX_TORCH_CASTS + c.APEX_TORCH_SEQUENCE_CASTS + c.APEX_TENSOR_CASTS) >= APEX_CASTS
@@ -117,10 +119,10 @@ DOCUMENTED_CUDA_WIDEST = {
 def test_cuda_reference_lists_hold_pytorchs_documented_lists() -> None:
     """ampinit's copy of PyTorch's CUDA lists (what ``cast_policy="apex"`` keeps on CUDA) contains every op the
     PyTorch documentation lists, each under the same policy."""
-    assert set(_cast_lists.PYTORCH_CUDA_LOWER) >= DOCUMENTED_CUDA_FP16
-    assert set(_cast_lists.PYTORCH_CUDA_FP32) >= DOCUMENTED_CUDA_FP32
-    assert set(_cast_lists.PYTORCH_CUDA_PROMOTE) >= DOCUMENTED_CUDA_WIDEST
-    lists = (_cast_lists.PYTORCH_CUDA_LOWER, _cast_lists.PYTORCH_CUDA_FP32, _cast_lists.PYTORCH_CUDA_PROMOTE)
+    assert set(cast_lists.PYTORCH_CUDA_LOWER) >= DOCUMENTED_CUDA_FP16
+    assert set(cast_lists.PYTORCH_CUDA_FP32) >= DOCUMENTED_CUDA_FP32
+    assert set(cast_lists.PYTORCH_CUDA_PROMOTE) >= DOCUMENTED_CUDA_WIDEST
+    lists = (cast_lists.PYTORCH_CUDA_LOWER, cast_lists.PYTORCH_CUDA_FP32, cast_lists.PYTORCH_CUDA_PROMOTE)
     for one, other in itertools.combinations(lists, 2):
         assert not set(one) & set(other), "an op has one policy"
 
@@ -128,11 +130,11 @@ def test_cuda_reference_lists_hold_pytorchs_documented_lists() -> None:
 def test_plan_adds_only_what_the_device_lacks() -> None:
     has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
     for key in ("AutocastCPU", "AutocastCUDA"):
-        planned = _cast_lists.plan(key)
+        planned = cast_lists.plan(key)
         for op, policy in planned.items():
             assert policy == "banned" or not has_kernel(op.name(), key), (key, op)
-    cpu = {op.name() for op in _cast_lists.plan("AutocastCPU")}
-    cuda = {op.name() for op in _cast_lists.plan("AutocastCUDA")}
+    cpu = {op.name() for op in cast_lists.plan("AutocastCPU")}
+    cuda = {op.name() for op in cast_lists.plan("AutocastCUDA")}
     assert {"aten::softmax.int", "aten::layer_norm", "aten::exp", "aten::mv", "aten::lstm.input"} <= cpu
     assert not {"aten::softmax.int", "aten::layer_norm", "aten::exp", "aten::mv"} & cuda  # CUDA's own lists have them
     assert "aten::binary_cross_entropy" in cuda and "aten::binary_cross_entropy" in cpu
@@ -267,7 +269,16 @@ def test_native_policy_keeps_pytorchs_cpu_lists(session: torch.dtype) -> None:
     assert torch.softmax(x, -1).dtype == torch.float16  # not on PyTorch's CPU lists
     assert F.mse_loss(x, x).dtype == torch.float32  # on them
     assert not torch._C._dispatch_has_kernel_for_dispatch_key("aten::softmax.int", "AutocastCPU")
-    assert _cast_policy.KERNELS.registered() == {}
+    assert cast_kernels.KERNELS.registered() == {}
+
+
+def test_ops_that_aten_promotes_itself_get_no_kernel() -> None:
+    """Where aten's type promotion already gives Apex's promote (mixed half/fp32 -> fp32), nothing is added."""
+    half, full = torch.ones(3, 4, dtype=torch.float16), torch.ones(3, 4)
+    assert torch.addcmul(half, full, full).dtype == torch.float32  # no session: aten's own promotion
+    planned = {op.name() for op in cast_lists.plan("AutocastCPU")}
+    assert not {"aten::addcmul", "aten::addcdiv", "aten::atan2"} & planned
+    assert {"aten::dot", "aten::scatter_add"} <= planned  # these raise on mixed dtypes natively
 
 
 # -- promote and match --------------------------------------------------------------------------------------------
@@ -324,7 +335,7 @@ def test_comparisons_promote_and_other_ops_match_their_input(session: torch.dtyp
 
 # -- banned -------------------------------------------------------------------------------------------------------
 def test_banned_message_is_apexs_addressed_to_ampinit() -> None:
-    assert _cast_lists.BANNED_BCE_MESSAGE == BANNED_MESSAGE
+    assert cast_lists.BANNED_BCE_MESSAGE == BANNED_MESSAGE
 
 
 @pytest.mark.parametrize("session", APEX_SESSIONS, indirect=True)
@@ -375,11 +386,11 @@ def test_kernels_are_reference_counted_and_removed_at_close() -> None:
     amp.initialize(second, opt_level="O4", verbosity=0)
     session2 = amp.session_of(second)
     assert session1 is not None and session2 is not None
-    assert _cast_policy.KERNELS.registered() == {"cpu": 2}
+    assert cast_kernels.KERNELS.registered() == {"cpu": 2}
     session1.close()
     assert has_kernel("aten::softmax.int", "AutocastCPU")
     session2.close()
-    assert _cast_policy.KERNELS.registered() == {}
+    assert cast_kernels.KERNELS.registered() == {}
     assert not has_kernel("aten::softmax.int", "AutocastCPU")
     with torch.autocast("cpu", dtype=torch.float16):  # native behaviour is back, including the banned op
         h = g(2, 2).half()
@@ -405,10 +416,10 @@ def test_other_threads_with_native_autocast_keep_native_semantics(session: torch
 
 def test_unknown_policy_and_device_are_refused_before_any_change() -> None:
     with pytest.raises(ValueError, match=re.escape("cast_policy must be one of ['apex', 'native'], got 'fast'")):
-        _cast_policy.CastPolicy(["cpu"], torch.float16, policy="fast")  # type: ignore[arg-type]
+        cast_policy.CastPolicy(["cpu"], torch.float16, policy="fast")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=re.escape("needs an autocast dispatch key for device type 'meta'")):
-        _cast_policy.CastPolicy(["meta"], torch.float16)
-    assert _cast_policy.KERNELS.registered() == {}
+        cast_policy.CastPolicy(["meta"], torch.float16)
+    assert cast_kernels.KERNELS.registered() == {}
 
 
 @pytest.mark.parametrize("session", APEX_SESSIONS, indirect=True)

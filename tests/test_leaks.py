@@ -8,24 +8,30 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from ampinit import _cast_policy, _functions
+from ampinit._casting import kernels, user_functions
 from ampinit.compat import apex
+from ampinit.compat.apex.amp.lists import torch_overrides
 from tests import _leaks
 
 
 def _pending_registration() -> Callable[[], None]:
-    _functions.register_half_function(torch, "tanh")
+    user_functions.register_half_function(torch, "tanh")
 
     def undo() -> None:
-        with _functions.REGISTRY.lock:
-            _functions.REGISTRY.pending.pop()
+        with user_functions.REGISTRY.lock:
+            user_functions.REGISTRY.pending.pop()
 
     return undo
 
 
 def _autocast_kernels() -> Callable[[], None]:
-    _cast_policy.KERNELS.acquire("cpu")
-    return lambda: _cast_policy.KERNELS.release("cpu")
+    kernels.KERNELS.acquire("cpu")
+    return lambda: kernels.KERNELS.release("cpu")
+
+
+def _edited_apex_list() -> Callable[[], None]:
+    torch_overrides.FP32_FUNCS.append("sigmoid")
+    return torch_overrides.FP32_FUNCS.pop
 
 
 def _apex_alias() -> Callable[[], None]:
@@ -49,6 +55,7 @@ def _autocast_on() -> Callable[[], None]:
     [
         (_pending_registration, "pending registrations"),
         (_autocast_kernels, "autocast kernels (device -> holders)"),
+        (_edited_apex_list, "Apex's O1 lists (apex.amp.lists)"),
         (_apex_alias, "apex alias installed"),
         (_meta_path_entry, "sys.meta_path"),
         (_autocast_on, "autocast"),

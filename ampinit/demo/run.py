@@ -40,6 +40,7 @@ from torch import nn
 
 import ampinit
 from ampinit import amp
+from ampinit._opt_levels import FUNCTION_CAST_LEVELS as THREAD_CAST_LEVELS  # their session casts in its whole thread
 from ampinit._types import OPT_LEVELS as _OPT_LEVELS
 from ampinit.demo.machine import busy_reasons, cpu_flags, cpu_model, load_average, relative_spread
 from ampinit.demo.tasks import checkerboard, coordinate_grid, make_checkerboard, make_classifier
@@ -424,11 +425,6 @@ def make_progress(enabled: bool, label: str, total: int, stream: TextIO) -> Prog
 
 
 # -- training, interleaved -------------------------------------------------------------------------------------
-#: Levels whose session switches a cast policy on for the whole thread while it is open: their session is opened
-#: around each of their blocks (the loss-scaler state carried over), so it cannot leak into the other levels.
-THREAD_CAST_LEVELS: tuple[str, ...] = ("O1", "O4")
-
-
 class _LevelRun:
     """One level's model, optimizer and amp session while every level trains in interleaved blocks."""
 

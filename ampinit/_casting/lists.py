@@ -14,7 +14,8 @@ fp32 with ``allow_banned``).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -142,27 +143,134 @@ PYTORCH_CUDA_PROMOTE = ("addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot
 RNN_OPS = ("lstm", "gru", "rnn_tanh", "rnn_relu", "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell")
 # A device whose autocast key has a kernel for the value's op already casts the key's op (at a lower level).
 COVERED_BY: Mapping[str, str] = {name: "_cudnn_rnn" for name in ("lstm", "gru", "rnn_tanh", "rnn_relu")}
+# Ops of PyTorch's CUDA promote list that aten's own type promotion already widens on every device, as Apex's
+# promote did: both agree, so they get no kernel (a Python kernel would only add its cost to every call).
+NATIVELY_PROMOTED = ("addcdiv", "addcmul", "atan2")
 # Policies of ops that PyTorch's own type promotion does not widen: mixed half/fp32 inputs raise natively.
 EXTRA_PROMOTE = ("vdot", "linalg_cross", "index_put", "tensordot", "scatter_add")
 
 
-def _apex_ops(names: tuple[str, ...]) -> tuple[str, ...]:
-    return tuple(op for name in names for op in APEX_TO_ATEN[name])
+# -- Apex's lists as one value: the defaults, or as code edited ``apex.amp.lists`` before initialize ----------------
+ListKind = Literal["FP16_FUNCS", "FP32_FUNCS", "CASTS", "SEQUENCE_CASTS"]
+LIST_KINDS: tuple[ListKind, ...] = ("FP16_FUNCS", "FP32_FUNCS", "CASTS", "SEQUENCE_CASTS")
+# Apex's list modules and the namespace each one patches (its ``MODULE``).
+LIST_MODULES: Mapping[str, object] = {
+    "functional_overrides": torch.nn.functional,
+    "torch_overrides": torch,
+    "tensor_overrides": torch.Tensor,
+}
+# The policy of each kind; Apex applied them in this order, so where a name sits in two lists of one module, the
+# first one's cast is the one the function sees (the later wrapper's cast runs first and is cast over).
+KIND_POLICY: Mapping[ListKind, Policy] = {
+    "FP16_FUNCS": "lower",
+    "FP32_FUNCS": "fp32",
+    "CASTS": "promote",
+    "SEQUENCE_CASTS": "promote",
+}
 
 
-def op_policies() -> dict[str, Policy]:
-    """Every aten operator (overload packet name) ``cast_policy="apex"`` covers, with its policy."""
+@dataclass(frozen=True)
+class ApexLists:
+    """Apex's O1 lists by module and kind: ``(module, kind) -> names``, e.g. ``("torch_overrides", "FP32_FUNCS")``."""
+
+    lists: tuple[tuple[str, ListKind, tuple[str, ...]], ...]
+
+    @classmethod
+    def of(cls, lists: Mapping[tuple[str, ListKind], Sequence[str]]) -> ApexLists:
+        for (module, kind), names in lists.items():
+            if module not in LIST_MODULES or kind not in LIST_KINDS:
+                raise ValueError(f"No Apex list {module}.{kind}; allowed: {sorted(LIST_MODULES)} x {list(LIST_KINDS)}")
+            bad = [name for name in names if not isinstance(name, str)]
+            if bad:
+                raise TypeError(f"apex.amp.lists.{module}.{kind} must hold function names (str), found {bad[0]!r}")
+        ordered = sorted((module, kind, tuple(names)) for (module, kind), names in lists.items())
+        return cls(tuple(ordered))
+
+    def get(self, module: str, kind: ListKind) -> tuple[str, ...]:
+        return next((names for m, k, names in self.lists if (m, k) == (module, kind)), ())
+
+    def names(self, kind: ListKind) -> set[str]:
+        """The names one kind holds in any module (``torch.exp`` and ``Tensor.exp`` reach one aten operator)."""
+        return {name for _, k, names in self.lists if k == kind for name in names}
+
+
+def _tensor_list(own: tuple[str, ...], torch_names: tuple[str, ...]) -> tuple[str, ...]:
+    # Apex's tensor_overrides: its own names, then every torch_overrides name that is also a Tensor method.
+    return own + tuple(name for name in torch_names if hasattr(torch.Tensor, name))
+
+
+DEFAULT_LISTS = ApexLists.of(
+    {
+        ("functional_overrides", "FP16_FUNCS"): APEX_FUNCTIONAL_FP16,
+        ("functional_overrides", "FP32_FUNCS"): APEX_FUNCTIONAL_FP32,
+        ("functional_overrides", "CASTS"): (),
+        ("functional_overrides", "SEQUENCE_CASTS"): (),
+        ("torch_overrides", "FP16_FUNCS"): APEX_TORCH_FP16,
+        ("torch_overrides", "FP32_FUNCS"): APEX_TORCH_FP32,
+        ("torch_overrides", "CASTS"): APEX_TORCH_CASTS,
+        ("torch_overrides", "SEQUENCE_CASTS"): APEX_TORCH_SEQUENCE_CASTS,
+        ("tensor_overrides", "FP16_FUNCS"): _tensor_list(APEX_TENSOR_FP16, APEX_TORCH_FP16),
+        ("tensor_overrides", "FP32_FUNCS"): _tensor_list(APEX_TENSOR_FP32, APEX_TORCH_FP32),
+        ("tensor_overrides", "CASTS"): _tensor_list(APEX_TENSOR_CASTS, APEX_TORCH_CASTS),
+        ("tensor_overrides", "SEQUENCE_CASTS"): (),
+    }
+)
+
+# Where edited lists come from: ``apex.amp.lists`` (the compat layer) installs a reader of its modules when it is
+# first imported; until then every session runs on the defaults.
+_source: Callable[[], ApexLists] | None = None
+
+
+def read_lists_from(source: Callable[[], ApexLists]) -> None:
+    """Have every later O1/O4 ``"apex"`` session run on the lists ``source()`` returns at its ``initialize``."""
+    global _source
+    _source = source
+
+
+def current_lists() -> ApexLists:
+    return DEFAULT_LISTS if _source is None else _source()
+
+
+def python_patches(lists: ApexLists) -> list[tuple[object, str, Policy]]:
+    """The names ``lists`` adds that no kernel carries: ``(namespace, name, policy)``, patched as Apex did.
+
+    A name reaches the aten operators of :data:`APEX_TO_ATEN`; one added to a list that maps to none (``sigmoid``
+    appended to ``FP32_FUNCS``, or ``softmin`` moved to ``FP16_FUNCS``) is wrapped in Python for the session, with
+    the list's cast, exactly like Apex's patch of ``MODULE.name``. A name the namespace lacks is skipped, as
+    Apex skipped it.
+    """
+    patches = []
+    for module, kind, names in lists.lists:
+        defaults, namespace = DEFAULT_LISTS.get(module, kind), LIST_MODULES[module]
+        for name in names:
+            if name not in defaults and not APEX_TO_ATEN.get(name) and hasattr(namespace, name):
+                patches.append((namespace, name, KIND_POLICY[kind]))
+    return patches
+
+
+def _apex_ops(names: Iterable[str]) -> tuple[str, ...]:
+    return tuple(op for name in sorted(names) for op in APEX_TO_ATEN.get(name, ()))
+
+
+def op_policies(lists: ApexLists = DEFAULT_LISTS) -> dict[str, Policy]:
+    """Every aten operator (overload packet name) ``cast_policy="apex"`` covers with ``lists``, with its policy.
+
+    PyTorch's CUDA lists complete Apex's on every device, except for the operators of names ``lists`` removed
+    from Apex's defaults: those follow no list but the device's own.
+    """
     policies: dict[str, Policy] = {}
+    removed = set(_apex_ops(DEFAULT_LISTS.names("FP32_FUNCS") - lists.names("FP32_FUNCS")))
+    removed |= set(_apex_ops(DEFAULT_LISTS.names("FP16_FUNCS") - lists.names("FP16_FUNCS")))
     # Apex's lists come first and win where PyTorch's CUDA lists disagree (grid_sampler: Apex fp32, CUDA promote).
-    sources: tuple[tuple[Policy, tuple[str, ...]], ...] = (
+    sources: tuple[tuple[Policy, Iterable[str]], ...] = (
         ("banned", _apex_ops(APEX_FUNCTIONAL_BANNED)),
-        ("lower", _apex_ops(APEX_FUNCTIONAL_FP16 + APEX_TORCH_FP16 + APEX_TENSOR_FP16)),
-        ("fp32", _apex_ops(APEX_FUNCTIONAL_FP32 + APEX_TORCH_FP32 + APEX_TENSOR_FP32)),
-        ("promote", _apex_ops(APEX_TORCH_CASTS + APEX_TORCH_SEQUENCE_CASTS + APEX_TENSOR_CASTS)),
+        ("lower", _apex_ops(lists.names("FP16_FUNCS"))),
+        ("fp32", _apex_ops(lists.names("FP32_FUNCS"))),
+        ("promote", _apex_ops(lists.names("CASTS") | lists.names("SEQUENCE_CASTS"))),
         ("lower", RNN_OPS),
-        ("lower", PYTORCH_CUDA_LOWER),
-        ("fp32", PYTORCH_CUDA_FP32),
-        ("promote", PYTORCH_CUDA_PROMOTE),
+        ("lower", (op for op in PYTORCH_CUDA_LOWER if op not in removed)),
+        ("fp32", (op for op in PYTORCH_CUDA_FP32 if op not in removed)),
+        ("promote", (op for op in PYTORCH_CUDA_PROMOTE if op not in NATIVELY_PROMOTED)),
         ("promote", EXTRA_PROMOTE),
     )
     for policy, ops in sources:
@@ -190,15 +298,15 @@ def _overload_names(op: str) -> list[str]:
     return names
 
 
-def plan(dispatch_key: str) -> dict[torch._ops.OpOverload, Policy]:
-    """The kernels ``dispatch_key`` (e.g. ``"AutocastCPU"``) lacks for Apex's semantics, by overload.
+def plan(dispatch_key: str, lists: ApexLists = DEFAULT_LISTS) -> dict[torch._ops.OpOverload, Policy]:
+    """The kernels ``dispatch_key`` (e.g. ``"AutocastCPU"``) lacks for Apex's semantics with ``lists``, by overload.
 
     An overload gets a kernel when the key has none for it (its native list does not cover it), except for the
     banned ops, whose native kernel (fp32 on CPU, an error on CUDA) is replaced by Apex's behaviour.
     """
     has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
     kernels: dict[torch._ops.OpOverload, Policy] = {}
-    for op, policy in op_policies().items():
+    for op, policy in op_policies(lists).items():
         covering = COVERED_BY.get(op)
         if covering is not None and has_kernel(f"aten::{covering}", dispatch_key):
             continue

@@ -1,0 +1,206 @@
+"""The extra autocast kernels: one per aten overload that a device's native lists lack for Apex's semantics.
+
+Each kernel sits on the device's autocast dispatch key (``AutocastCPU``, ``AutocastCUDA``, ...), casts the op's
+floating inputs by its policy (``lists.plan`` says which ops get which), and redispatches below autocast. The
+kernels are process-wide, like any dispatcher registration: :data:`KERNELS` registers them when the first
+``apex`` policy on a device activates, counts the holders, and removes them with the last one. They cast only
+where an ``apex`` policy is the innermost one on (``scopes.innermost``); elsewhere they behave as the device's
+native autocast does.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch._C import DispatchKey, DispatchKeySet
+
+from ampinit._casting import arguments, scopes
+from ampinit._casting.lists import (
+    BANNED_BCE_MESSAGE,
+    DEFAULT_LISTS,
+    NATIVE_BCE_MESSAGE,
+    ApexLists,
+    Policy,
+    plan,
+)
+from ampinit._types import HALF_DTYPES
+
+if TYPE_CHECKING:
+    from ampinit._casting.policy import CastPolicy
+
+# Device types whose autocast dispatch key this torch build defines (the keys the extra kernels go to).
+AUTOCAST_KEYS: dict[str, str] = {
+    device: key
+    for device, key in {
+        "cpu": "AutocastCPU",
+        "cuda": "AutocastCUDA",
+        "xpu": "AutocastXPU",
+        "mps": "AutocastMPS",
+        "hpu": "AutocastHPU",
+        "ipu": "AutocastIPU",
+        "privateuseone": "AutocastPrivateUse1",
+    }.items()
+    if hasattr(DispatchKey, key)
+}
+
+
+def _explicit_dtype(op: torch._ops.OpOverload) -> Callable[[tuple[Any, ...], dict[str, Any]], bool] | None:
+    """Whether a call passes the op's optional ``dtype`` argument (such calls are left alone, as autocast does).
+
+    None for ops without one, so that their kernels skip the test.
+    """
+    for position, argument in enumerate(op._schema.arguments):
+        if argument.name == "dtype":
+            if argument.kwarg_only:
+                return lambda args, kwargs: kwargs.get("dtype") is not None
+            return lambda args, kwargs: (
+                kwargs.get("dtype") is not None or (len(args) > position and args[position] is not None)
+            )
+    return None
+
+
+def _tensor_arguments(op: torch._ops.OpOverload) -> tuple[tuple[int, ...], frozenset[str]]:
+    """Positions and names of the op's Tensor-typed arguments (``Tensor``, ``Tensor?``, ``Tensor[]``...).
+
+    Read once from the schema, so that a call casts only those instead of inspecting every argument.
+    """
+    positions, names = [], []
+    for position, argument in enumerate(op._schema.arguments):
+        if "Tensor" in str(argument.type):
+            positions.append(position)
+            names.append(argument.name)
+    return tuple(positions), frozenset(names)
+
+
+def _apex_policy() -> CastPolicy | None:
+    """The innermost policy when it follows Apex's lists (None: behave as the device's native autocast)."""
+    policy = scopes.innermost()
+    return policy if policy is not None and policy.policy == "apex" else None
+
+
+def make_kernel(op: torch._ops.OpOverload, policy: Policy, device_type: str) -> Callable[..., Any]:
+    """The autocast kernel of ``op`` on ``device_type``: cast by ``policy``, then run ``op`` below autocast.
+
+    These run on every call of a listed op, so each does the least it can in Python: the schema is read here,
+    once, and a call only looks at its Tensor-typed arguments.
+    """
+    excluded = DispatchKeySet(getattr(DispatchKey, AUTOCAST_KEYS[device_type]))
+    guard = torch._C._ExcludeDispatchKeyGuard
+    explicit_dtype = _explicit_dtype(op)
+    tensor_positions, tensor_names = _tensor_arguments(op)
+    cast_all = arguments.cast_all
+
+    def cast_and_run(dtype: torch.dtype, lower: bool, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        cast_args = list(args)
+        count = len(cast_args)
+        for position in tensor_positions:
+            if position < count:
+                cast_args[position] = cast_all(cast_args[position], dtype, device_type, lower=lower)
+        if kwargs:
+            kwargs = {
+                k: cast_all(v, dtype, device_type, lower=lower) if k in tensor_names else v for k, v in kwargs.items()
+            }
+        with guard(excluded):
+            return op(*cast_args, **kwargs)
+
+    def lower_kernel(*args: Any, **kwargs: Any) -> Any:
+        if _apex_policy() is None or (explicit_dtype is not None and explicit_dtype(args, kwargs)):
+            with guard(excluded):
+                return op(*args, **kwargs)
+        return cast_and_run(torch.get_autocast_dtype(device_type), True, args, kwargs)
+
+    def fp32_kernel(*args: Any, **kwargs: Any) -> Any:
+        if _apex_policy() is None or (explicit_dtype is not None and explicit_dtype(args, kwargs)):
+            with guard(excluded):
+                return op(*args, **kwargs)
+        return cast_and_run(torch.float32, False, args, kwargs)
+
+    def promote_kernel(*args: Any, **kwargs: Any) -> Any:
+        if _apex_policy() is not None:
+            dtypes = arguments.floating_dtypes((*args, *kwargs.values()), device_type)
+            if len(dtypes) > 1:
+                return cast_and_run(arguments.widest(dtypes), False, args, kwargs)
+        with guard(excluded):
+            return op(*args, **kwargs)
+
+    def banned_kernel(*args: Any, **kwargs: Any) -> Any:
+        policy = _apex_policy()
+        if policy is None:  # what the device's own autocast kernel does
+            if device_type != "cpu":
+                raise RuntimeError(NATIVE_BCE_MESSAGE)
+            return cast_and_run(torch.float32, False, args, kwargs)
+        dtypes = arguments.floating_dtypes((*args, *kwargs.values()), device_type)
+        if any(dtype in HALF_DTYPES for dtype in dtypes):
+            if not policy.allow_banned:
+                # A deliberate refusal, with Apex's exception type and message (code may catch either).
+                raise NotImplementedError(BANNED_BCE_MESSAGE)
+            return cast_and_run(torch.float32, False, args, kwargs)
+        with guard(excluded):
+            return op(*args, **kwargs)
+
+    kernels = {"lower": lower_kernel, "fp32": fp32_kernel, "promote": promote_kernel, "banned": banned_kernel}
+    return kernels[policy]
+
+
+class _Kernels:
+    """The extra autocast kernels, one ``torch.library.Library`` per device type, reference-counted.
+
+    All the sessions holding a device's kernels share them, so they must agree on Apex's lists.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._libraries: dict[str, tuple[torch.library.Library, ApexLists, int]] = {}
+
+    def registered(self) -> dict[str, int]:
+        """Device type -> how many active policies hold its kernels."""
+        with self._lock:
+            return {device: count for device, (_, _, count) in self._libraries.items()}
+
+    def acquire(self, device_type: str, lists: ApexLists = DEFAULT_LISTS) -> None:
+        with self._lock:
+            held = self._libraries.get(device_type)
+            if held is None:
+                self._libraries[device_type] = (_register(device_type, lists), lists, 1)
+                return
+            library, held_lists, count = held
+            if held_lists != lists:
+                raise RuntimeError(
+                    f"apex.amp.lists differ from those of the O1/O4 session already open on {device_type!r}: "
+                    "the lists are read at initialize() and shared by all open sessions. Close the open session "
+                    "before initializing with edited lists, or edit them before the first initialize()."
+                )
+            self._libraries[device_type] = (library, lists, count + 1)
+
+    def release(self, device_type: str) -> None:
+        with self._lock:
+            library, lists, count = self._libraries[device_type]
+            if count > 1:
+                self._libraries[device_type] = (library, lists, count - 1)
+                return
+            del self._libraries[device_type]
+            library._destroy()  # type: ignore[no-untyped-call]
+
+
+def _register(device_type: str, lists: ApexLists) -> torch.library.Library:
+    key = AUTOCAST_KEYS[device_type]
+    library = torch.library.Library("aten", "IMPL")  # type: ignore[no-untyped-call]
+    try:
+        with warnings.catch_warnings():
+            # Replacing the banned ops' native kernel (binary_cross_entropy: fp32 on CPU, an error on CUDA) is
+            # the point; the dispatcher warns about it, once per process, and restores the native kernel when
+            # the library is destroyed. The plan overrides no other native kernel.
+            warnings.filterwarnings("ignore", message=r"(?s).*Overriding a previously registered kernel")
+            for op, policy in plan(key, lists).items():
+                library.impl(op, make_kernel(op, policy, device_type), key)  # type: ignore[no-untyped-call]
+    except BaseException:
+        library._destroy()  # type: ignore[no-untyped-call]
+        raise
+    return library
+
+
+KERNELS = _Kernels()

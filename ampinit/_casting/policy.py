@@ -1,0 +1,223 @@
+"""The O1/O4 cast policy: PyTorch's autocast dispatch, switched on for the life of a session.
+
+Apex's O1 patched ~1,000 torch functions in Python. ampinit uses PyTorch's own autocast dispatch instead
+(``docs/design.md``, decision 2), at native speed and compatible with ``torch.compile``. With
+``policy="apex"`` the ops of Apex's lists that a device's native lists lack (on the CPU: softmax, layer_norm,
+sum, exp, pow, norms, ...) get extra kernels on that device's autocast dispatch key (``kernels``), so that every
+device runs Apex's cast semantics. ``policy="native"`` keeps PyTorch's lists only.
+
+A :class:`CastPolicy` does four things:
+
+* ``activate()``: from ``initialize`` until ``close``, torch calls in the initializing thread follow the policy,
+  inside and outside the model, as Apex's global patching did; it also applies the user's pending
+  ``register_*_function`` registrations for the session's lifetime;
+* ``install_forward_hooks(model)``: the model's forward follows it in any thread (e.g. DataLoader workers or
+  a serving thread);
+* ``suspended()``: a region with no casting (the optimizer step, the backward inside ``scale_loss``, and the
+  user's ``disable_casts()``);
+* ``clear_cache()``: forget cached weight casts (the session calls it at every ``scale_loss`` exit and step;
+  the policy itself also clears at the entry of each outermost model forward).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from ampinit._casting import arguments, lists, scopes, user_functions
+from ampinit._casting.kernels import AUTOCAST_KEYS, KERNELS
+from ampinit._casting.lists import Policy
+from ampinit._types import CAST_POLICIES, HALF_DTYPES, CastPolicyName
+
+
+class CastPolicy:
+    """Autocast to ``dtype`` on ``device_types`` while active, with Apex's lists on top for ``policy="apex"``."""
+
+    def __init__(
+        self,
+        device_types: list[str],
+        dtype: torch.dtype,
+        *,
+        policy: CastPolicyName = "apex",
+        allow_banned: bool = False,
+    ) -> None:
+        if policy not in CAST_POLICIES:
+            raise ValueError(f"cast_policy must be one of {list(CAST_POLICIES)}, got {policy!r}")
+        if dtype not in HALF_DTYPES:
+            raise ValueError(f"The O1/O4 cast dtype must be torch.float16 or torch.bfloat16, got {dtype!r}")
+        self.device_types = sorted(set(device_types))
+        if policy == "apex":
+            unknown = [d for d in self.device_types if d not in AUTOCAST_KEYS]
+            if unknown:
+                raise ValueError(
+                    f"cast_policy='apex' needs an autocast dispatch key for device type {unknown[0]!r}; known: "
+                    f"{sorted(AUTOCAST_KEYS)}. Use cast_policy='native' for PyTorch's own lists on this device."
+                )
+        self.dtype = dtype
+        self.policy = policy
+        self.allow_banned = allow_banned
+        self._saved: list[tuple[str, bool, torch.dtype]] = []
+        self._thread: int | None = None
+        self._local = threading.local()
+        self._acquired: list[str] = []
+        self._restore_user_functions: Callable[[], None] | None = None
+
+    @property
+    def active(self) -> bool:
+        return self._thread is not None
+
+    def activate(self) -> None:
+        """Switch the policy on in the calling thread until :meth:`deactivate`."""
+        if self.active:
+            raise RuntimeError("CastPolicy.activate() called twice without deactivate()")
+        try:
+            patches: list[tuple[object, str, Policy]] = []
+            if self.policy == "apex":
+                apex_lists = lists.current_lists()  # as the code edited apex.amp.lists before initialize
+                for device in self.device_types:
+                    KERNELS.acquire(device, apex_lists)
+                    self._acquired.append(device)
+                patches = lists.python_patches(apex_lists)
+            self._restore_user_functions = user_functions.REGISTRY.apply(patches)
+        except BaseException:
+            self._release_kernels()
+            raise
+        for device in self.device_types:
+            self._saved.append((device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)))
+            torch.set_autocast_enabled(device, True)
+            torch.set_autocast_dtype(device, self.dtype)
+        # Counts as an open autocast region, so that a user's nested ``with torch.autocast`` does not clear
+        # the weight-cast cache on its exit.
+        torch.autocast_increment_nesting()
+        scopes.activated().append(self)
+        scopes.thread_scopes().append(self)
+        scopes.open_process_wide(self)
+        self._thread = threading.get_ident()
+
+    def deactivate(self) -> None:
+        """Restore the autocast state found at :meth:`activate` (must run in the same thread)."""
+        if not self.active:
+            return
+        if threading.get_ident() != self._thread:
+            raise RuntimeError(
+                "The cast policy was activated in another thread: close() the session from the thread that "
+                "called initialize(), because autocast state is per thread."
+            )
+        try:
+            stack = scopes.thread_scopes()
+            for index in range(len(stack) - 1, -1, -1):
+                if stack[index] is self:
+                    del stack[index]
+                    break
+            scopes.close_process_wide(self)
+            if torch.autocast_decrement_nesting() == 0:
+                torch.clear_autocast_cache()
+            arguments.clear_cache()
+            self._restore_autocast_state()
+            self._thread = None
+        finally:
+            try:
+                if self._restore_user_functions is not None:
+                    self._restore_user_functions()
+                    self._restore_user_functions = None
+            finally:
+                self._release_kernels()
+
+    def _restore_autocast_state(self) -> None:
+        """Put back the state found at activation, or hand it to a policy activated later in this thread.
+
+        Sessions may close in any order: when a later policy still holds a device, that policy saved this one's
+        state at its activation, so it inherits what this one found instead, and the current state stays.
+        """
+        activated = scopes.activated()
+        index = next(i for i, policy in enumerate(activated) if policy is self)
+        later = activated[index + 1 :]
+        del activated[index]
+        for device, enabled, dtype in reversed(self._saved):
+            heir = next((p for p in later if any(d == device for d, _, _ in p._saved)), None)
+            if heir is None:
+                torch.set_autocast_enabled(device, enabled)
+                torch.set_autocast_dtype(device, dtype)
+            else:
+                heir._saved = [(d, enabled, dtype) if d == device else (d, e, t) for d, e, t in heir._saved]
+        self._saved.clear()
+
+    def _release_kernels(self) -> None:
+        while self._acquired:
+            KERNELS.release(self._acquired.pop())
+
+    @contextlib.contextmanager
+    def suspended(self) -> Iterator[None]:
+        """No casting inside; the previous state comes back on exit, also when the body raises."""
+        # Flipping the thread's autocast flags directly: a ``torch.autocast`` object per device costs tens of
+        # microseconds, and this runs at least twice per training step (backward and optimizer step).
+        self._local.suspended = getattr(self._local, "suspended", 0) + 1
+        saved = [(device, torch.is_autocast_enabled(device)) for device in self.device_types]
+        try:
+            for device, _ in saved:
+                torch.set_autocast_enabled(device, False)
+            yield
+        finally:
+            for device, enabled in saved:
+                torch.set_autocast_enabled(device, enabled)
+            self._local.suspended -= 1
+
+    def clear_cache(self) -> None:
+        """Forget cached weight casts (weights change at every optimizer step)."""
+        torch.clear_autocast_cache()
+        arguments.clear_cache()
+
+    def install_forward_hooks(self, model: torch.nn.Module) -> list[RemovableHandle]:
+        """Run ``model``'s forward under the policy in whichever thread calls it."""
+
+        def enter(module: torch.nn.Module, args: Any) -> None:
+            stack = self._thread_stack()
+            if not stack:
+                # Weights may have changed since the last forward outside the optimizer (``load_state_dict``
+                # between eval forwards, a manual update): casts live for one outermost forward at most.
+                self.clear_cache()
+            if getattr(self._local, "suspended", 0):  # a forward inside disable_casts() stays uncast
+                stack.append(None)
+                return
+            saved = [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in self.device_types]
+            for device, _, _ in saved:
+                torch.set_autocast_enabled(device, True)
+                torch.set_autocast_dtype(device, self.dtype)
+            # An open autocast region, as ``torch.autocast`` would count it: the weight-cast cache lives until
+            # the outermost one closes.
+            torch.autocast_increment_nesting()
+            scopes.thread_scopes().append(self)
+            stack.append(saved)
+
+        def leave(module: torch.nn.Module, args: Any, output: Any) -> None:
+            stack = self._thread_stack()
+            if not stack:
+                return
+            saved = stack.pop()
+            if saved is None:
+                return
+            scopes.thread_scopes().pop()
+            if torch.autocast_decrement_nesting() == 0:
+                torch.clear_autocast_cache()
+            for device, enabled, dtype in saved:
+                torch.set_autocast_enabled(device, enabled)
+                torch.set_autocast_dtype(device, dtype)
+
+        # torch.compile runs the hooks eagerly (a region opened in one hook and closed in another cannot be
+        # traced) and compiles the forward under the autocast state they set, on which it guards.
+        return [
+            model.register_forward_pre_hook(torch.compiler.disable(enter)),  # type: ignore[no-untyped-call]
+            model.register_forward_hook(torch.compiler.disable(leave), always_call=True),  # type: ignore[no-untyped-call]
+        ]
+
+    def _thread_stack(self) -> list[list[tuple[str, bool, torch.dtype]] | None]:
+        """Per thread, per open model forward: the autocast state to restore (None: the forward was uncast)."""
+        stack: list[list[tuple[str, bool, torch.dtype]] | None] | None = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = []
+        return stack

@@ -1,0 +1,163 @@
+"""Apex's user-function API: the cast decorators and the registrations the next O1/O4 session applies.
+
+``half_function``, ``float_function`` and ``promote_function`` decorate a function so that, while a cast policy
+is on in the calling thread (autocast enabled for the arguments' device, i.e. inside an O1/O4 session and not
+inside ``disable_casts()``), its floating tensor arguments are cast first; otherwise it is called as is.
+
+``register_half_function(module, name)`` and its siblings record a function to patch. As in Apex, the
+registrations are consumed by the next O1/O4 ``initialize``: that session patches ``module.name`` with the
+decorated function and puts the original back when it closes, so nothing outlives the session. Register again
+before each ``initialize`` that should apply them.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
+
+import torch
+
+from ampinit._casting.arguments import cast_all, device_of, floating_dtypes, widest
+from ampinit._casting.lists import Policy
+from ampinit._undo import UndoStack
+
+CastKind = Literal["half", "float", "promote"]
+# The decorator that casts like each list policy (``lists.KIND_POLICY``).
+_POLICY_KIND: dict[Policy, CastKind] = {"lower": "half", "fp32": "float", "promote": "promote"}
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+# -- decorators ---------------------------------------------------------------------------------------------------
+def _cast_wrapper(fn: F, kind: CastKind) -> F:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        values = (*args, *kwargs.values())
+        device_type = device_of(values)
+        if device_type is None or not torch.is_autocast_enabled(device_type):
+            return fn(*args, **kwargs)
+        if kind == "promote":
+            dtypes = floating_dtypes(values, device_type)
+            if len(dtypes) < 2:
+                return fn(*args, **kwargs)
+            dtype, lower = widest(dtypes), False
+        elif kind == "half":
+            dtype, lower = torch.get_autocast_dtype(device_type), True
+        else:
+            dtype, lower = torch.float32, False
+        args = cast_all(args, dtype, device_type, lower=lower)
+        kwargs = {k: cast_all(v, dtype, device_type, lower=lower) for k, v in kwargs.items()}
+        return fn(*args, **kwargs)
+
+    wrapper.__ampinit_cast__ = kind  # type: ignore[attr-defined]
+    return wrapper  # type: ignore[return-value]
+
+
+def half_function(fn: F) -> F:
+    """Run ``fn`` on the autocast dtype (fp16 under O1, bf16 under O4) while a cast policy is on."""
+    return _cast_wrapper(fn, "half")
+
+
+def float_function(fn: F) -> F:
+    """Run ``fn`` on float32 inputs while a cast policy is on."""
+    return _cast_wrapper(fn, "float")
+
+
+def promote_function(fn: F) -> F:
+    """Run ``fn`` with its floating inputs in their widest dtype while a cast policy is on."""
+    return _cast_wrapper(fn, "promote")
+
+
+_DECORATORS: dict[CastKind, Callable[[Callable[..., Any]], Callable[..., Any]]] = {
+    "half": half_function,
+    "float": float_function,
+    "promote": promote_function,
+}
+
+
+# -- registrations ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Registration:
+    module: Any
+    name: str
+    kind: CastKind
+
+
+class _Registry:
+    """Pending registrations, and how many sessions currently hold patches (to warn about late ones)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.pending: list[_Registration] = []
+        self.applied = 0
+
+    def add(self, module: Any, name: str, kind: CastKind) -> None:
+        if not hasattr(module, name):
+            raise ValueError(f"No function named {name} in module {module}.")
+        with self.lock:
+            self.pending.append(_Registration(module, name, kind))
+            late = self.applied > 0
+        if late:
+            warnings.warn(
+                f"register_{kind}_function({module!r}, {name!r}) was called while an O1/O4 session is open: "
+                "it takes effect at the next ampinit.initialize(), as in Apex.",
+                stacklevel=3,
+            )
+
+    def apply(self, list_patches: Sequence[tuple[object, str, Policy]] = ()) -> Callable[[], None]:
+        """Patch every pending registration (consuming them), then ``list_patches`` (names added to Apex's lists
+        that no kernel carries, ``lists.python_patches``), in Apex's order; return the function that undoes them.
+        """
+        with self.lock:
+            registrations, self.pending = self.pending, []
+            self.applied += 1
+        registrations += [_Registration(module, name, _POLICY_KIND[policy]) for module, name, policy in list_patches]
+        undo = UndoStack()
+        try:
+            for registration in registrations:
+                module, name = registration.module, registration.name
+                undo.rebind(module, name, _DECORATORS[registration.kind](getattr(module, name)))
+        except BaseException:
+            try:
+                undo.run()
+            finally:
+                self._release()
+            raise
+        released = False
+
+        def restore() -> None:
+            nonlocal released
+            if released:
+                return
+            released = True
+            try:
+                undo.run()
+            finally:
+                self._release()
+
+        return restore
+
+    def _release(self) -> None:
+        with self.lock:
+            self.applied -= 1
+
+
+REGISTRY = _Registry()
+
+
+def register_half_function(module: Any, name: str) -> None:
+    """Have the next O1/O4 session run ``module.name`` on the autocast dtype (Apex's ``register_half_function``)."""
+    REGISTRY.add(module, name, "half")
+
+
+def register_float_function(module: Any, name: str) -> None:
+    """Have the next O1/O4 session run ``module.name`` in float32 (``register_float_function(torch, "sigmoid")``)."""
+    REGISTRY.add(module, name, "float")
+
+
+def register_promote_function(module: Any, name: str) -> None:
+    """Have the next O1/O4 session run ``module.name`` with its inputs promoted to their widest dtype."""
+    REGISTRY.add(module, name, "promote")
