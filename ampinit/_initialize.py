@@ -14,6 +14,7 @@ from ampinit._cast_policy import CAST_POLICIES, CastPolicyName
 from ampinit._distributed import is_sharded
 from ampinit._loss_scale import DynamicLossScale
 from ampinit._opt_levels import LEVELS, Properties, resolve, unknown_level_message
+from ampinit._remainder_masters import optimizer_kind
 from ampinit._session import AmpSession, AmpStats
 from ampinit._types import HALF_DTYPES
 
@@ -60,6 +61,8 @@ def initialize(
         cast_model_type, patch_torch_functions, keep_batchnorm_fp32, master_weights, loss_scale: overrides of
             the level's properties (``None`` keeps the level's value). Apex's strings are accepted: ``"True"``,
             ``"False"``, ``"128.0"``, ``"dynamic"``. ``loss_scale`` also takes a :class:`DynamicLossScale`.
+            ``master_weights="remainder"`` (bf16 models) keeps each fp32 master as the bf16 weight plus its low 16
+            bits: 2 bytes per parameter instead of 4, no copy-back pass (see docs/opt-levels.md).
         cast_model_outputs: dtype for the model's floating outputs (default: fp32 when the model is cast).
         num_losses: how many losses (``loss_id`` values) get their own loss scaler.
         verbosity: 0 silences ampinit's log messages, 1 logs the option table and overflows.
@@ -126,6 +129,9 @@ def initialize(
         _check_models(model_list, allow_half_model)
         _check_sharding(model_list, properties)
         _check_optimizers(optimizer_list)
+        if properties.remainder_masters:  # [remainder hook] refuse optimizers it has no update for, up front
+            for opt in optimizer_list:
+                optimizer_kind(opt)
 
     AmpSession(
         model_list,

@@ -26,6 +26,7 @@ from ampinit._loss_scale import DynamicLossScale
 from ampinit._master_weights import OptimizerGrads
 from ampinit._model_cast import ModelCast, plan
 from ampinit._opt_levels import LEVELS, Properties, describe
+from ampinit._remainder_masters import RemainderGrads
 from ampinit._scaler import LossScaleAtMinimumError, LossScaler
 from ampinit._types import HALF_DTYPES
 
@@ -130,8 +131,10 @@ class AmpSession:
             for p in group["params"]
             if planned.get(id(p)) in HALF_DTYPES
         }
+        # [remainder hook] master_weights="remainder": bf16 weights plus 16-bit remainders (_remainder_masters).
+        grads_type = RemainderGrads if props.remainder_masters else OptimizerGrads
         for opt in self.optimizers:
-            grads = self._grads[id(opt)] = OptimizerGrads(opt, props.uses_master_weights)
+            grads = self._grads[id(opt)] = grads_type(opt, props.uses_master_weights)
             # Registered before the model cast so that, undoing in reverse, the model weights get their
             # masters' values back before the masters are released.
             self._undo.append(grads.restore_model_params)
@@ -140,7 +143,15 @@ class AmpSession:
         for model in self.models:
             # Masters, and a cast policy's devices, stay where the model was at initialize().
             guard = props.uses_master_weights or props.cast_dtype is not None
-            cast = ModelCast(model, model_dtype, keep_bn, output_dtype, self.master_for, guard_device=guard)
+            cast = ModelCast(
+                model,
+                model_dtype,
+                keep_bn,
+                output_dtype,
+                self.master_for,
+                guard_device=guard,
+                load_master=self._load_remainder_master,  # [remainder hook]
+            )
             self._undo.append(functools.partial(cast.undo, self.master_for))
             cast.apply()
 
@@ -264,6 +275,15 @@ class AmpSession:
             master = grads.master_for(param)
             if master is not None:
                 return master
+        return None
+
+    def _load_remainder_master(self, param: torch.Tensor, value: torch.Tensor) -> torch.Tensor | None:
+        """[remainder hook] Split a loaded fp32 master; the bf16 weight torch should load, or None."""
+        for grads in self._grads.values():
+            if isinstance(grads, RemainderGrads):
+                weight = grads.load_master(param, value)
+                if weight is not None:
+                    return weight
         return None
 
     def _grads_of(self, optimizers: object) -> list[OptimizerGrads]:
