@@ -24,10 +24,11 @@ Transformer Engine's ``store_param_remainders``. So:
   on exact ties whose upper half is even (1 in 131072 uniformly distributed masters); everywhere else the two
   roundings agree, overflow to +-inf included.
 
-Special values: +-0, subnormals and +-inf round-trip like any other pattern. A NaN master is stored as torch's
-bf16 NaN (0x7FC0, what ``master.to(torch.bfloat16)`` gives) with remainder 0, and joins back to the quiet NaN
-0x7FC00000: NaN payloads are not kept, because rounding a NaN's upper half up can carry out of the exponent
-field (0x7FFF -> 0x8000 is -0.0) and turn a NaN into a number.
+Special values: +-0, subnormals and +-inf round-trip like any other pattern. A NaN master is stored as the
+quiet bf16 NaN 0x7FC0 with remainder 0, and joins back to the quiet NaN 0x7FC00000: NaN payloads are not kept,
+because rounding a NaN's upper half up can carry out of the exponent field (0x7FFF -> 0x8000 is -0.0) and turn
+a NaN into a number. A pair that ``split`` did not produce (a weight written behind the optimizer's back, with
+a stale remainder) joins to a value within one bf16 ulp of the weight.
 
 The step functions here are the *reference* of the remainder kernels in ``ampinit._triton_master``
 (``adam_remainder_`` / ``sgd_remainder_``, same arguments, same bits): join, the master step of
@@ -44,7 +45,6 @@ from ampinit import _fused_master
 from ampinit._types import TensorList
 
 REMAINDER_DTYPE = torch.int16
-_NAN_BITS = 0x7FC00000  # torch's quiet NaN, whose bf16 half is torch's bf16 NaN 0x7FC0
 
 
 def split_(master: torch.Tensor, weight: torch.Tensor, remainder: torch.Tensor) -> None:
@@ -52,8 +52,8 @@ def split_(master: torch.Tensor, weight: torch.Tensor, remainder: torch.Tensor) 
 
     ``master`` is used as scratch (its NaNs are made canonical); all three tensors must have the same shape.
     """
-    # Canonical NaN first: B + 0x8000 would overflow the int32 for the NaNs just below 0x80000000, and carry
-    # the negative NaNs 0xFFFF8000.. into +0.0.
+    # Canonical NaN first (math.nan is 0x7FC00000): B + 0x8000 would overflow the int32 for the NaNs just
+    # below 0x80000000, and carry the negative NaNs 0xFFFF8000.. into +0.0.
     master.nan_to_num_(nan=math.nan, posinf=math.inf, neginf=-math.inf)
     bits = master.view(torch.int32)
     upper = torch.add(bits, 0x8000)

@@ -21,6 +21,7 @@ fp32 value loaded into the model is split into weight and remainder (``load_mast
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from types import ModuleType
 from typing import Any, Literal
 
 import torch
@@ -28,7 +29,7 @@ from torch.optim.adam import adam as adam_update
 from torch.optim.sgd import sgd as sgd_update
 from torch.utils.hooks import RemovableHandle
 
-from ampinit import _remainder
+from ampinit import _fused_master, _remainder
 from ampinit._master_weights import OptimizerGrads
 
 #: The largest number of elements joined into fp32 at once in a step (4 MiB of masters, as much of grads).
@@ -363,7 +364,129 @@ class RemainderGrads(OptimizerGrads):
     # -- the kernels ----------------------------------------------------------------------------------------
     def _kernels_step(self, group: dict[str, Any], params: list[torch.Tensor], found_inf: torch.Tensor | None) -> bool:
         """Step ``group`` with the Triton remainder kernels if it qualifies (see the module docstring)."""
-        return False
+        kernels = _kernels_for(group, params, self.kind)
+        if kernels is None or (found_inf is not None and found_inf.device != params[0].device):
+            return False
+        with_remainder = [p for p in params if id(p) in self._remainders]
+        direct = [p for p in params if id(p) not in self._remainders]
+        if self.kind == "adam":
+            self._kernel_adam(kernels, group, with_remainder, direct, found_inf)
+        else:
+            self._kernel_sgd(kernels, group, with_remainder, direct, found_inf)
+        return True
+
+    def _kernel_adam(
+        self,
+        kernels: ModuleType,
+        group: dict[str, Any],
+        with_remainder: list[torch.Tensor],
+        direct: list[torch.Tensor],
+        found_inf: torch.Tensor | None,
+    ) -> None:
+        beta1, beta2 = group["betas"]
+        options = dict(
+            lr=group["lr"],
+            beta1=beta1,
+            beta2=beta2,
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+            decoupled=bool(group.get("decoupled_weight_decay", type(self.optimizer) is torch.optim.AdamW)),
+            maximize=group["maximize"],
+            inv_scale=None,
+            found_inf=found_inf,
+        )
+        for params in (with_remainder, direct):
+            if not params:
+                continue
+            states = [self._adam_state(group, p) for p in params]
+            steps = [s["step"] for s in states]
+            torch._foreach_add_(steps, 1.0)
+            if found_inf is not None:
+                torch._foreach_sub_(steps, [found_inf.reshape(())] * len(steps))
+            scalars = _fused_master.adam_step_scalars(steps, beta1, beta2, group["lr"]).to(params[0].device)
+            exp_avgs = [s["exp_avg"] for s in states]
+            exp_avg_sqs = [s["exp_avg_sq"] for s in states]
+            grads = [_grad(p) for p in params]
+            if params is with_remainder:
+                remainders = [self._remainders[id(p)][1] for p in params]
+                weights = [p.detach() for p in params]
+                kernels.adam_remainder_(weights, remainders, grads, exp_avgs, exp_avg_sqs, scalars, **options)
+            else:
+                kernels.adam_([], grads, [p.detach() for p in params], exp_avgs, exp_avg_sqs, scalars, **options)
+
+    def _kernel_sgd(
+        self,
+        kernels: ModuleType,
+        group: dict[str, Any],
+        with_remainder: list[torch.Tensor],
+        direct: list[torch.Tensor],
+        found_inf: torch.Tensor | None,
+    ) -> None:
+        momentum = group["momentum"]
+        options = dict(
+            lr=group["lr"],
+            momentum=momentum,
+            dampening=group["dampening"],
+            nesterov=group["nesterov"],
+            weight_decay=group["weight_decay"],
+            maximize=group["maximize"],
+            inv_scale=None,
+            found_inf=found_inf,
+        )
+        for params in (with_remainder, direct):
+            first = [momentum != 0 and "momentum_buffer" not in self.optimizer.state[p] for p in params]
+            for param, is_first in zip(params, first):
+                if is_first:
+                    self.optimizer.state[param]["momentum_buffer"] = torch.zeros_like(param, dtype=torch.float32)
+            for first_step in (True, False):
+                chosen = [p for p, f in zip(params, first) if f == first_step]
+                if not chosen:
+                    continue
+                grads = [_grad(p) for p in chosen]
+                buffers = [self.optimizer.state[p]["momentum_buffer"] for p in chosen] if momentum != 0 else []
+                if params is with_remainder:
+                    remainders = [self._remainders[id(p)][1] for p in chosen]
+                    weights = [p.detach() for p in chosen]
+                    kernels.sgd_remainder_(weights, remainders, grads, buffers, first_step=first_step, **options)
+                else:
+                    masters = [p.detach() for p in chosen]
+                    kernels.sgd_([], grads, masters, buffers, first_step=first_step, **options)
+
+
+#: Tests set this to run the remainder kernels on CPU tensors through Triton's interpreter (TRITON_INTERPRET=1).
+TRITON_ON_CPU = False
+
+
+def _kernels_for(group: dict[str, Any], params: list[torch.Tensor], kind: Kind) -> ModuleType | None:
+    """``ampinit._triton_master`` when ``group`` of a ``fused=True`` torch Adam/AdamW/SGD fits the kernels."""
+    if kind not in ("adam", "sgd") or not group.get("fused") or not isinstance(group["lr"], float):
+        return None
+    if kind == "adam" and (group["amsgrad"] or not all(isinstance(b, float) for b in group["betas"])):
+        return None
+    device = params[0].device
+    if device.type != "cuda" and not (device.type == "cpu" and TRITON_ON_CPU):
+        return None
+    for p in params:
+        grad = p.grad
+        if (
+            p.device != device
+            or not p.is_contiguous()
+            or grad is None
+            or grad.is_sparse
+            or not grad.is_contiguous()
+            or grad.dtype != p.dtype
+        ):
+            return None
+    if not _fused_master.triton_available():
+        return None
+    from ampinit import _triton_master
+
+    return _triton_master
+
+
+def _grad(param: torch.Tensor) -> torch.Tensor:
+    assert param.grad is not None
+    return param.grad
 
 
 def _fp32(grad: torch.Tensor | None) -> torch.Tensor:
