@@ -209,7 +209,7 @@ class PlainReference:
             for module in self.net.modules():
                 if isinstance(module, nn.BatchNorm1d):
                     continue
-                for name, param in module._parameters.items():
+                for param in module._parameters.values():
                     if param is not None:
                         param.data = tie_away_bf16(param.data)
                 for name, buffer in module._buffers.items():
@@ -289,7 +289,7 @@ def test_training_is_bitwise_the_plain_fp32_master_reference(name: str, ties: bo
 def test_initial_weights_take_the_tie_rule_and_masters_start_exact() -> None:
     net, _, _ = make_net(1, ties=True)
     originals = [p.detach().clone() for p in net.parameters()]
-    net, optimizer, session = remainder_session(net, torch.optim.AdamW(net.parameters()))
+    net, _, session = remainder_session(net, torch.optim.AdamW(net.parameters()))
     try:
         for p, original in zip(net.parameters(), originals):
             assert same_bits(session.master_for(p) if p.dtype == torch.bfloat16 else p.detach(), original)
@@ -301,3 +301,413 @@ def test_initial_weights_take_the_tie_rule_and_masters_start_exact() -> None:
         session.close()
     for p, original in zip(net.parameters(), originals):
         assert same_bits(p.detach(), original)  # close() gives the exact fp32 values back
+
+
+# -- (c) checkpoints ----------------------------------------------------------------------------------------------
+def checkpoint(net: nn.Module, optimizer: torch.optim.Optimizer, session: ampinit.AmpSession) -> dict[str, Any]:
+    """Saved and read back through torch.save, as a training script would."""
+    buffer = io.BytesIO()
+    torch.save({"model": net.state_dict(), "optimizer": optimizer.state_dict(), "amp": session.state_dict()}, buffer)
+    buffer.seek(0)
+    loaded: dict[str, Any] = torch.load(buffer, weights_only=True)
+    return loaded
+
+
+def restore(
+    net: nn.Module, optimizer: torch.optim.Optimizer, session: ampinit.AmpSession, ckpt: dict[str, Any]
+) -> None:
+    net.load_state_dict(ckpt["model"])
+    optimizer.load_state_dict(ckpt["optimizer"])
+    session.load_state_dict(ckpt["amp"])
+
+
+def test_remainder_checkpoint_loads_into_fp32_masters_and_back_exactly() -> None:
+    net, x, y = make_net(2, ties=False)
+    net, optimizer, session = remainder_session(net, torch.optim.AdamW(net.parameters(), lr=1e-2))
+    fp32_net = make_net(3, ties=False)[0]
+    fp32_net, fp32_optimizer = amp.initialize(
+        fp32_net, torch.optim.AdamW(fp32_net.parameters(), lr=1e-2), opt_level="O5", verbosity=0
+    )
+    fp32_session = ampinit.session_of(fp32_optimizer)
+    assert fp32_session is not None
+    try:
+        for _ in range(3):
+            amp_step(net, optimizer, x, y)
+        ckpt = checkpoint(net, optimizer, session)
+        assert all(v.dtype == torch.float32 for v in ckpt["model"].values() if v.is_floating_point())
+        assert not any("remainder" in key for state in ckpt["optimizer"]["state"].values() for key in state)
+
+        # remainder -> fp32 masters: the masters and the moments arrive bit for bit.
+        restore(fp32_net, fp32_optimizer, fp32_session, ckpt)
+        for got, want in zip(masters_of(fp32_session, fp32_net), masters_of(session, net)):
+            assert same_bits(got, want)
+        assert_optimizer_states_equal(fp32_optimizer, optimizer)
+
+        # fp32 masters train on, then -> remainder: masters exact, weights by the tie rule, moments still fp32.
+        for _ in range(2):
+            amp_step(fp32_net, fp32_optimizer, x, y)
+        restore(net, optimizer, session, checkpoint(fp32_net, fp32_optimizer, fp32_session))
+        for got, want in zip(masters_of(session, net), masters_of(fp32_session, fp32_net)):
+            assert same_bits(got, want)
+        for p, master in zip(net.parameters(), masters_of(session, net)):
+            if p.dtype == torch.bfloat16:
+                assert same_bits(p.detach(), tie_away_bf16(master))
+        for state in optimizer.state.values():
+            assert state["exp_avg"].dtype == torch.float32 and state["exp_avg_sq"].dtype == torch.float32
+        assert_optimizer_states_equal(optimizer, fp32_optimizer)
+    finally:
+        fp32_session.close()
+        session.close()
+
+
+@pytest.mark.parametrize("name", ["AdamW-fused", "SGD-nesterov", "FusedAdam"])
+def test_resuming_a_remainder_run_is_bitwise(name: str) -> None:
+    net, x, y = make_net(4, ties=False)
+    resumed_net = copy.deepcopy(net)
+    net, optimizer, session = remainder_session(net, OPTIMIZERS[name](net.parameters()))
+    try:
+        for _ in range(2):
+            amp_step(net, optimizer, x, y)
+        ckpt = checkpoint(net, optimizer, session)
+        for _ in range(2):
+            amp_step(net, optimizer, x, y)
+    finally:
+        session.close()
+    fresh = make_net(5, ties=False)[0]  # other initial weights: everything must come from the checkpoint
+    fresh.load_state_dict(resumed_net.state_dict())
+    fresh, fresh_optimizer, fresh_session = remainder_session(fresh, OPTIMIZERS[name](fresh.parameters()))
+    try:
+        restore(fresh, fresh_optimizer, fresh_session, ckpt)
+        for _ in range(2):
+            amp_step(fresh, fresh_optimizer, x, y)
+        assert_optimizer_states_equal(fresh_optimizer, optimizer)
+    finally:
+        fresh_session.close()
+    for got, want in zip(fresh.parameters(), net.parameters()):
+        assert same_bits(got.detach(), want.detach())  # closed sessions: both hold the fp32 masters
+
+
+# -- (d) skipped steps --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("sync_free", [False, True], ids=["host", "sync_free"])
+def test_an_overflowing_step_leaves_weight_remainder_and_state_unchanged(sync_free: bool) -> None:
+    net, x, y = make_net(6, ties=False)
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2, fused=True)
+    net, optimizer, session = remainder_session(net, optimizer, sync_free=sync_free)
+    try:
+        for _ in range(2):
+            amp_step(net, optimizer, x, y)
+        weights = [p.detach().clone() for p in net.parameters()]
+        masters = [m.clone() for m in masters_of(session, net)]
+        state = copy.deepcopy(optimizer.state_dict())
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(net(x), y) * float("inf")
+        with amp.scale_loss(loss, optimizer) as scaled:
+            scaled.backward()
+        optimizer.step()
+        assert amp.step_was_skipped(optimizer)
+        for p, weight, master, now in zip(net.parameters(), weights, masters, masters_of(session, net)):
+            assert same_bits(p.detach(), weight)
+            assert same_bits(now, master)  # same weight and same master: the same remainder
+        after = optimizer.state_dict()
+        for index, entry in state["state"].items():
+            for key, value in entry.items():
+                assert same_bits(after["state"][index][key].float(), value.float()), (index, key)
+    finally:
+        session.close()
+
+
+# -- (e) memory ---------------------------------------------------------------------------------------------------
+def stray_fp32_copies(net: nn.Module, optimizer: torch.optim.Optimizer) -> list[tuple[int, ...]]:
+    """Shapes of live fp32 tensors shaped like a bf16 weight that are not the model's nor optimizer state."""
+    shapes = {tuple(p.shape) for p in net.parameters() if p.dtype == torch.bfloat16}
+    known = {t.data_ptr() for t in (*net.parameters(), *net.buffers())}
+    known |= {p.grad.data_ptr() for p in net.parameters() if p.grad is not None}
+    known |= {t.data_ptr() for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)}
+    gc.collect()
+    return [
+        tuple(obj.shape)
+        for obj in gc.get_objects()
+        if issubclass(type(obj), torch.Tensor)  # type(), not isinstance: some module objects warn on __class__
+        and obj.dtype == torch.float32
+        and tuple(obj.shape) in shapes
+        and obj.data_ptr() not in known
+    ]
+
+
+@pytest.mark.parametrize("master_weights", ["remainder", True])
+def test_remainder_runs_hold_no_fp32_masters(master_weights: str | bool) -> None:
+    net, x, y = make_net(7, ties=False)
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    net, optimizer = amp.initialize(net, optimizer, opt_level="O5", master_weights=master_weights, verbosity=0)
+    try:
+        for _ in range(2):
+            amp_step(net, optimizer, x, y)
+        strays = stray_fp32_copies(net, optimizer)
+        if master_weights == "remainder":
+            assert strays == []
+            assert [p for g in optimizer.param_groups for p in g["params"]] == list(net.parameters())
+            assert all(p.grad is None or p.grad.dtype == p.dtype for p in net.parameters())
+        else:
+            assert strays  # fp32 masters (and their grads): what the remainder run does without
+    finally:
+        ampinit.deinitialize()
+
+
+# -- errors -------------------------------------------------------------------------------------------------------
+def test_fp16_models_are_refused_with_the_reason() -> None:
+    net, _, _ = make_net(8, ties=False)
+    optimizer = torch.optim.AdamW(net.parameters())
+    message = "master_weights='remainder' needs a bfloat16 model (opt_level='O5', or cast_model_type=torch.bfloat16)"
+    with pytest.raises(ValueError, match=re.escape(message) + ".*fp16 weight has other exponent and mantissa"):
+        amp.initialize(net, optimizer, opt_level="O2", master_weights="remainder")
+    assert all(p.dtype == torch.float32 for p in net.parameters())
+    assert ampinit.current_session() is None
+
+
+def test_o2_with_a_bf16_model_takes_remainder_masters() -> None:
+    net, x, y = make_net(9, ties=False)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    net, optimizer = amp.initialize(
+        net, optimizer, opt_level="O2", cast_model_type=torch.bfloat16, master_weights="remainder", verbosity=0
+    )
+    try:
+        amp_step(net, optimizer, x, y)
+        assert net.fc1.weight.dtype == torch.bfloat16 and not amp.step_was_skipped()
+    finally:
+        ampinit.deinitialize()
+
+
+def test_unsupported_optimizers_are_named_and_nothing_is_applied() -> None:
+    net, _, _ = make_net(10, ties=False)
+    optimizer = torch.optim.RMSprop(net.parameters())
+    params = list(optimizer.param_groups[0]["params"])
+    with pytest.raises(
+        ValueError,
+        match=re.escape("master_weights='remainder' does not support the optimizer torch.optim.rmsprop.RMSprop")
+        + ".*torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, ampinit.optimizers.FusedAdam",
+    ):
+        amp.initialize(net, optimizer, opt_level="O5", master_weights="remainder")
+    assert optimizer.param_groups[0]["params"] == params
+    assert all(p.dtype == torch.float32 for p in net.parameters())
+    assert "step" not in vars(optimizer)
+
+
+def test_fused_adam_with_its_own_masters_is_refused() -> None:
+    net, _, _ = make_net(11, ties=False)
+    optimizer = FusedAdam(net.parameters(), capturable=True, master_weights=True)
+    with pytest.raises(ValueError, match=re.escape("cannot be combined with FusedAdam(master_weights=True)")):
+        amp.initialize(net, optimizer, opt_level="O5", master_weights="remainder")
+
+
+@pytest.mark.parametrize("value", ["Remainder", "fp32", 1])
+def test_bad_master_weights_values_are_named(value: object) -> None:
+    net, _, _ = make_net(12, ties=False)
+    with pytest.raises(ValueError, match=re.escape("master_weights must be True, False, 'remainder' or None")):
+        amp.initialize(net, torch.optim.AdamW(net.parameters()), opt_level="O5", master_weights=value)  # type: ignore[arg-type]
+
+
+def test_closures_are_refused() -> None:
+    net, _, _ = make_net(13, ties=False)
+    net, optimizer, session = remainder_session(net, torch.optim.AdamW(net.parameters()))
+    try:
+        with pytest.raises(RuntimeError, match=re.escape("Currently, Amp does not support closure use")):
+            optimizer.step(lambda: 0.0)
+    finally:
+        session.close()
+
+
+# -- the Triton remainder kernels, on CPU through Triton's interpreter ------------------------------------------
+SIZES = [1, 7, 1024, 1025, 3000]
+
+
+@pytest.fixture(scope="module")
+def kernels() -> Iterator[ModuleType]:
+    """``ampinit._triton_master`` built for the interpreter (the flag is read when the kernels are decorated)."""
+    pytest.importorskip("triton", reason="triton is not installed (pip install triton); the kernels need it")
+    previous = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import ampinit._triton_master as module
+
+        yield importlib.reload(module)
+    finally:
+        if previous is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = previous
+
+
+def remainder_state(seed: int, grad_dtype: torch.dtype, scale: float) -> dict[str, list[torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    pairs = [_remainder.split(torch.randn(n, generator=gen)) for n in SIZES]
+    return {
+        "weights": [w for w, _ in pairs],
+        "remainders": [r for _, r in pairs],
+        "grads": [(torch.randn(n, generator=gen) * scale).to(grad_dtype) for n in SIZES],
+        "m": [torch.randn(n, generator=gen) * 0.1 for n in SIZES],
+        "v": [torch.rand(n, generator=gen) * 0.01 for n in SIZES],
+    }
+
+
+def run_both(kernels: ModuleType, name: str, state: dict[str, list[torch.Tensor]], *args: Any, **kwargs: Any) -> None:
+    """The reference on ``state``, the kernel on a copy: every tensor must end with the same bits."""
+    copy_ = {key: [t.clone() for t in value] for key, value in state.items()}
+    getattr(_remainder, name)(*state.values(), *args, **kwargs)
+    getattr(kernels, f"{name[:-1]}_remainder_")(*copy_.values(), *args, **kwargs)
+    for key in state:
+        for got, want in zip(copy_[key], state[key]):
+            assert same_bits(got, want), key
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("weight_decay", "decoupled"), [(0.0, True), (0.05, True), (0.05, False)])
+@pytest.mark.parametrize("maximize", [False, True])
+def test_adam_remainder_kernel_matches_the_reference(
+    kernels: ModuleType, grad_dtype: torch.dtype, weight_decay: float, decoupled: bool, maximize: bool
+) -> None:
+    state = remainder_state(0, grad_dtype, 256.0)
+    steps = [torch.tensor(float(i % 3)) for i in range(len(SIZES))]
+    for _ in range(3):
+        for s in steps:
+            s += 1
+        run_both(
+            kernels,
+            "adam_",
+            state,
+            _fused_master.adam_step_scalars(steps, 0.9, 0.999, 1e-3),
+            lr=1e-3,
+            beta1=0.9,
+            beta2=0.999,
+            eps=1e-8,
+            weight_decay=weight_decay,
+            decoupled=decoupled,
+            maximize=maximize,
+            inv_scale=torch.full((1,), 1 / 256.0),
+            found_inf=torch.zeros(1),
+        )
+
+
+@pytest.mark.parametrize(
+    ("momentum", "dampening", "nesterov", "weight_decay"),
+    [(0.0, 0.0, False, 0.0), (0.9, 0.0, False, 0.0), (0.9, 0.1, False, 1e-4), (0.9, 0.0, True, 1e-4)],
+)
+def test_sgd_remainder_kernel_matches_the_reference(
+    kernels: ModuleType, momentum: float, dampening: float, nesterov: bool, weight_decay: float
+) -> None:
+    state = remainder_state(1, torch.bfloat16, 1.0)
+    state.pop("v")
+    if momentum == 0:
+        state["m"] = []
+    for step in range(3):
+        run_both(
+            kernels,
+            "sgd_",
+            state,
+            lr=0.1,
+            momentum=momentum,
+            dampening=dampening,
+            nesterov=nesterov,
+            weight_decay=weight_decay,
+            maximize=step == 2,
+            first_step=step == 0,
+            inv_scale=None,
+            found_inf=None,
+        )
+
+
+def test_the_kernels_split_and_join_every_pattern_like_the_reference(kernels: ModuleType) -> None:
+    # An SGD step with lr=0 leaves every master as it is (p + -0.0 == p, NaN stays NaN): what remains is the
+    # kernel's join and split, over every low half of every upper half in HIGH_HALVES.
+    masters = torch.cat([all_low_halves(high) for high in HIGH_HALVES])
+    weight, remainder = _remainder.split(masters)
+    state = {"weights": [weight], "remainders": [remainder], "grads": [torch.zeros_like(weight)], "m": []}
+    expected = _remainder.join(weight, remainder)
+    run_both(
+        kernels,
+        "sgd_",
+        state,
+        lr=0.0,
+        momentum=0.0,
+        dampening=0.0,
+        nesterov=False,
+        weight_decay=0.0,
+        maximize=False,
+        first_step=True,
+        inv_scale=None,
+        found_inf=None,
+    )
+    assert same_bits(_remainder.join(state["weights"][0], state["remainders"][0]), expected)
+
+
+def test_a_raised_flag_changes_nothing_in_the_kernels(kernels: ModuleType) -> None:
+    state = remainder_state(2, torch.bfloat16, 1.0)
+    before = {key: [t.clone() for t in value] for key, value in state.items()}
+    kernels.adam_remainder_(
+        *state.values(),
+        _fused_master.adam_step_scalars([torch.tensor(1.0)] * len(SIZES), 0.9, 0.999, 1e-3),
+        lr=1e-3,
+        beta1=0.9,
+        beta2=0.999,
+        eps=1e-8,
+        weight_decay=0.01,
+        decoupled=True,
+        maximize=False,
+        inv_scale=None,
+        found_inf=torch.ones(1),
+    )
+    for key in state:
+        for got, want in zip(state[key], before[key]):
+            assert same_bits(got, want), key
+
+
+class ReferenceAdamW(torch.optim.Optimizer):
+    """AdamW in the fp32-master reference math of the fused path (``_fused_master.adam_``), one tensor at a time."""
+
+    def __init__(self, params: Any, lr: float, weight_decay: float) -> None:
+        super().__init__(params, dict(lr=lr, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                if not state:
+                    state.update(step=torch.zeros(()), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+                state["step"] += 1
+                _fused_master.adam_(
+                    [],
+                    [p.grad],
+                    [p],
+                    [state["exp_avg"]],
+                    [state["exp_avg_sq"]],
+                    _fused_master.adam_step_scalars([state["step"]], 0.9, 0.999, group["lr"]),
+                    lr=group["lr"],
+                    beta1=0.9,
+                    beta2=0.999,
+                    eps=1e-8,
+                    weight_decay=group["weight_decay"],
+                    decoupled=True,
+                    maximize=False,
+                    inv_scale=None,
+                    found_inf=None,
+                )
+
+
+@pytest.mark.parametrize("ties", [False, True], ids=["random", "ties"])
+def test_training_through_the_kernels_is_bitwise_the_reference(
+    kernels: ModuleType, monkeypatch: pytest.MonkeyPatch, ties: bool
+) -> None:
+    monkeypatch.setattr(_remainder_masters, "TRITON_ON_CPU", True)
+    net, x, y = make_net(14, ties)
+    reference = PlainReference(net, lambda p: ReferenceAdamW(p, lr=1e-2, weight_decay=0.05))
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.05, fused=True)
+    net, optimizer, session = remainder_session(net, optimizer)
+    try:
+        for step in range(3):
+            assert same_bits(amp_step(net, optimizer, x, y), reference.step(x, y)), step
+        for got, want in zip(masters_of(session, net), reference.masters):
+            assert same_bits(got, want.detach())
+        for got, want in zip(net.parameters(), reference.net.parameters()):
+            assert same_bits(got.detach(), want.detach())
+    finally:
+        session.close()
