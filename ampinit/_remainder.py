@@ -7,7 +7,7 @@ parameter instead of a 4-byte master, and the weight *is* the model's bf16 weigh
 The encoding (``split`` / ``join``), on the master's bits read as a signed 32-bit integer ``B``::
 
     weight    = (B + 0x8000) >> 16          # the upper half, rounded half up
-    remainder = B - (weight << 16)          # in [-0x8000, 0x7FFF]: an int16, equal to B's low 16 bits
+    remainder = B - (weight << 16)          # in [-0x8000, 0x7FFF]: B's low 16 bits read as an int16
     B         = (weight << 16) + remainder  # join: exact for every pair that split produced
 
 **The tie decision.** Round-to-nearest-even cannot be used for the weight: with it, a master whose low half is
@@ -50,18 +50,19 @@ REMAINDER_DTYPE = torch.int16
 def split_(master: torch.Tensor, weight: torch.Tensor, remainder: torch.Tensor) -> None:
     """Write fp32 ``master`` as its bf16 ``weight`` (ties away from zero) and int16 ``remainder``.
 
-    ``master`` is used as scratch (its NaNs are made canonical); all three tensors must have the same shape.
+    ``master`` is used as scratch (it is overwritten); all three tensors must have the same shape.
     """
     # Canonical NaN first (math.nan is 0x7FC00000): B + 0x8000 would overflow the int32 for the NaNs just
     # below 0x80000000, and carry the negative NaNs 0xFFFF8000.. into +0.0.
     master.nan_to_num_(nan=math.nan, posinf=math.inf, neginf=-math.inf)
     bits = master.view(torch.int32)
-    upper = torch.add(bits, 0x8000)
-    upper.bitwise_right_shift_(16)  # arithmetic: floor((B + 0x8000) / 2**16), in int16's range
-    weight.view(torch.int16).copy_(upper)
-    upper.bitwise_left_shift_(16)
-    bits.sub_(upper)  # B - (weight << 16), in int16's range
+    # B - (weight << 16) is B's low half read as a signed int16 (it lies in int16's range and differs from B by
+    # a multiple of 2**16), which is what the narrowing copy keeps: torch converts integers as C++ does, modulo
+    # 2**16 (tests/test_remainder_masters.py checks every low half).
     remainder.copy_(bits)
+    bits.add_(0x8000)
+    bits.bitwise_right_shift_(16)  # arithmetic: floor((B + 0x8000) / 2**16), in int16's range
+    weight.view(torch.int16).copy_(bits)
 
 
 def split(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,10 +76,8 @@ def split(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def join_(weight: torch.Tensor, remainder: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """Write the fp32 master of (``weight``, ``remainder``) into ``out`` and return it."""
-    bits = out.view(torch.int32)
-    bits.copy_(weight.view(torch.int16))  # the upper half, sign-extended
-    bits.bitwise_left_shift_(16)
-    bits.add_(remainder.to(torch.int32))  # an int32 operand keeps the add on torch's vectorised path
+    out.copy_(weight)  # bf16 -> fp32 is exact: the bits are weight << 16, NaNs included
+    out.view(torch.int32).add_(remainder)  # int16 operand, int32 result: no temporary
     return out
 
 
