@@ -711,3 +711,40 @@ def test_training_through_the_kernels_is_bitwise_the_reference(
             assert same_bits(got.detach(), want.detach())
     finally:
         session.close()
+
+
+def test_master_params_are_the_bf16_parameters_with_unscaled_grads() -> None:
+    net, x, y = make_net(15, ties=False)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.05)
+    net, optimizer = amp.initialize(
+        net, optimizer, opt_level="O2", cast_model_type=torch.bfloat16, master_weights="remainder", verbosity=0
+    )
+    try:
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(net(x), y)
+        with amp.scale_loss(loss, optimizer) as scaled:  # dynamic scale: 2**16 at first
+            scaled.backward()
+        params = list(amp.master_params(optimizer))
+        assert params == list(net.parameters())
+        # The same forward at scale 1, differentiated without touching .grad.
+        grads_at_scale_one = torch.autograd.grad(nn.functional.mse_loss(net(x), y), params)
+        for p, want in zip(params, grads_at_scale_one):
+            assert p.grad is not None and same_bits(p.grad, want)  # unscaled by 2**16, exactly
+    finally:
+        ampinit.deinitialize()
+
+
+def test_a_param_group_added_later_gets_remainders() -> None:
+    net, x, y = make_net(16, ties=False)
+    optimizer = torch.optim.AdamW([net.fc1.weight], lr=1e-2)
+    net, optimizer, session = remainder_session(net, optimizer)
+    try:
+        optimizer.add_param_group({"params": [net.head.weight]})
+        before = session.master_for(net.head.weight)
+        assert before is not None and same_bits(before, net.head.weight.detach().float())
+        amp_step(net, optimizer, x, y)
+        after = session.master_for(net.head.weight)
+        assert after is not None and not same_bits(after, before)
+        assert same_bits(net.head.weight.detach(), tie_away_bf16(after))
+    finally:
+        session.close()
