@@ -86,6 +86,8 @@ class RemainderGrads(OptimizerGrads):
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, master_weights: bool = True) -> None:
+        # ``master_weights`` is accepted for OptimizerGrads's signature (the session builds either class with
+        # the same arguments); remainder masters are always masters.
         super().__init__(optimizer, master_weights=True)
         self.kind = optimizer_kind(optimizer)
         self._remainders: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(param) -> (param, remainder)
