@@ -417,17 +417,26 @@ def test_an_overflowing_step_leaves_weight_remainder_and_state_unchanged(sync_fr
 
 
 # -- (e) memory ---------------------------------------------------------------------------------------------------
-def stray_fp32_copies(net: nn.Module, optimizer: torch.optim.Optimizer) -> list[tuple[int, ...]]:
-    """Shapes of live fp32 tensors shaped like a bf16 weight that are not the model's nor optimizer state."""
+def live_tensors() -> list[torch.Tensor]:
+    gc.collect()
+    # type(), not isinstance: some module objects warn when their __class__ is read.
+    return [obj for obj in gc.get_objects() if issubclass(type(obj), torch.Tensor)]
+
+
+def stray_fp32_copies(
+    net: nn.Module, optimizer: torch.optim.Optimizer, earlier: list[torch.Tensor]
+) -> list[tuple[int, ...]]:
+    """Shapes of fp32 tensors shaped like a bf16 weight, created since ``earlier`` (the tensors alive then:
+    other tests may leave some behind), that are neither the model's nor optimizer state."""
+    old = {id(t) for t in earlier}
     shapes = {tuple(p.shape) for p in net.parameters() if p.dtype == torch.bfloat16}
     known = {t.data_ptr() for t in (*net.parameters(), *net.buffers())}
     known |= {p.grad.data_ptr() for p in net.parameters() if p.grad is not None}
     known |= {t.data_ptr() for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)}
-    gc.collect()
     return [
         tuple(obj.shape)
-        for obj in gc.get_objects()
-        if issubclass(type(obj), torch.Tensor)  # type(), not isinstance: some module objects warn on __class__
+        for obj in live_tensors()
+        if id(obj) not in old
         and obj.dtype == torch.float32
         and tuple(obj.shape) in shapes
         and obj.data_ptr() not in known
@@ -436,13 +445,14 @@ def stray_fp32_copies(net: nn.Module, optimizer: torch.optim.Optimizer) -> list[
 
 @pytest.mark.parametrize("master_weights", ["remainder", True])
 def test_remainder_runs_hold_no_fp32_masters(master_weights: str | bool) -> None:
+    earlier = live_tensors()  # held, so that no new tensor can take one of their ids
     net, x, y = make_net(7, ties=False)
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
     net, optimizer = amp.initialize(net, optimizer, opt_level="O5", master_weights=master_weights, verbosity=0)
     try:
         for _ in range(2):
             amp_step(net, optimizer, x, y)
-        strays = stray_fp32_copies(net, optimizer)
+        strays = stray_fp32_copies(net, optimizer, earlier)
         if master_weights == "remainder":
             assert strays == []
             assert [p for g in optimizer.param_groups for p in g["params"]] == list(net.parameters())
