@@ -14,6 +14,7 @@ from ampinit._distributed import is_sharded
 from ampinit._loss_scale import DynamicLossScale
 from ampinit._opt_levels import Properties
 from ampinit._options import DEFAULT_MAX_LOSS_SCALE, resolve_options
+from ampinit._remainder_masters import optimizer_kind
 from ampinit._session import AmpSession, AmpStats
 from ampinit._types import HALF_DTYPES, MODEL_DTYPES, CastPolicyName, Optimizers
 
@@ -116,6 +117,8 @@ def initialize(
         cast_model_type, patch_torch_functions, keep_batchnorm_fp32, master_weights, loss_scale: overrides of
             the level's properties (``None`` keeps the level's value). Apex's strings are accepted: ``"True"``,
             ``"False"``, ``"128.0"``, ``"dynamic"``. ``loss_scale`` also takes a :class:`DynamicLossScale`.
+            ``master_weights="remainder"`` (bf16 models) keeps each fp32 master as the bf16 weight plus its low 16
+            bits: 2 bytes per parameter instead of 4, no copy-back pass (see docs/opt-levels.md).
         cast_model_outputs: dtype for the model's floating outputs (default: fp32 when the model is cast).
         num_losses: how many losses (``loss_id`` values) get their own loss scaler.
         verbosity: 0 silences ampinit's log messages, 1 logs the option table and overflows.
@@ -174,6 +177,9 @@ def initialize(
         _check_models(model_list, options.allow_half_model)
         _check_sharding(model_list, options.properties)
         _check_optimizers(optimizer_list)
+        if options.properties.remainder_masters:  # refuse optimizers it has no update for, before any change
+            for opt in optimizer_list:
+                optimizer_kind(opt)
     session = AmpSession(model_list, optimizer_list, options)
     _registry.register(session, [*model_list, *optimizer_list])
     return _same_shape(models, optimizers, model_list, optimizer_list, models_were_list, optimizers_were_list)

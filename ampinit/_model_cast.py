@@ -8,7 +8,7 @@ already hold it stay valid.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any, cast
 
 import torch
@@ -17,6 +17,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.hooks import RemovableHandle
 
 MasterLookup = Callable[[torch.Tensor], "torch.Tensor | None"]
+# (parameter, fp32 value being loaded) -> the half value torch should load instead, or None (see ModelCast).
+MasterLoader = Callable[[torch.Tensor, torch.Tensor], "torch.Tensor | None"]
 
 
 def cast_floating(value: Any, dtype: torch.dtype) -> Any:
@@ -69,8 +71,11 @@ class ModelCast:
         output_dtype: torch.dtype | None,
         master_of: MasterLookup,
         guard_device: bool = False,
+        load_master: MasterLoader | None = None,
     ) -> None:
         self.model = model
+        # Masters that are not tensors of their own (remainder masters) are loaded through this callback.
+        self._load_master = load_master
         # Refuse a forward after the model moved devices (the session asks for it when fp32 masters would stay
         # behind, or when a cast policy chose its devices from where the model was).
         self.guard_device = guard_device
@@ -215,7 +220,14 @@ class ModelCast:
                     continue
                 master = self._master_of(param)
                 value = state_dict.get(prefix + name)
-                if master is not None and isinstance(value, torch.Tensor) and value.shape == master.shape:
+                if master is None or not isinstance(value, torch.Tensor) or value.shape != master.shape:
+                    continue
+                weight = self._load_master(param, value) if self._load_master is not None else None
+                if weight is not None and isinstance(state_dict, MutableMapping):
+                    # torch's copy into the half weight would round to nearest-even; the master's own weight
+                    # (split with its tie rule) is loaded instead. This dict is torch's per-module copy.
+                    state_dict[prefix + name] = weight
+                else:
                     master.copy_(value)
 
 

@@ -18,6 +18,8 @@ from ampinit._loss_scale import DynamicLossScale
 from ampinit._types import HALF_DTYPES, MODEL_DTYPES, OPT_LEVELS, OptLevel
 
 LossScaleSetting = float | Literal["dynamic"] | DynamicLossScale
+#: ``True``: fp32 masters; ``"remainder"``: bf16 weights plus 16-bit remainders (``ampinit._remainder``).
+MasterWeights = bool | Literal["remainder"] | None
 
 #: The order in which Apex applies overrides; each is checked against the selected opt level.
 OVERRIDE_ORDER: tuple[str, ...] = (
@@ -42,7 +44,7 @@ class Properties:
     patch_torch_functions: bool | None
     patch_torch_functions_type: torch.dtype | None
     keep_batchnorm_fp32: bool | None
-    master_weights: bool | None
+    master_weights: MasterWeights
     loss_scale: LossScaleSetting
 
     # Derived views, so that no layer above re-derives them differently.
@@ -65,6 +67,11 @@ class Properties:
     @property
     def uses_master_weights(self) -> bool:
         return bool(self.master_weights)
+
+    @property
+    def remainder_masters(self) -> bool:
+        """Masters kept as the bf16 weight plus the low 16 bits of each fp32 master (``master_weights="remainder"``)."""
+        return self.master_weights == "remainder"
 
     @property
     def short_circuits(self) -> bool:
@@ -176,7 +183,9 @@ def resolve(opt_level: object, overrides: Mapping[str, Any]) -> Properties:
     for name in OVERRIDE_ORDER:
         if name in overrides and overrides[name] is not None and name != "opt_level":
             changes[name] = _CHECKS[name](level, overrides[name])
-    return dataclasses.replace(LEVELS[level].defaults, **changes)
+    properties = dataclasses.replace(LEVELS[level].defaults, **changes)
+    _check_remainder_dtype(properties)
+    return properties
 
 
 def _loose_bool(name: str, value: object) -> bool:
@@ -248,13 +257,31 @@ def _check_keep_batchnorm_fp32(level: OptLevel, value: object) -> bool:
     )
 
 
-def _check_master_weights(level: OptLevel, value: object) -> bool:
+def _check_master_weights(level: OptLevel, value: object) -> MasterWeights:
     if level in FUNCTION_CAST_LEVELS:
         raise RuntimeError(
             f"It doesn't make sense to use master_weights with {level}. With {level}, your model weights "
             "themselves should be FP32."
         )
-    return _loose_bool("master_weights", value)
+    if value == "remainder":
+        return "remainder"
+    if value in ("True", "False") or isinstance(value, bool):
+        return _loose_bool("master_weights", value)
+    raise ValueError(
+        f"master_weights must be True, False, 'remainder' or None (or the strings 'True'/'False'), "
+        f"found master_weights={value!r}"
+    )
+
+
+def _check_remainder_dtype(properties: Properties) -> None:
+    # Checked on the resolved properties: the model dtype may come from the level or from cast_model_type.
+    if properties.master_weights == "remainder" and properties.model_dtype != torch.bfloat16:
+        raise ValueError(
+            "master_weights='remainder' needs a bfloat16 model (opt_level='O5', or cast_model_type=torch.bfloat16), "
+            f"got model dtype {properties.model_dtype} at {properties.opt_level}: the remainder is the low half of "
+            "each fp32 master, which completes only a bf16 weight, the fp32 master's upper half; an fp16 weight has "
+            "other exponent and mantissa widths and needs a full fp32 master (master_weights=True)."
+        )
 
 
 def _check_loss_scale(level: OptLevel, value: object) -> LossScaleSetting:

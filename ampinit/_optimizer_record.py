@@ -16,6 +16,7 @@ import torch
 
 from ampinit import _skip
 from ampinit._master_weights import OptimizerGrads
+from ampinit._remainder_masters import RemainderGrads
 from ampinit._scaler import LossScaler
 from ampinit._undo import UndoStack
 
@@ -41,9 +42,10 @@ class Stage(enum.Enum):
 class OptimizerRecord:
     """The amp-side state of one optimizer of a session."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, master_weights: bool) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, master_weights: bool, remainder: bool = False) -> None:
         self.optimizer = optimizer
-        self.grads = OptimizerGrads(optimizer, master_weights)
+        # master_weights="remainder": bf16 weights plus 16-bit remainders instead of fp32 masters.
+        self.grads = RemainderGrads(optimizer) if remainder else OptimizerGrads(optimizer, master_weights)
         self.stage = Stage.READY
         self.skip_pending = False  # an overflow read on the host: skip the next step
         self.skip_flag: torch.Tensor | None = None  # sync-free: the overflow flag, on the device, for the next step

@@ -79,7 +79,8 @@ class AmpSession:
         self._counts = StepCounts()
         if self.enabled:
             for opt in self.optimizers:
-                self._records[id(opt)] = OptimizerRecord(opt, self.properties.uses_master_weights)
+                props = self.properties
+                self._records[id(opt)] = OptimizerRecord(opt, props.uses_master_weights, props.remainder_masters)
             try:
                 records = list(self._records.values())
                 self._cast_policy = _setup.install(

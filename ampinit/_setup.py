@@ -15,10 +15,11 @@ import torch
 from torch import nn
 
 from ampinit._casting import CastPolicy
-from ampinit._model_cast import MasterLookup, ModelCast, plan
+from ampinit._model_cast import MasterLoader, MasterLookup, ModelCast, plan
 from ampinit._opt_levels import Properties
 from ampinit._optimizer_record import OptimizerRecord
 from ampinit._options import AmpOptions
+from ampinit._remainder_masters import RemainderGrads
 from ampinit._types import HALF_DTYPES
 from ampinit._undo import UndoStack
 
@@ -36,7 +37,7 @@ def install(
     fp32_values = _values_before_cast(models, records, props)
     for record in records:
         undo.push(record.grads.restore_model_params)
-    _cast_models(models, options, undo, master_for)
+    _cast_models(models, options, undo, master_for, _remainder_loader(records))
     for record in records:
         if props.uses_master_weights:
             record.grads.create_masters(fp32_values)
@@ -62,7 +63,29 @@ def _values_before_cast(
     return {id(p): p.detach() for p in params if planned.get(id(p)) in HALF_DTYPES}
 
 
-def _cast_models(models: Sequence[nn.Module], options: AmpOptions, undo: UndoStack, master_for: MasterLookup) -> None:
+def _remainder_loader(records: Sequence[OptimizerRecord]) -> MasterLoader | None:
+    """For remainder masters: split a loaded fp32 master, returning the bf16 weight torch should load instead."""
+    owners = [r.grads for r in records if isinstance(r.grads, RemainderGrads)]
+    if not owners:
+        return None
+
+    def load(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor | None:
+        for grads in owners:
+            weight = grads.load_master(param, value)
+            if weight is not None:
+                return weight
+        return None
+
+    return load
+
+
+def _cast_models(
+    models: Sequence[nn.Module],
+    options: AmpOptions,
+    undo: UndoStack,
+    master_for: MasterLookup,
+    load_master: MasterLoader | None,
+) -> None:
     props = options.properties
     outputs = options.cast_model_outputs
     output_dtype = (outputs or torch.float32) if props.model_dtype is not None else outputs
@@ -70,7 +93,9 @@ def _cast_models(models: Sequence[nn.Module], options: AmpOptions, undo: UndoSta
     # Masters, and a cast policy's devices, stay where the model was at initialize().
     guard = props.uses_master_weights or props.cast_dtype is not None
     for model in models:
-        cast = ModelCast(model, props.model_dtype, keep_bn, output_dtype, master_for, guard_device=guard)
+        cast = ModelCast(
+            model, props.model_dtype, keep_bn, output_dtype, master_for, guard_device=guard, load_master=load_master
+        )
         undo.push(functools.partial(cast.undo, master_for))
         cast.apply()
 

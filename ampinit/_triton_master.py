@@ -336,3 +336,223 @@ def sgd_(
         BLOCK=_BLOCK,
         enable_fp_fusion=False,
     )
+
+
+# -- remainder masters (ampinit._remainder): the master is the bf16 weight plus an int16 remainder -----------
+@triton.jit
+def _join_master(weight_bits, remainder):
+    # (weight << 16) + remainder on the int16 bit patterns, read back as fp32: ampinit._remainder.join.
+    return (weight_bits.to(tl.int32) * 65536 + remainder.to(tl.int32)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _split_master(p):
+    # ampinit._remainder.split_: NaN made canonical, then the upper half rounded half up on the signed bits
+    # (ties away from zero on the magnitude) and what is left below it.
+    bits = tl.where(p != p, 0x7FC00000, p.to(tl.int32, bitcast=True))
+    upper = (bits + 0x8000) >> 16
+    return upper.to(tl.int16), (bits - upper * 65536).to(tl.int16)
+
+
+@triton.jit
+def _adam_remainder_kernel(
+    ptrs,
+    numels,
+    block_tensor,
+    block_start,
+    n_tensors,
+    step_scalars,
+    inv_scale_ptr,
+    flag_ptr,
+    beta1,
+    one_minus_beta1,
+    beta2,
+    one_minus_beta2,
+    eps,
+    weight_decay,
+    decay_factor,
+    GRAD_T: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    HAS_FLAG: tl.constexpr,
+    MAXIMIZE: tl.constexpr,
+    DECAY: tl.constexpr,  # 0: none, 1: L2 (Adam), 2: decoupled (AdamW)
+    BLOCK: tl.constexpr,
+):
+    t, offs, mask = _block(ptrs, numels, block_tensor, block_start, flag_ptr, HAS_FLAG, BLOCK)
+    g_ptr = tl.load(ptrs + t).to(tl.pointer_type(GRAD_T))
+    w_ptr = tl.load(ptrs + n_tensors + t).to(tl.pointer_type(tl.int16))
+    r_ptr = tl.load(ptrs + 2 * n_tensors + t).to(tl.pointer_type(tl.int16))
+    m_ptr = tl.load(ptrs + 3 * n_tensors + t).to(tl.pointer_type(tl.float32))
+    v_ptr = tl.load(ptrs + 4 * n_tensors + t).to(tl.pointer_type(tl.float32))
+
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_SCALE:
+        g = g * tl.load(inv_scale_ptr)
+    if MAXIMIZE:
+        g = -g
+    p = _join_master(tl.load(w_ptr + offs, mask=mask, other=0), tl.load(r_ptr + offs, mask=mask, other=0))
+    if DECAY == 1:
+        g = g + p * weight_decay
+    if DECAY == 2:
+        p = p * decay_factor
+    m = tl.load(m_ptr + offs, mask=mask, other=0.0) * beta1 + g * one_minus_beta1
+    v = tl.load(v_ptr + offs, mask=mask, other=0.0) * beta2 + (g * g) * one_minus_beta2
+    step_size = tl.load(step_scalars + 2 * t)
+    bias_correction2_sqrt = tl.load(step_scalars + 2 * t + 1)
+    denom = tl.math.div_rn(tl.math.sqrt_rn(v), bias_correction2_sqrt) + eps
+    p = p - tl.math.div_rn(step_size * m, denom)
+    weight_bits, remainder = _split_master(p)
+    tl.store(m_ptr + offs, m, mask=mask)
+    tl.store(v_ptr + offs, v, mask=mask)
+    tl.store(w_ptr + offs, weight_bits, mask=mask)
+    tl.store(r_ptr + offs, remainder, mask=mask)
+
+
+@triton.jit
+def _sgd_remainder_kernel(
+    ptrs,
+    numels,
+    block_tensor,
+    block_start,
+    n_tensors,
+    inv_scale_ptr,
+    flag_ptr,
+    neg_lr,
+    momentum,
+    one_minus_dampening,
+    weight_decay,
+    GRAD_T: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    HAS_FLAG: tl.constexpr,
+    MAXIMIZE: tl.constexpr,
+    HAS_DECAY: tl.constexpr,
+    HAS_MOMENTUM: tl.constexpr,
+    FIRST_STEP: tl.constexpr,
+    NESTEROV: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    t, offs, mask = _block(ptrs, numels, block_tensor, block_start, flag_ptr, HAS_FLAG, BLOCK)
+    g_ptr = tl.load(ptrs + t).to(tl.pointer_type(GRAD_T))
+    w_ptr = tl.load(ptrs + n_tensors + t).to(tl.pointer_type(tl.int16))
+    r_ptr = tl.load(ptrs + 2 * n_tensors + t).to(tl.pointer_type(tl.int16))
+
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_SCALE:
+        g = g * tl.load(inv_scale_ptr)
+    if MAXIMIZE:
+        g = -g
+    p = _join_master(tl.load(w_ptr + offs, mask=mask, other=0), tl.load(r_ptr + offs, mask=mask, other=0))
+    if HAS_DECAY:
+        g = g + p * weight_decay
+    if HAS_MOMENTUM:
+        b_ptr = tl.load(ptrs + 3 * n_tensors + t).to(tl.pointer_type(tl.float32))
+        if FIRST_STEP:  # noqa: SIM108  (branches on constexprs are compiled away; keep them as statements)
+            buf = g
+        else:
+            buf = tl.load(b_ptr + offs, mask=mask, other=0.0) * momentum + g * one_minus_dampening
+        tl.store(b_ptr + offs, buf, mask=mask)
+        if NESTEROV:  # noqa: SIM108
+            g = g + buf * momentum
+        else:
+            g = buf
+    p = p + g * neg_lr
+    weight_bits, remainder = _split_master(p)
+    tl.store(w_ptr + offs, weight_bits, mask=mask)
+    tl.store(r_ptr + offs, remainder, mask=mask)
+
+
+def adam_remainder_(
+    weights: TensorList,
+    remainders: TensorList,
+    grads: TensorList,
+    exp_avgs: TensorList,
+    exp_avg_sqs: TensorList,
+    step_scalars: torch.Tensor,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    decoupled: bool,
+    maximize: bool,
+    inv_scale: torch.Tensor | None,
+    found_inf: torch.Tensor | None,
+) -> None:
+    """See ``ampinit._remainder.adam_`` (same arguments, same bits)."""
+    if not weights:
+        return
+    device = weights[0].device
+    sizes, block_tensor, block_start, n_blocks = _tables(device, tuple(w.numel() for w in weights))
+    decay = 0 if weight_decay == 0 else (2 if decoupled else 1)
+    _adam_remainder_kernel[(n_blocks,)](
+        _pointers(device, grads, weights, remainders, exp_avgs, exp_avg_sqs),
+        sizes,
+        block_tensor,
+        block_start,
+        len(weights),
+        step_scalars.contiguous(),
+        exp_avgs[0] if inv_scale is None else inv_scale,
+        exp_avgs[0] if found_inf is None else found_inf,
+        beta1,
+        1 - beta1,
+        beta2,
+        1 - beta2,
+        eps,
+        weight_decay,
+        1 - lr * weight_decay,
+        GRAD_T=_TL_DTYPES[grads[0].dtype],
+        HAS_SCALE=inv_scale is not None,
+        HAS_FLAG=found_inf is not None,
+        MAXIMIZE=maximize,
+        DECAY=decay,
+        BLOCK=_BLOCK,
+        enable_fp_fusion=False,
+    )
+
+
+def sgd_remainder_(
+    weights: TensorList,
+    remainders: TensorList,
+    grads: TensorList,
+    momentum_buffers: TensorList,
+    *,
+    lr: float,
+    momentum: float,
+    dampening: float,
+    nesterov: bool,
+    weight_decay: float,
+    maximize: bool,
+    first_step: bool,
+    inv_scale: torch.Tensor | None,
+    found_inf: torch.Tensor | None,
+) -> None:
+    """See ``ampinit._remainder.sgd_`` (same arguments, same bits)."""
+    if not weights:
+        return
+    device = weights[0].device
+    sizes, block_tensor, block_start, n_blocks = _tables(device, tuple(w.numel() for w in weights))
+    _sgd_remainder_kernel[(n_blocks,)](
+        # Without momentum the buffer column repeats the grads, unread.
+        _pointers(device, grads, weights, remainders, momentum_buffers or grads),
+        sizes,
+        block_tensor,
+        block_start,
+        len(weights),
+        grads[0] if inv_scale is None else inv_scale,
+        grads[0] if found_inf is None else found_inf,
+        -lr,
+        momentum,
+        1 - dampening,
+        weight_decay,
+        GRAD_T=_TL_DTYPES[grads[0].dtype],
+        HAS_SCALE=inv_scale is not None,
+        HAS_FLAG=found_inf is not None,
+        MAXIMIZE=maximize,
+        HAS_DECAY=weight_decay != 0,
+        HAS_MOMENTUM=momentum != 0,
+        FIRST_STEP=first_step,
+        NESTEROV=nesterov,
+        BLOCK=_BLOCK,
+        enable_fp_fusion=False,
+    )

@@ -18,8 +18,11 @@ import argparse
 import functools
 import gc
 import json
+import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -41,6 +44,7 @@ FP32, AUTOCAST_BF16, AUTOCAST_FP16, PURE_BF16 = (
     "native autocast fp16 + GradScaler",
     "pure bf16",
 )
+O5_REMAINDER = "ampinit O5 remainder"
 LR = 1e-3
 
 
@@ -135,9 +139,16 @@ class AmpinitVariant(Variant):
     open for the whole run, so its weights are cast once.
     """
 
-    def __init__(self, level: str, workload: Workload, cast_policy: str = "apex", skip_nonfinite: bool = True) -> None:
-        self.name = f"ampinit {level}" + (" native lists" if cast_policy == "native" else "")
-        self.name += "" if skip_nonfinite else " unchecked"
+    def __init__(
+        self,
+        level: str,
+        workload: Workload,
+        cast_policy: str = "apex",
+        skip_nonfinite: bool = True,
+        master_weights: str | None = None,
+    ) -> None:
+        self.name = ampinit_name(level, cast_policy, skip_nonfinite, master_weights)
+        self.master_weights = master_weights
         self.level = level
         self.cast_policy = cast_policy
         self.skip_nonfinite = skip_nonfinite
@@ -159,6 +170,7 @@ class AmpinitVariant(Variant):
             verbosity=0,
             cast_policy=self.cast_policy,
             skip_nonfinite=self.skip_nonfinite,
+            master_weights=self.master_weights,
         )
         self.session = ampinit.session_of(self.optimizer)
         assert self.session is not None, f"{self.name}: initialize() registered no session"
@@ -203,21 +215,104 @@ class AmpinitVariant(Variant):
         return {"amp_steps": steps, "skipped_steps": skipped, "loss_scale": scale}
 
 
-def build_variants(make: Callable[[], Workload]) -> list[Variant]:
-    """Every variant, each on a fresh workload from ``make`` (so all start from the same weights)."""
-    variants: list[Variant] = [
-        NativeVariant(FP32, make(), None),
-        NativeVariant(AUTOCAST_BF16, make(), torch.bfloat16),
-        NativeVariant(AUTOCAST_FP16, make(), torch.float16),
-        PureBf16Variant(make()),
-    ]
-    variants += [AmpinitVariant(level, make()) for level in OPT_LEVELS]
+def ampinit_name(
+    level: str, cast_policy: str = "apex", skip_nonfinite: bool = True, master_weights: str | None = None
+) -> str:
+    """The name :class:`AmpinitVariant` gives itself for these settings."""
+    name = f"ampinit {level}" + (" native lists" if cast_policy == "native" else "")
+    name += "" if skip_nonfinite else " unchecked"
+    return name + (f" {master_weights}" if master_weights else "")
+
+
+def variant_factories(make: Callable[[], Workload]) -> dict[str, Callable[[], Variant]]:
+    """Name -> builder of every variant, each on a fresh workload from ``make`` (all start from the same weights)."""
+    factories: dict[str, Callable[[], Variant]] = {
+        FP32: lambda: NativeVariant(FP32, make(), None),
+        AUTOCAST_BF16: lambda: NativeVariant(AUTOCAST_BF16, make(), torch.bfloat16),
+        AUTOCAST_FP16: lambda: NativeVariant(AUTOCAST_FP16, make(), torch.float16),
+        PURE_BF16: lambda: PureBf16Variant(make()),
+    }
+    settings: list[dict[str, Any]] = [{"level": level} for level in OPT_LEVELS]
+    # O5 with 16-bit remainder masters: bf16 weight + int16 low half instead of an fp32 master.
+    settings.append({"level": "O5", "master_weights": "remainder"})
     # O4 with PyTorch's own op lists is like-for-like with native autocast; the default (Apex's lists) also
     # runs layer_norm, gelu, softmax... in fp32, which costs casts and buys fp32 numerics.
-    variants.append(AmpinitVariant("O4", make(), cast_policy="native"))
+    settings.append({"level": "O4", "cast_policy": "native"})
     # The price of the inf/NaN check at the levels Apex never checked: skip_nonfinite=False is Apex's behaviour.
-    variants += [AmpinitVariant(level, make(), skip_nonfinite=False) for level in ("O0", "O3", "O4")]
-    return variants
+    settings += [{"level": level, "skip_nonfinite": False} for level in ("O0", "O3", "O4")]
+    for kwargs in settings:
+        level = kwargs.pop("level")
+        factories[ampinit_name(level, **kwargs)] = functools.partial(_ampinit_variant, make, level, kwargs)
+    return factories
+
+
+def _ampinit_variant(make: Callable[[], Workload], level: str, kwargs: dict[str, Any]) -> Variant:
+    return AmpinitVariant(level, make(), **kwargs)
+
+
+def build_variants(make: Callable[[], Workload], only: Sequence[str] = ()) -> list[Variant]:
+    """Every variant (or those named in ``only``), each on a fresh workload from ``make``."""
+    factories = variant_factories(make)
+    unknown = [name for name in only if name not in factories]
+    if unknown:
+        raise ValueError(f"unknown variant(s) {unknown}; known: {list(factories)}")
+    return [factory() for name, factory in factories.items() if not only or name in only]
+
+
+# -- peak memory ---------------------------------------------------------------------------------------------
+def _proc_status_kib(field_name: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field_name + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field_name}")
+
+
+def _train(variant: Variant, steps: int) -> None:
+    variant.enter()
+    try:
+        for _ in range(steps):
+            variant.step()
+    finally:
+        variant.leave()
+    if isinstance(variant, AmpinitVariant):
+        variant.shutdown()
+
+
+def peak_rss_growth(make: Callable[[], Workload], warm_make: Callable[[], Workload], name: str, steps: int) -> float:
+    """MiB by which this process's peak RSS grows while ``name`` is built and trains ``steps`` steps.
+
+    Run in a fresh process per measurement (``--peak-rss-of``). The variant first trains two steps on the small
+    ``warm_make`` workload, so that the code pages and kernel caches torch loads on first use are resident
+    before the baseline; then the peak RSS mark is reset (Linux ``/proc/self/clear_refs``), the real workload
+    and variant are built and trained, and the mark is read. Everything a variant holds counts: weights,
+    masters or remainders, optimizer state, grads, activations, temporaries of the step.
+    """
+    _train(variant_factories(warm_make)[name](), 2)
+    gc.collect()
+    Path("/proc/self/clear_refs").write_text("5")
+    baseline = _proc_status_kib("VmRSS")
+    _train(variant_factories(make)[name](), steps)
+    return (_proc_status_kib("VmHWM") - baseline) / 1024
+
+
+def measure_peak_memory(names: Sequence[str], quick: bool, repeats: int, steps: int) -> dict[str, list[float]]:
+    """Peak RSS growth (MiB) of each MLP variant, ``repeats`` fresh processes each, in interleaved order.
+
+    The children run with glibc's mmap threshold fixed at 64 KiB: every tensor of that size or more is then its
+    own mapping, returned to the system when freed, so RSS follows the live tensors. With glibc's default
+    (a threshold that rises to the size of the largest block freed so far) freed temporaries stay in the heap
+    and the peak says more about the allocator's history than about the variant.
+    """
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    results: dict[str, list[float]] = {name: [] for name in names}
+    for _ in range(repeats):
+        for name in names:
+            command = [sys.executable, "-m", "benchmarks.amp_step", "--peak-rss-of", name, "--steps", str(steps)]
+            output = subprocess.run(
+                [*command, *(["--quick"] if quick else [])], check=True, capture_output=True, text=True, env=env
+            ).stdout
+            results[name].append(float(json.loads(output.splitlines()[-1])["peak_mib"]))
+    return results
 
 
 # -- timing --------------------------------------------------------------------------------------------------
@@ -342,9 +437,19 @@ def mlp_targets(rows: dict[str, dict[str, Any]]) -> list[Target]:
         ratio = {stat: rows[numerator][stat] / rows[denominator][stat] for stat in ("median_ms", "min_ms")}
         return Target(description, ratio["median_ms"], ratio["min_ms"], threshold, at_least)
 
+    present = [t for t in _MLP_TARGET_NAMES if t in rows]
+    if len(present) < len(_MLP_TARGET_NAMES):
+        return []  # a run restricted with --only: no targets
     return [
         target("O5 speedup over native autocast bf16 (autocast ms / O5 ms)", AUTOCAST_BF16, "ampinit O5", 1.05, True),
         target("O5 cost over pure bf16 (O5 ms / pure bf16 ms)", "ampinit O5", PURE_BF16, 1.10, False),
+        target(
+            "O5 remainder speedup over native autocast bf16 (autocast ms / O5 remainder ms)",
+            AUTOCAST_BF16,
+            O5_REMAINDER,
+            1.05,
+            True,
+        ),
         target(
             "O4 native lists cost over native autocast bf16 (O4 ms / autocast ms)",
             "ampinit O4 native lists",
@@ -363,6 +468,9 @@ def mlp_targets(rows: dict[str, dict[str, Any]]) -> list[Target]:
     ]
 
 
+_MLP_TARGET_NAMES = (AUTOCAST_BF16, "ampinit O5", PURE_BF16, "ampinit O4 native lists", O5_REMAINDER)
+
+
 def summarize(variants: Sequence[Variant], timings: dict[str, Timing]) -> dict[str, dict[str, Any]]:
     median = {name: t.median_ms for name, t in timings.items()}
     rows: dict[str, dict[str, Any]] = {}
@@ -374,12 +482,14 @@ def summarize(variants: Sequence[Variant], timings: dict[str, Timing]) -> dict[s
             "max_ms": max(t.samples_ms),
             "samples_ms": t.samples_ms,
             "block_steps": t.block_steps,
-            "speedup_vs_fp32": median[FP32] / t.median_ms,
-            "speedup_vs_autocast_bf16": median[AUTOCAST_BF16] / t.median_ms,
+            "speedup_vs_fp32": median[FP32] / t.median_ms if FP32 in median else float("nan"),
+            "speedup_vs_autocast_bf16": median[AUTOCAST_BF16] / t.median_ms
+            if AUTOCAST_BF16 in median
+            else float("nan"),
             "last_loss": t.last_loss,
             **variant.details(),
         }
-        if variant.name == "ampinit O5":
+        if variant.name in ("ampinit O5", O5_REMAINDER) and PURE_BF16 in median:
             row["speedup_vs_pure_bf16"] = median[PURE_BF16] / t.median_ms
         rows[variant.name] = row
     return rows
@@ -459,6 +569,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="a variant whose warm-up step time times --steps exceeds this runs fewer steps per block (>= 1)",
     )
     parser.add_argument(
+        "--only",
+        default="",
+        help="comma-separated variant names to run (default: all), e.g. 'native autocast bf16,ampinit O5'",
+    )
+    parser.add_argument(
+        "--memory",
+        type=int,
+        default=0,
+        metavar="REPEATS",
+        help="also measure each MLP variant's peak RSS growth, in REPEATS fresh processes per variant (Linux)",
+    )
+    parser.add_argument("--peak-rss-of", default=None, help=argparse.SUPPRESS)
+    parser.add_argument(
         "--json", type=Path, default=DEFAULT_JSON, help=f"where to write results (default {DEFAULT_JSON})"
     )
     args = parser.parse_args(argv)
@@ -475,6 +598,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.peak_rss_of is not None:  # the child process of measure_peak_memory
+        peak = peak_rss_growth(
+            workloads(args.quick)["mlp"], workloads(True)["mlp"], args.peak_rss_of, args.warmup + args.steps
+        )
+        print(json.dumps({"variant": args.peak_rss_of, "peak_mib": peak}))
+        return
+    only = [name.strip() for name in args.only.split(",") if name.strip()]
     env = environment()
     flags = ", ".join(f"{k}={'yes' if v else 'no'}" for k, v in env["cpu_flags"].items()) or "unknown"
     print(
@@ -494,7 +624,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     started = time.perf_counter()
     for key, make in workloads(args.quick).items():
         description = describe(make())
-        variants = build_variants(make)
+        variants = build_variants(make, only)
         try:
             timings = measure(variants, args.rounds, args.steps, args.warmup, args.max_block_seconds)
         finally:
@@ -507,9 +637,17 @@ def main(argv: Sequence[str] | None = None) -> None:
         entry: dict[str, Any] = {"description": description, "variants": rows}
         if key == "mlp":
             targets = mlp_targets(rows)
-            print("targets (judged on medians):")
-            print("\n".join(t.line() for t in targets))
-            entry["targets"] = [{**vars(t), "met": t.met} for t in targets]
+            if targets:
+                print("targets (judged on medians):")
+                print("\n".join(t.line() for t in targets))
+                entry["targets"] = [{**vars(t), "met": t.met} for t in targets]
+            if args.memory:
+                names = [v.name for v in variants if v.name != AUTOCAST_FP16]
+                memory = measure_peak_memory(names, args.quick, args.memory, args.warmup + args.steps)
+                entry["peak_rss_growth_mib"] = memory
+                print("peak RSS growth, MiB (median of fresh processes; workload + variant + training steps):")
+                for name, samples in memory.items():
+                    print(f"  {name:<34} {statistics.median(samples):8.1f}   {sorted(round(m, 1) for m in samples)}")
         report["workloads"][key] = entry
     report["wall_seconds"] = time.perf_counter() - started
     args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,186 @@
+"""16-bit remainder masters: an fp32 master kept as its bf16 weight plus the low 16 bits, and the reference step.
+
+bf16 is the upper half of fp32 (same sign and exponent, 7 of the 23 mantissa bits), so the 16 bits a bf16 copy
+drops are all that is needed to get the fp32 master back. Storing them beside the bf16 weight costs 2 bytes per
+parameter instead of a 4-byte master, and the weight *is* the model's bf16 weight: no copy-back pass.
+
+The encoding (``split`` / ``join``), on the master's bits read as a signed 32-bit integer ``B``::
+
+    weight    = (B + 0x8000) >> 16          # the upper half, rounded half up
+    remainder = B - (weight << 16)          # in [-0x8000, 0x7FFF]: B's low 16 bits read as an int16
+    B         = (weight << 16) + remainder  # join: exact for every pair that split produced
+
+**The tie decision.** Round-to-nearest-even cannot be used for the weight: with it, a master whose low half is
+exactly 0x8000 (a tie) rounds up or down depending on the parity of the upper half, so two masters (upper half
+``h`` odd rounded up, and ``h + 1`` even rounded down, both with low half 0x8000) give the same weight with the
+same low 16 bits: 65537 masters per 65536 codes, and join could not tell them apart. Rounding the upper half
+*half up* on the integer ``B`` makes the map a bijection between the 2**32 masters and the 2**32 (weight,
+remainder) pairs, and the remainder's sign says which way the weight was rounded. On the magnitude this is
+round-to-nearest with **ties away from zero** (``B`` grows with the magnitude for either sign), the rule of
+Transformer Engine's ``store_param_remainders``. So:
+
+- the master is exact: training is bitwise identical to fp32 masters whose bf16 copy is rounded the same way;
+- the bf16 weight differs from torch's round-to-nearest-even copy of the same master by one bf16 ulp, and only
+  on exact ties whose upper half is even (1 in 131072 uniformly distributed masters); everywhere else the two
+  roundings agree, overflow to +-inf included.
+
+Special values: +-0, subnormals and +-inf round-trip like any other pattern. A NaN master is stored as the
+quiet bf16 NaN 0x7FC0 with remainder 0, and joins back to the quiet NaN 0x7FC00000: NaN payloads are not kept,
+because rounding a NaN's upper half up can carry out of the exponent field (0x7FFF -> 0x8000 is -0.0) and turn
+a NaN into a number. A pair that ``split`` did not produce (a weight written behind the optimizer's back, with
+a stale remainder) joins to a value within one bf16 ulp of the weight.
+
+The step functions here are the *reference* of the remainder kernels in ``ampinit._triton_master``
+(``adam_remainder_`` / ``sgd_remainder_``, same arguments, same bits): join, the master step of
+``ampinit._fused_master``, split.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ampinit import _fused_master
+from ampinit._types import TensorList
+
+REMAINDER_DTYPE = torch.int16
+
+
+def split_(master: torch.Tensor, weight: torch.Tensor, remainder: torch.Tensor) -> None:
+    """Write fp32 ``master`` as its bf16 ``weight`` (ties away from zero) and int16 ``remainder``.
+
+    ``master`` is used as scratch (it is overwritten); all three tensors must have the same shape.
+    """
+    # Canonical NaN first (math.nan is 0x7FC00000): B + 0x8000 would overflow the int32 for the NaNs just
+    # below 0x80000000, and carry the negative NaNs 0xFFFF8000.. into +0.0.
+    master.nan_to_num_(nan=math.nan, posinf=math.inf, neginf=-math.inf)
+    bits = master.view(torch.int32)
+    # B - (weight << 16) is B's low half read as a signed int16 (it lies in int16's range and differs from B by
+    # a multiple of 2**16), which is what the narrowing copy keeps: torch converts integers as C++ does, modulo
+    # 2**16 (tests/test_remainder_masters.py checks every low half).
+    remainder.copy_(bits)
+    bits.add_(0x8000)
+    bits.bitwise_right_shift_(16)  # arithmetic: floor((B + 0x8000) / 2**16), in int16's range
+    weight.view(torch.int16).copy_(bits)
+
+
+def split(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weight, remainder)`` of an fp32 ``master``: a bf16 tensor and an int16 tensor of its shape."""
+    _check_master(master)
+    weight = torch.empty_like(master, dtype=torch.bfloat16)
+    remainder = torch.empty_like(master, dtype=REMAINDER_DTYPE)
+    split_(master.detach().clone(), weight, remainder)
+    return weight, remainder
+
+
+def join_(weight: torch.Tensor, remainder: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Write the fp32 master of (``weight``, ``remainder``) into ``out`` and return it."""
+    out.copy_(weight)  # bf16 -> fp32 is exact: the bits are weight << 16, NaNs included
+    out.view(torch.int32).add_(remainder)  # int16 operand, int32 result: no temporary
+    return out
+
+
+def join(weight: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
+    """The fp32 master that ``split`` turned into ``weight`` and ``remainder``: exactly, bit for bit."""
+    if weight.dtype != torch.bfloat16 or remainder.dtype != REMAINDER_DTYPE or weight.shape != remainder.shape:
+        raise ValueError(
+            f"join needs a bfloat16 weight and an int16 remainder of one shape, got {weight.dtype} "
+            f"{tuple(weight.shape)} and {remainder.dtype} {tuple(remainder.shape)}"
+        )
+    return join_(weight, remainder, torch.empty_like(weight, dtype=torch.float32))
+
+
+def _skipped(found_inf: torch.Tensor | None) -> bool:
+    return found_inf is not None and bool(found_inf.reshape(-1)[0].item() != 0)
+
+
+def _check_master(master: torch.Tensor) -> None:
+    if master.dtype != torch.float32:
+        raise ValueError(f"remainder masters split fp32 tensors, got {master.dtype}")
+
+
+# -- the reference step ---------------------------------------------------------------------------------------
+def adam_(
+    weights: TensorList,
+    remainders: TensorList,
+    grads: TensorList,
+    exp_avgs: TensorList,
+    exp_avg_sqs: TensorList,
+    step_scalars: torch.Tensor,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    decoupled: bool,
+    maximize: bool,
+    inv_scale: torch.Tensor | None,
+    found_inf: torch.Tensor | None,
+) -> None:
+    """``ampinit._fused_master.adam_`` on the masters that ``weights`` and ``remainders`` hold.
+
+    Each master is joined, stepped and split again; nothing changes when ``found_inf`` is nonzero.
+    """
+    if _skipped(found_inf):
+        return
+    for i, (weight, remainder) in enumerate(zip(weights, remainders)):
+        master = join(weight, remainder)
+        _fused_master.adam_(
+            [],
+            [grads[i]],
+            [master],
+            [exp_avgs[i]],
+            [exp_avg_sqs[i]],
+            step_scalars[i : i + 1],
+            lr=lr,
+            beta1=beta1,
+            beta2=beta2,
+            eps=eps,
+            weight_decay=weight_decay,
+            decoupled=decoupled,
+            maximize=maximize,
+            inv_scale=inv_scale,
+            found_inf=None,
+        )
+        split_(master, weight, remainder)
+
+
+def sgd_(
+    weights: TensorList,
+    remainders: TensorList,
+    grads: TensorList,
+    momentum_buffers: TensorList,
+    *,
+    lr: float,
+    momentum: float,
+    dampening: float,
+    nesterov: bool,
+    weight_decay: float,
+    maximize: bool,
+    first_step: bool,
+    inv_scale: torch.Tensor | None,
+    found_inf: torch.Tensor | None,
+) -> None:
+    """``ampinit._fused_master.sgd_`` on the masters that ``weights`` and ``remainders`` hold."""
+    if _skipped(found_inf):
+        return
+    for i, (weight, remainder) in enumerate(zip(weights, remainders)):
+        master = join(weight, remainder)
+        _fused_master.sgd_(
+            [],
+            [grads[i]],
+            [master],
+            [momentum_buffers[i]] if momentum != 0 else [],
+            lr=lr,
+            momentum=momentum,
+            dampening=dampening,
+            nesterov=nesterov,
+            weight_decay=weight_decay,
+            maximize=maximize,
+            first_step=first_step,
+            inv_scale=inv_scale,
+            found_inf=None,
+        )
+        split_(master, weight, remainder)
