@@ -23,6 +23,7 @@ import torch
 import torch.optim.optimizer as optim_module
 
 from ampinit import _fused_master
+from ampinit import _kernels as engine_kernels
 
 # Tests set this to run the Triton kernels on CPU tensors through Triton's interpreter (TRITON_INTERPRET=1).
 _TRITON_ON_CPU = False
@@ -141,9 +142,7 @@ def _adam(
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         states.append(state)
     steps = [s["step"] for s in states]
-    torch._foreach_add_(steps, 1.0)
-    if found_inf is not None:
-        torch._foreach_sub_(steps, [found_inf.reshape(())] * len(steps))
+    engine_kernels.advance_steps_(steps, found_inf)
     beta1, beta2 = group["betas"]
     decoupled = type(opt) is torch.optim.AdamW or bool(group.get("decoupled_weight_decay"))
     kernels.adam_(

@@ -296,3 +296,14 @@ def total_norm(norms: Sequence[Tensor], device: torch.device) -> Tensor:
     stacked = torch.stack([n.to(device=device, dtype=torch.float32) for n in norms])
     norm: Tensor = torch.linalg.vector_norm(stacked)
     return norm.reshape(1)
+
+
+def advance_steps_(steps: list[torch.Tensor], found_inf: torch.Tensor | None) -> None:
+    """Count one optimizer step in each of ``steps`` (device tensors), or none where ``found_inf`` is set.
+
+    As torch's fused Adam does with its ``found_inf`` argument: the count is raised and lowered again on the
+    device, so a skipped step leaves it where it was without a host read.
+    """
+    torch._foreach_add_(steps, 1.0)
+    if found_inf is not None:
+        torch._foreach_sub_(steps, [found_inf.reshape(())] * len(steps))

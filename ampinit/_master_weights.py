@@ -18,8 +18,7 @@ from typing import Any
 
 import torch
 
-from ampinit import _fused_step
-from ampinit import _kernels as _multi_tensor
+from ampinit import _fused_step, _kernels
 from ampinit._scaler import LossScaler
 from ampinit._types import HALF_DTYPES
 
@@ -137,10 +136,10 @@ class OptimizerGrads:
             # Unscale and check the half grads before widening them: half the bytes, the same result (a scale of
             # 1, or a power of two on bf16). The model's half grads are left unscaled in this case.
             scaler.unscale_([*copy_src, *acc_src, *direct])
-            _multi_tensor.copy_(copy_dst, copy_src)
-            _multi_tensor.add_(acc_dst, acc_src)
+            _kernels.copy_(copy_dst, copy_src)
+            _kernels.add_(acc_dst, acc_src)
         else:
-            _multi_tensor.copy_(copy_dst, copy_src)
+            _kernels.copy_(copy_dst, copy_src)
             scaler.unscale_([*copy_dst, *direct])
             if acc_dst:
                 # Master grads already hold unscaled values from an earlier backward. Bringing them to the
@@ -149,8 +148,8 @@ class OptimizerGrads:
                 # this backward's grads are checked (Apex's rule): an inf kept from an earlier block was
                 # counted by that block's scaler, and must not make this one back off or skip again.
                 scaler.check_(acc_src)
-                _multi_tensor.mul_(acc_dst, scaler.scale_tensor)
-                _multi_tensor.add_(acc_dst, acc_src)
+                _kernels.mul_(acc_dst, scaler.scale_tensor)
+                _kernels.add_(acc_dst, acc_src)
                 scaler.unscale_unchecked_(acc_dst)
         self._merge_stash()
 
@@ -163,7 +162,7 @@ class OptimizerGrads:
             else:
                 acc_dst.append(param.grad)
                 acc_src.append(grad)
-        _multi_tensor.add_(acc_dst, acc_src)
+        _kernels.add_(acc_dst, acc_src)
         self._stash = []
 
     def _grad_buffer(self, master: torch.Tensor) -> torch.Tensor:
@@ -190,7 +189,7 @@ class OptimizerGrads:
         """
         pairs = list(self.pairs())
         if stepped and pairs and not weights_written:
-            _multi_tensor.copy_([p for p, _ in pairs], [m for _, m in pairs])
+            _kernels.copy_([p for p, _ in pairs], [m for _, m in pairs])
         for _, master in pairs:
             master.grad = None
 
@@ -201,4 +200,4 @@ class OptimizerGrads:
             for model_param, _ in self.pairs():
                 model_param.grad = None
         elif grads:
-            torch._foreach_zero_(grads)
+            _kernels.foreach_zero_(grads)

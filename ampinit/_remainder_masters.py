@@ -29,7 +29,7 @@ from torch.optim.adam import adam as adam_update
 from torch.optim.sgd import sgd as sgd_update
 from torch.utils.hooks import RemovableHandle
 
-from ampinit import _fused_master, _remainder
+from ampinit import _fused_master, _kernels, _remainder
 from ampinit._master_weights import OptimizerGrads
 
 #: The largest number of elements joined into fp32 at once in a step (4 MiB of masters, as much of grads).
@@ -402,9 +402,7 @@ class RemainderGrads(OptimizerGrads):
                 continue
             states = [self._adam_state(group, p) for p in params]
             steps = [s["step"] for s in states]
-            torch._foreach_add_(steps, 1.0)
-            if found_inf is not None:
-                torch._foreach_sub_(steps, [found_inf.reshape(())] * len(steps))
+            _kernels.advance_steps_(steps, found_inf)
             scalars = _fused_master.adam_step_scalars(steps, beta1, beta2, group["lr"]).to(params[0].device)
             exp_avgs = [s["exp_avg"] for s in states]
             exp_avg_sqs = [s["exp_avg_sq"] for s in states]

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ampinit import _kernels as _multi_tensor
+from ampinit import _kernels
 from ampinit._loss_scale import DynamicLossScale
 
 # A growth interval no step count reaches: static scalers count clean steps but never grow.
@@ -134,7 +134,7 @@ class LossScaler:
         self.materialize(loss.device)
         if self.config is None and self._host_scale == 1.0:
             return loss.float()  # the same values and grads, without a multiply in the graph
-        return loss.float() * _multi_tensor.to_device(self.scale_tensor, loss.device)
+        return loss.float() * _kernels.to_device(self.scale_tensor, loss.device)
 
     def clear_overflow(self) -> None:
         self.found_inf.zero_()
@@ -142,18 +142,18 @@ class LossScaler:
     def unscale_(self, grads: list[torch.Tensor]) -> None:
         """Unscale ``grads`` in place and raise the overflow flag if any is inf/NaN."""
         if grads:
-            _multi_tensor.unscale_and_check_(grads, self.found_inf, self.inv_scale)
+            _kernels.unscale_and_check_(grads, self.found_inf, self.inv_scale)
 
     def check_(self, grads: list[torch.Tensor]) -> None:
         """Raise the overflow flag if any of ``grads`` is inf/NaN, leaving their values as they are (times 1)."""
         if grads:
             assert self._one is not None, "materialize() first"
-            _multi_tensor.unscale_and_check_(grads, self.found_inf, self._one)
+            _kernels.unscale_and_check_(grads, self.found_inf, self._one)
 
     def unscale_unchecked_(self, grads: list[torch.Tensor]) -> None:
         """Unscale ``grads`` in place without touching the overflow flag (values already checked elsewhere)."""
         if grads:
-            _multi_tensor.mul_(grads, self.inv_scale)
+            _kernels.mul_(grads, self.inv_scale)
 
     def update(self) -> None:
         """Fold this step's overflow flag into the scale, on device (no host sync)."""
@@ -161,11 +161,11 @@ class LossScaler:
         cfg = self.config
         if cfg is None:
             # A static scale only counts clean steps (Apex's ``_unskipped``): factors of 1, no growth ever.
-            _multi_tensor.update_scale_(self._scale, self._unskipped, self.found_inf, 1.0, 1.0, _NEVER)
+            _kernels.update_scale_(self._scale, self._unskipped, self.found_inf, 1.0, 1.0, _NEVER)
             return
         if cfg.hysteresis == 1:
             # Apex's rule is GradScaler's plus a ceiling and an optional floor: one kernel and a clamp or two.
-            _multi_tensor.update_scale_(
+            _kernels.update_scale_(
                 self._scale, self._unskipped, self.found_inf, cfg.growth_factor, cfg.backoff_factor, cfg.growth_interval
             )
             self._scale.clamp_(min=cfg.min_scale, max=cfg.max_scale)
