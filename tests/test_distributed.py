@@ -128,7 +128,7 @@ def test_ddp_example_under_torchrun() -> None:
     ]  # fmt: skip
     result = subprocess.run(command, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    checksums = dict(re.findall(r"rank (\d) of 2: parameter checksum (\S+)", result.stdout))
+    checksums = dict(re.findall(r"^rank (\d) of 2: parameter checksum (\S+)$", result.stdout, re.MULTILINE))
     assert sorted(checksums) == ["0", "1"], result.stdout
     assert float(checksums["0"]) == float(checksums["1"])  # DDP kept the ranks' parameters identical
     first = re.search(r"step +0 +loss ([0-9.]+)", result.stdout)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -19,6 +20,13 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ampinit import amp
+
+
+def report(line: str) -> None:
+    """Print ``line`` with one write: the ranks share one stdout, and a line written in pieces (text, then the
+    newline, as ``print`` does when output is unbuffered) can have another rank's line land in its middle."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 def pick_device() -> tuple[torch.device, str]:
@@ -69,11 +77,11 @@ def main() -> None:
             scaled_loss.backward()
         optimizer.step()  # every rank skips the same steps: the overflow flag is all-reduced
         if rank == 0 and (step % 25 == 0 or step == args.steps - 1):
-            print(f"step {step:4d}  loss {loss.item():.6f}  amp {dict(amp.state_dict())}")
+            report(f"step {step:4d}  loss {loss.item():.6f}  amp {dict(amp.state_dict())}")
 
     # DDP keeps the parameters identical on every rank: each rank prints a checksum of its own, and they agree.
     checksum = sum(p.detach().double().sum().item() for p in model.parameters())
-    print(f"rank {rank} of {world}: parameter checksum {checksum!r}")
+    report(f"rank {rank} of {world}: parameter checksum {checksum!r}")
     amp.deinitialize()
     # Leave together: a rank that tears its process group down while another is still talking to it can abort.
     dist.barrier()
