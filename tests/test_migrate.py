@@ -13,6 +13,7 @@ import pytest
 
 from ampinit.cli import main
 from ampinit.migrate import migrate_paths, migrate_source
+from tests.test_compat_run import assert_losses_match_fp32
 
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = ROOT / "tests" / "golden"
@@ -105,7 +106,7 @@ def test_write_report_and_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]
 
 @pytest.mark.slow
 def test_migrated_scripts_run_and_train(tmp_path: Path) -> None:
-    """The legacy examples, migrated both ways, run with plain `python` (no alias) and their loss goes down."""
+    """The legacy examples, migrated both ways, run with plain `python` (no alias) and train as fp32 torch does."""
     source = (ROOT / "examples" / "legacy_apex" / "distributed_data_parallel.py").read_text(encoding="utf-8")
     for to in ("torch", "ampinit"):
         result = migrate_source(source, to)  # type: ignore[arg-type]
@@ -119,6 +120,5 @@ def test_migrated_scripts_run_and_train(tmp_path: Path) -> None:
             [sys.executable, str(script), "--iterations", "150"], capture_output=True, text=True, env=ENV, timeout=300
         )
         assert run.returncode == 0, run.stderr
-        first = float(re.search(r"first loss =\s+([0-9.]+)", run.stdout).group(1))  # type: ignore[union-attr]
-        final = float(re.search(r"final loss =\s+tensor\(([0-9.]+)", run.stdout).group(1))  # type: ignore[union-attr]
-        assert final < 0.7 * first, run.stdout
+        # The same training in plain fp32 torch is the reference, to fp16's precision, in both directions.
+        assert_losses_match_fp32(run.stdout, 150)
