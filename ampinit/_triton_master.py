@@ -71,6 +71,63 @@ def _check_kernel(ptrs, numels, block_tensor, block_start, flag_ptr, GRAD_T: tl.
 
 
 @triton.jit
+def _load_grad(
+    ptrs, t, offs, mask, inv_scale_ptr, GRAD_T: tl.constexpr, HAS_SCALE: tl.constexpr, MAXIMIZE: tl.constexpr
+):
+    """The fp32, unscaled (and for ``maximize`` negated) grad of tensor ``t``, the first list of ``ptrs``."""
+    g_ptr = tl.load(ptrs + t).to(tl.pointer_type(GRAD_T))
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_SCALE:
+        g = g * tl.load(inv_scale_ptr)
+    if MAXIMIZE:
+        g = -g
+    return g
+
+
+@triton.jit
+def _adam_update(
+    g, p, m_ptr, v_ptr, offs, mask, t, step_scalars, beta1, one_minus_beta1, beta2, one_minus_beta2, eps,
+    weight_decay, decay_factor, DECAY: tl.constexpr,
+):  # fmt: skip
+    """Adam/AdamW on fp32 master values ``p`` (``ampinit._fused_master.adam_``): stores m and v, returns p."""
+    if DECAY == 1:
+        g = g + p * weight_decay
+    if DECAY == 2:
+        p = p * decay_factor
+    m = tl.load(m_ptr + offs, mask=mask, other=0.0) * beta1 + g * one_minus_beta1
+    v = tl.load(v_ptr + offs, mask=mask, other=0.0) * beta2 + (g * g) * one_minus_beta2
+    step_size = tl.load(step_scalars + 2 * t)
+    bias_correction2_sqrt = tl.load(step_scalars + 2 * t + 1)
+    denom = tl.math.div_rn(tl.math.sqrt_rn(v), bias_correction2_sqrt) + eps
+    tl.store(m_ptr + offs, m, mask=mask)
+    tl.store(v_ptr + offs, v, mask=mask)
+    return p - tl.math.div_rn(step_size * m, denom)
+
+
+@triton.jit
+def _sgd_update(
+    g, p, ptrs, buf_list, n_tensors, t, offs, mask, neg_lr, momentum, one_minus_dampening, weight_decay,
+    HAS_DECAY: tl.constexpr, HAS_MOMENTUM: tl.constexpr, FIRST_STEP: tl.constexpr, NESTEROV: tl.constexpr,
+):  # fmt: skip
+    """SGD on fp32 master values ``p`` (``ampinit._fused_master.sgd_``); the momentum buffers are list
+    ``buf_list`` of ``ptrs``. Stores the buffer, returns p."""
+    if HAS_DECAY:
+        g = g + p * weight_decay
+    if HAS_MOMENTUM:
+        b_ptr = tl.load(ptrs + buf_list * n_tensors + t).to(tl.pointer_type(tl.float32))
+        if FIRST_STEP:  # noqa: SIM108  (branches on constexprs are compiled away; keep them as statements)
+            buf = g
+        else:
+            buf = tl.load(b_ptr + offs, mask=mask, other=0.0) * momentum + g * one_minus_dampening
+        tl.store(b_ptr + offs, buf, mask=mask)
+        if NESTEROV:  # noqa: SIM108
+            g = g + buf * momentum
+        else:
+            g = buf
+    return p + g * neg_lr
+
+
+@triton.jit
 def _adam_kernel(
     ptrs,
     numels,
@@ -98,29 +155,15 @@ def _adam_kernel(
     BLOCK: tl.constexpr,
 ):
     t, offs, mask = _block(ptrs, numels, block_tensor, block_start, flag_ptr, HAS_FLAG, BLOCK)
-    g_ptr = tl.load(ptrs + t).to(tl.pointer_type(GRAD_T))
     p_ptr = tl.load(ptrs + n_tensors + t).to(tl.pointer_type(tl.float32))
     m_ptr = tl.load(ptrs + 2 * n_tensors + t).to(tl.pointer_type(tl.float32))
     v_ptr = tl.load(ptrs + 3 * n_tensors + t).to(tl.pointer_type(tl.float32))
-
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if HAS_SCALE:
-        g = g * tl.load(inv_scale_ptr)
-    if MAXIMIZE:
-        g = -g
+    g = _load_grad(ptrs, t, offs, mask, inv_scale_ptr, GRAD_T, HAS_SCALE, MAXIMIZE)
     p = tl.load(p_ptr + offs, mask=mask, other=0.0)
-    if DECAY == 1:
-        g = g + p * weight_decay
-    if DECAY == 2:
-        p = p * decay_factor
-    m = tl.load(m_ptr + offs, mask=mask, other=0.0) * beta1 + g * one_minus_beta1
-    v = tl.load(v_ptr + offs, mask=mask, other=0.0) * beta2 + (g * g) * one_minus_beta2
-    step_size = tl.load(step_scalars + 2 * t)
-    bias_correction2_sqrt = tl.load(step_scalars + 2 * t + 1)
-    denom = tl.math.div_rn(tl.math.sqrt_rn(v), bias_correction2_sqrt) + eps
-    p = p - tl.math.div_rn(step_size * m, denom)
-    tl.store(m_ptr + offs, m, mask=mask)
-    tl.store(v_ptr + offs, v, mask=mask)
+    p = _adam_update(
+        g, p, m_ptr, v_ptr, offs, mask, t, step_scalars, beta1, one_minus_beta1, beta2, one_minus_beta2, eps,
+        weight_decay, decay_factor, DECAY,
+    )  # fmt: skip
     tl.store(p_ptr + offs, p, mask=mask)
     if WRITE_WEIGHT:
         w_ptr = tl.load(ptrs + 4 * n_tensors + t).to(tl.pointer_type(WEIGHT_T))
@@ -154,29 +197,13 @@ def _sgd_kernel(
     BLOCK: tl.constexpr,
 ):
     t, offs, mask = _block(ptrs, numels, block_tensor, block_start, flag_ptr, HAS_FLAG, BLOCK)
-    g_ptr = tl.load(ptrs + t).to(tl.pointer_type(GRAD_T))
     p_ptr = tl.load(ptrs + n_tensors + t).to(tl.pointer_type(tl.float32))
-
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if HAS_SCALE:
-        g = g * tl.load(inv_scale_ptr)
-    if MAXIMIZE:
-        g = -g
+    g = _load_grad(ptrs, t, offs, mask, inv_scale_ptr, GRAD_T, HAS_SCALE, MAXIMIZE)
     p = tl.load(p_ptr + offs, mask=mask, other=0.0)
-    if HAS_DECAY:
-        g = g + p * weight_decay
-    if HAS_MOMENTUM:
-        b_ptr = tl.load(ptrs + 2 * n_tensors + t).to(tl.pointer_type(tl.float32))
-        if FIRST_STEP:  # noqa: SIM108  (branches on constexprs are compiled away; keep them as statements)
-            buf = g
-        else:
-            buf = tl.load(b_ptr + offs, mask=mask, other=0.0) * momentum + g * one_minus_dampening
-        tl.store(b_ptr + offs, buf, mask=mask)
-        if NESTEROV:  # noqa: SIM108
-            g = g + buf * momentum
-        else:
-            g = buf
-    p = p + g * neg_lr
+    p = _sgd_update(
+        g, p, ptrs, 2, n_tensors, t, offs, mask, neg_lr, momentum, one_minus_dampening, weight_decay,
+        HAS_DECAY, HAS_MOMENTUM, FIRST_STEP, NESTEROV,
+    )  # fmt: skip
     tl.store(p_ptr + offs, p, mask=mask)
     if WRITE_WEIGHT:
         w_ptr = tl.load(ptrs + 3 * n_tensors + t).to(tl.pointer_type(WEIGHT_T))
@@ -379,31 +406,17 @@ def _adam_remainder_kernel(
     BLOCK: tl.constexpr,
 ):
     t, offs, mask = _block(ptrs, numels, block_tensor, block_start, flag_ptr, HAS_FLAG, BLOCK)
-    g_ptr = tl.load(ptrs + t).to(tl.pointer_type(GRAD_T))
     w_ptr = tl.load(ptrs + n_tensors + t).to(tl.pointer_type(tl.int16))
     r_ptr = tl.load(ptrs + 2 * n_tensors + t).to(tl.pointer_type(tl.int16))
     m_ptr = tl.load(ptrs + 3 * n_tensors + t).to(tl.pointer_type(tl.float32))
     v_ptr = tl.load(ptrs + 4 * n_tensors + t).to(tl.pointer_type(tl.float32))
-
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if HAS_SCALE:
-        g = g * tl.load(inv_scale_ptr)
-    if MAXIMIZE:
-        g = -g
+    g = _load_grad(ptrs, t, offs, mask, inv_scale_ptr, GRAD_T, HAS_SCALE, MAXIMIZE)
     p = _join_master(tl.load(w_ptr + offs, mask=mask, other=0), tl.load(r_ptr + offs, mask=mask, other=0))
-    if DECAY == 1:
-        g = g + p * weight_decay
-    if DECAY == 2:
-        p = p * decay_factor
-    m = tl.load(m_ptr + offs, mask=mask, other=0.0) * beta1 + g * one_minus_beta1
-    v = tl.load(v_ptr + offs, mask=mask, other=0.0) * beta2 + (g * g) * one_minus_beta2
-    step_size = tl.load(step_scalars + 2 * t)
-    bias_correction2_sqrt = tl.load(step_scalars + 2 * t + 1)
-    denom = tl.math.div_rn(tl.math.sqrt_rn(v), bias_correction2_sqrt) + eps
-    p = p - tl.math.div_rn(step_size * m, denom)
+    p = _adam_update(
+        g, p, m_ptr, v_ptr, offs, mask, t, step_scalars, beta1, one_minus_beta1, beta2, one_minus_beta2, eps,
+        weight_decay, decay_factor, DECAY,
+    )  # fmt: skip
     weight_bits, remainder = _split_master(p)
-    tl.store(m_ptr + offs, m, mask=mask)
-    tl.store(v_ptr + offs, v, mask=mask)
     tl.store(w_ptr + offs, weight_bits, mask=mask)
     tl.store(r_ptr + offs, remainder, mask=mask)
 
@@ -432,30 +445,14 @@ def _sgd_remainder_kernel(
     BLOCK: tl.constexpr,
 ):
     t, offs, mask = _block(ptrs, numels, block_tensor, block_start, flag_ptr, HAS_FLAG, BLOCK)
-    g_ptr = tl.load(ptrs + t).to(tl.pointer_type(GRAD_T))
     w_ptr = tl.load(ptrs + n_tensors + t).to(tl.pointer_type(tl.int16))
     r_ptr = tl.load(ptrs + 2 * n_tensors + t).to(tl.pointer_type(tl.int16))
-
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if HAS_SCALE:
-        g = g * tl.load(inv_scale_ptr)
-    if MAXIMIZE:
-        g = -g
+    g = _load_grad(ptrs, t, offs, mask, inv_scale_ptr, GRAD_T, HAS_SCALE, MAXIMIZE)
     p = _join_master(tl.load(w_ptr + offs, mask=mask, other=0), tl.load(r_ptr + offs, mask=mask, other=0))
-    if HAS_DECAY:
-        g = g + p * weight_decay
-    if HAS_MOMENTUM:
-        b_ptr = tl.load(ptrs + 3 * n_tensors + t).to(tl.pointer_type(tl.float32))
-        if FIRST_STEP:  # noqa: SIM108  (branches on constexprs are compiled away; keep them as statements)
-            buf = g
-        else:
-            buf = tl.load(b_ptr + offs, mask=mask, other=0.0) * momentum + g * one_minus_dampening
-        tl.store(b_ptr + offs, buf, mask=mask)
-        if NESTEROV:  # noqa: SIM108
-            g = g + buf * momentum
-        else:
-            g = buf
-    p = p + g * neg_lr
+    p = _sgd_update(
+        g, p, ptrs, 3, n_tensors, t, offs, mask, neg_lr, momentum, one_minus_dampening, weight_decay,
+        HAS_DECAY, HAS_MOMENTUM, FIRST_STEP, NESTEROV,
+    )  # fmt: skip
     weight_bits, remainder = _split_master(p)
     tl.store(w_ptr + offs, weight_bits, mask=mask)
     tl.store(r_ptr + offs, remainder, mask=mask)
