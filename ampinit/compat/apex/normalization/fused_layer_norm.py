@@ -61,85 +61,66 @@ def _rms_norm(x: torch.Tensor, shape: torch.Size, weight: torch.Tensor | None, e
         return F.rms_norm(x.float(), shape, w, eps)
 
 
-class FusedLayerNorm(torch.nn.Module):
+class _ApexNorm(torch.nn.Module):
+    """What Apex's norm modules share: the arguments, the affine parameters, the output dtype rule."""
+
+    _HAS_BIAS = True
+    weight: torch.nn.Parameter | None
+
+    def __init__(
+        self,
+        normalized_shape: Shape,
+        eps: float = 1e-5,
+        elementwise_affine: bool = True,
+        memory_efficient: bool = False,
+    ) -> None:
+        super().__init__()
+        self.normalized_shape = _shape(normalized_shape)
+        self.eps = eps
+        self.elementwise_affine = elementwise_affine
+        self.memory_efficient = memory_efficient
+        names = ("weight", "bias") if self._HAS_BIAS else ("weight",)
+        for name, init in zip(names, (torch.ones, torch.zeros)):
+            if elementwise_affine:
+                setattr(self, name, torch.nn.Parameter(init(self.normalized_shape)))
+            else:
+                self.register_parameter(name, None)
+
+    def reset_parameters(self) -> None:
+        if self.weight is not None:
+            torch.nn.init.ones_(self.weight)
+        bias = getattr(self, "bias", None)  # RMS norms have none
+        if bias is not None:
+            torch.nn.init.zeros_(bias)
+
+    def _output_dtype(self, x: torch.Tensor) -> torch.dtype:
+        return _effective_dtype(x)
+
+    def extra_repr(self) -> str:
+        return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
+
+
+class FusedLayerNorm(_ApexNorm):
     """Apex's ``FusedLayerNorm(normalized_shape, eps=1e-5, elementwise_affine=True, memory_efficient=False)``.
 
     ``memory_efficient`` only chose what Apex's kernel saved for backward; it is accepted and changes nothing here.
     """
 
-    weight: torch.nn.Parameter | None
     bias: torch.nn.Parameter | None
-
-    def __init__(
-        self,
-        normalized_shape: Shape,
-        eps: float = 1e-5,
-        elementwise_affine: bool = True,
-        memory_efficient: bool = False,
-    ) -> None:
-        super().__init__()
-        self.normalized_shape = _shape(normalized_shape)
-        self.eps = eps
-        self.elementwise_affine = elementwise_affine
-        self.memory_efficient = memory_efficient
-        if elementwise_affine:
-            self.weight = torch.nn.Parameter(torch.ones(self.normalized_shape))
-            self.bias = torch.nn.Parameter(torch.zeros(self.normalized_shape))
-        else:
-            self.register_parameter("weight", None)
-            self.register_parameter("bias", None)
-
-    def reset_parameters(self) -> None:
-        if self.weight is not None and self.bias is not None:
-            torch.nn.init.ones_(self.weight)
-            torch.nn.init.zeros_(self.bias)
-
-    def _output_dtype(self, x: torch.Tensor) -> torch.dtype:
-        return _effective_dtype(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = _layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
         return out.to(self._output_dtype(x))
 
-    def extra_repr(self) -> str:
-        return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
 
-
-class FusedRMSNorm(torch.nn.Module):
+class FusedRMSNorm(_ApexNorm):
     """Apex's ``FusedRMSNorm(normalized_shape, eps=1e-5, elementwise_affine=True, memory_efficient=False)``:
     ``x / sqrt(mean(x**2) + eps) * weight`` over the last ``len(normalized_shape)`` dimensions."""
 
-    weight: torch.nn.Parameter | None
-
-    def __init__(
-        self,
-        normalized_shape: Shape,
-        eps: float = 1e-5,
-        elementwise_affine: bool = True,
-        memory_efficient: bool = False,
-    ) -> None:
-        super().__init__()
-        self.normalized_shape = _shape(normalized_shape)
-        self.eps = eps
-        self.elementwise_affine = elementwise_affine
-        self.memory_efficient = memory_efficient
-        if elementwise_affine:
-            self.weight = torch.nn.Parameter(torch.ones(self.normalized_shape))
-        else:
-            self.register_parameter("weight", None)
-
-    def reset_parameters(self) -> None:
-        if self.weight is not None:
-            torch.nn.init.ones_(self.weight)
-
-    def _output_dtype(self, x: torch.Tensor) -> torch.dtype:
-        return _effective_dtype(x)
+    _HAS_BIAS = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _rms_norm(x, self.normalized_shape, self.weight, self.eps).to(self._output_dtype(x))
-
-    def extra_repr(self) -> str:
-        return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
 
 
 def _mixed_kwargs(name: str, kwargs: dict[str, Any]) -> None:
@@ -152,7 +133,15 @@ def _mixed_kwargs(name: str, kwargs: dict[str, Any]) -> None:
         raise TypeError(f"{name}() got unexpected keyword arguments {sorted(kwargs)}; allowed: eps, memory_efficient")
 
 
-class MixedFusedLayerNorm(FusedLayerNorm):
+class _WeightDtypeOutput(_ApexNorm):
+    """Apex's "mixed" norms: always affine, and the output has the weight's dtype."""
+
+    def _output_dtype(self, x: torch.Tensor) -> torch.dtype:
+        assert self.weight is not None
+        return _effective_dtype(self.weight)
+
+
+class MixedFusedLayerNorm(_WeightDtypeOutput, FusedLayerNorm):
     """Apex's ``MixedFusedLayerNorm(normalized_shape, eps=1e-5, *, memory_efficient=False)``: always affine, and the
     output has the weight's dtype (fp32 weights on a half input give an fp32 output)."""
 
@@ -160,22 +149,14 @@ class MixedFusedLayerNorm(FusedLayerNorm):
         _mixed_kwargs("MixedFusedLayerNorm", kwargs)
         super().__init__(normalized_shape, eps, elementwise_affine=True, memory_efficient=memory_efficient)
 
-    def _output_dtype(self, x: torch.Tensor) -> torch.dtype:
-        assert self.weight is not None
-        return _effective_dtype(self.weight)
 
-
-class MixedFusedRMSNorm(FusedRMSNorm):
+class MixedFusedRMSNorm(_WeightDtypeOutput, FusedRMSNorm):
     """Apex's ``MixedFusedRMSNorm(normalized_shape, eps=1e-5, *, memory_efficient=False)``: always affine, and the
     output has the weight's dtype."""
 
     def __init__(self, normalized_shape: Shape, eps: float = 1e-5, *, memory_efficient: bool = False, **kwargs: Any):
         _mixed_kwargs("MixedFusedRMSNorm", kwargs)
         super().__init__(normalized_shape, eps, elementwise_affine=True, memory_efficient=memory_efficient)
-
-    def _output_dtype(self, x: torch.Tensor) -> torch.dtype:
-        assert self.weight is not None
-        return _effective_dtype(self.weight)
 
 
 # -- Apex's functional forms (timm, Megatron and fairseq call these directly) ----------------------------------------
