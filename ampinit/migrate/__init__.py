@@ -11,7 +11,7 @@ from collections.abc import Iterable, Iterator
 from typing import Literal
 
 from ampinit.migrate._guards import line_map, rewrite_guards
-from ampinit.migrate._optimizers import rewrite_fused_adam
+from ampinit.migrate._optimizers import NOT_NATIVE, rewrite_fused_adam
 from ampinit.migrate._report import FileResult, Report, Site
 from ampinit.migrate._resolve import imported_modules, unresolved_imports
 from ampinit.migrate._to_ampinit import COMMENT_PREFIX, migrate_module
@@ -91,7 +91,9 @@ def _dependencies_left(migrated: str, sites: list[Site]) -> list[Site]:
         if site.needs_human and "ampinit provides no" in site.message:
             left.append(Site(site.line, f"{name} has no native torch equivalent (nor an ampinit one)", True))
         elif " -> ampinit" in site.message or " -> import ampinit" in site.message:
-            reason = f"{name} has no native torch equivalent: use --to ampinit (or replace it by hand)"
+            why = NOT_NATIVE.get(name.rsplit(".", 1)[-1])
+            detail = f": {why};" if why else ":"
+            reason = f"{name} has no native torch equivalent{detail} use --to ampinit (or replace it by hand)"
             left.append(Site(site.line, reason, True))
     if not left:
         lines = [line for line, module in imported_modules(migrated) if module.split(".")[0] in roots]
