@@ -335,12 +335,17 @@ def _variant(source: str, old: str, new: str) -> str:
             ),
             "train_step() is called before amp.initialize's `if <flag>:` in __init__()",
         ),
+        (  # a function rebinds the module's optimizer: the loop could step another one
+            MODULE_LEVEL
+            + "\n\ndef reset():\n    global optimizer\n    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)\n",
+            "`optimizer` is assigned again (line",
+        ),
         (  # a function of another class cannot read self.scaler
             TRAINER + "\n\nclass Other:\n    def save(self):\n        return amp.state_dict()\n",
             "save() is not a method of the class whose __init__() calls amp.initialize",
         ),
     ],
-    ids=["setup", "parameter", "local", "reassigned", "flag-changed", "called-early", "other-class"],
+    ids=["setup", "parameter", "local", "reassigned", "flag-changed", "called-early", "global", "other-class"],
 )
 def test_the_loop_in_another_function_is_refused_where_it_cannot_be_proven(source: str, reason: str) -> None:
     result = migrate_source(source, "torch")
@@ -478,6 +483,10 @@ def test_a_module_level_parser_with_one_choice_gives_that_level() -> None:
     assert not result.refused, [s.render() for s in result.sites]
     assert "    scaler = torch.amp.GradScaler(amp_device)\n" in result.migrated
     assert result.sites[0].message == "amp (O1) -> torch.autocast + torch.amp.GradScaler (scaler)"
+    rebound = migrate_source(source + "\n\ndef reload():\n    global args\n    args = None\n", "torch")
+    assert rebound.refused and any(
+        "`args` is assigned through `global args` in reload()" in s.message for s in rebound.needs_human
+    ), [s.render() for s in rebound.sites]
 
 
 @pytest.mark.parametrize(

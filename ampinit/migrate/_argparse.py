@@ -16,7 +16,7 @@ from collections.abc import Iterable
 
 import libcst as cst
 
-from ampinit.migrate._reach import Function, Scopes
+from ampinit.migrate._reach import Function, Scopes, declared_global
 from ampinit.migrate._to_ampinit import dotted
 
 LEVELS = frozenset({"O0", "O1"})
@@ -182,6 +182,9 @@ def _written(scopes: Scopes, calls: Iterable[cst.Call], base: str, attr: str) ->
     for target in scopes.targets:
         if _code(target) == f"{base}.{attr}":
             return f"`{base}.{attr}` is assigned in this file: it may hold another level there"
+        function = scopes.function_of(target)
+        if isinstance(function, cst.FunctionDef) and _code(target) == base and base in declared_global(function):
+            return f"`{base}` is assigned through `global {base}` in {function.name.value}()"
     for call in calls:
         name = dotted(call.func)
         first = call.args[0].value if call.args else None

@@ -176,12 +176,30 @@ def assigned_again(
         function = scopes.function_of(target)
         later = function is home.function and line_of(target) > after
         elsewhere = home.kind == "attribute" and function is not home.function and scopes.class_of(function) is owner
-        if later or elsewhere:
+        rebound = home.kind == "module" and function is not home.function and code in declared_global(function)
+        if later or elsewhere or rebound:
             return (
                 f"`{code}` is assigned again (line {line_of(target)}) after amp.initialize returned it: the "
                 "functions that use amp could see another object"
             )
     return None
+
+
+class _Globals(cst.CSTVisitor):
+    def __init__(self) -> None:
+        self.names: set[str] = set()
+
+    def visit_Global(self, node: cst.Global) -> None:
+        self.names.update(n.name.value for n in node.names)
+
+
+def declared_global(function: Function) -> set[str]:
+    """The names a function declares ``global`` (its assignments to them rebind the module's)."""
+    if isinstance(function, cst.Module):
+        return set()
+    found = _Globals()
+    function.visit(found)
+    return found.names
 
 
 class _Calls(cst.CSTVisitor):
