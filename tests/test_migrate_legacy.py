@@ -636,7 +636,8 @@ def test_fused_sgd_stays_refused_with_the_zeroed_gradients_reason(session_cleanu
         "  line 1: [needs a human] apex.optimizers.FusedSGD has no native torch equivalent: its zero_grad() zeroes the "
         "gradients (set_grad_none=False, its default) where torch.optim.SGD's sets them to None, so a parameter that "
         "gets no gradient in a step still takes weight decay and moves with its momentum under FusedSGD, and is "
-        "skipped by torch's SGD; use --to ampinit (or replace it by hand)"
+        "skipped by torch's SGD; besides, FusedSGD updates only fp16 and fp32 parameters, and restarts the momentum of "
+        "every parameter of a dtype when the last one's is new; use --to ampinit (or replace it by hand)"
     ]
     from ampinit.compat.apex.optimizers import FusedSGD
 
