@@ -197,6 +197,8 @@ def test_the_loop_in_another_function_migrates_where_the_scaler_is_reachable(sou
     result = migrate_source(source, "torch")
     assert not result.refused and not result.needs_human, [s.render() for s in result.sites]
     assert result.migrated == expected
+    again = migrate_source(result.migrated, "torch")
+    assert again.migrated == result.migrated and not again.sites  # a second pass finds nothing left
 
 
 def _problem() -> tuple[torch.nn.Linear, torch.optim.SGD, list[tuple[torch.Tensor, torch.Tensor]]]:
@@ -445,6 +447,7 @@ def test_an_argparse_opt_level_restricted_to_o0_o1_migrates_and_trains(session_c
     result = migrate_source(ARGPARSE, "torch")
     assert not result.refused and not result.needs_human, [s.render() for s in result.sites]
     assert result.migrated == ARGPARSE_TORCH
+    assert migrate_source(result.migrated, "torch").migrated == result.migrated
     assert (
         result.sites[0].message
         == 'amp (O0 or O1: args.opt_level == "O1") -> torch.autocast + torch.amp.GradScaler (scaler)'
