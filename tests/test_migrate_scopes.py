@@ -290,6 +290,36 @@ SEPARATE_FUNCTIONS = textwrap.dedent(
 )
 
 
+# A module-level flag guards initialize, and a function can turn it off after the GradScaler was created.
+GLOBAL_FLAG = textwrap.dedent(
+    """
+    import torch
+    from apex import amp
+
+    fp16 = True
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    if fp16:
+        model, optimizer = amp.initialize(model, optimizer, opt_level="O1")
+
+
+    def off():
+        global fp16
+        fp16 = False
+
+
+    def step(x):
+        loss = model(x).sum()
+        if fp16:
+            with amp.scale_loss(loss, optimizer) as scaled_loss:
+                scaled_loss.backward()
+        else:
+            loss.backward()
+        optimizer.step()
+    """
+)
+
+
 def _variant(source: str, old: str, new: str) -> str:
     assert old in source, old
     return source.replace(old, new)
@@ -342,12 +372,26 @@ def _variant(source: str, old: str, new: str) -> str:
             + "\n\ndef reset():\n    global optimizer\n    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)\n",
             "`optimizer` is assigned again (line",
         ),
+        (  # the module-level flag that guards initialize is turned off through `global` in a function
+            GLOBAL_FLAG,
+            "the flag `fp16` that guards amp.initialize is assigned in another function (fp16)",
+        ),
         (  # a function of another class cannot read self.scaler
             TRAINER + "\n\nclass Other:\n    def save(self):\n        return amp.state_dict()\n",
             "save() is not a method of the class whose __init__() calls amp.initialize",
         ),
     ],
-    ids=["setup", "parameter", "local", "reassigned", "flag-changed", "called-early", "global", "other-class"],
+    ids=[
+        "setup",
+        "parameter",
+        "local",
+        "reassigned",
+        "flag-changed",
+        "called-early",
+        "global",
+        "global-flag",
+        "other-class",
+    ],
 )
 def test_the_loop_in_another_function_is_refused_where_it_cannot_be_proven(source: str, reason: str) -> None:
     result = migrate_source(source, "torch")

@@ -7,10 +7,12 @@ each ``scale_loss`` block, back to the last ``zero_grad``/``step``) go under ``t
 ``scaler.unscale_(optimizer)`` and clipping the model's parameters; ``amp.state_dict()`` becomes
 ``scaler.state_dict()`` and ``amp.load_state_dict(s)`` loads either format through a function written into the file.
 
-``amp.initialize`` directly under ``if <flag>:``, or with an ``opt_level`` variable that holds O0 or O1, gets a
-GradScaler created on every path with ``enabled=`` that flag (a disabled GradScaler is a pass-through, so the same
-calls are right on both paths). Helper modules that only use ``float_function``/``disable_casts``, and an unused
-amp import, are handled by :mod:`ampinit.migrate._helper_modules` and here.
+``amp.initialize`` directly under ``if <flag>:``, or with an ``opt_level`` variable (or argparse value, see
+:mod:`ampinit.migrate._argparse`) that holds O0 or O1, gets a GradScaler created on every path with ``enabled=``
+that flag (a disabled GradScaler is a pass-through, so the same calls are right on both paths). The loop may sit in
+another function or method of the file where the GradScaler is reachable (:mod:`ampinit.migrate._reach`).
+Helper modules that only use ``float_function``/``disable_casts``, and an unused amp import, are handled by
+:mod:`ampinit.migrate._helper_modules` and here.
 
 Anything without a native equivalent is refused with a reason per site (O2/O3 master weights or half models,
 several models, optimizers or losses, ``delay_unscale``, static loss scales, loss-scale bounds, Apex internals),
@@ -31,7 +33,16 @@ from ampinit.compat.apex.amp import frontend as apex_frontend
 from ampinit.compat.apex.amp import handle as apex_handle
 from ampinit.migrate._argparse import argparse_levels
 from ampinit.migrate._helper_modules import GRAD_SCALER_STATE, HELPER_USES, add_definitions, migrate_helper_module
-from ampinit.migrate._reach import Home, Scopes, assigned_again, home_of, runs_first, same_binding, unreachable
+from ampinit.migrate._reach import (
+    Home,
+    Scopes,
+    assigned_again,
+    declared_global,
+    home_of,
+    runs_first,
+    same_binding,
+    unreachable,
+)
 from ampinit.migrate._report import Site
 from ampinit.migrate._to_ampinit import add_comments, apex_bindings, dotted
 
@@ -340,8 +351,9 @@ def _check_flag_elsewhere(analysis: _Analysis, scopes: Scopes, flag: str, uses: 
             )
             return
     for target in analysis.assignments:
-        code = _code(target)
-        if "." in code and code in _prefixes(flag) and analysis.function_of(target) is not plan.init_function:
+        code, function = _code(target), scopes.function_of(target)
+        rebinds = "." in code or code in declared_global(function)  # a bare name elsewhere is that function's own
+        if rebinds and code in _prefixes(flag) and function is not plan.init_function:
             analysis.refuse(
                 target,
                 f"the flag `{flag}` that guards amp.initialize is assigned in another function ({code}): the "
