@@ -1,5 +1,5 @@
 """``--to torch`` across functions and with an ``opt_level`` from argparse (issue 15, point 7): the loop in another
-method or function than ``amp.initialize`` migrates where the GradScaler is reachable there (``self.scaler`` of
+method or function than ``amp.initialize`` migrates where the GradScaler is reachable there (``self.amp_scaler`` of
 the same class, a module-level name, a closure) and the model and optimizer provably mean the initialized ones;
 ``args.opt_level`` migrates where argparse's ``choices=`` restrict it to O0/O1. Everything else is refused with
 the reason. Every input here is synthetic (the shapes the legacy corpus has, written small); each expected output
@@ -66,23 +66,23 @@ TRAINER_TORCH = textwrap.dedent(
             self.optimizer = optimizer
             self.use_amp = use_amp
             self.amp_device = "cuda" if torch.cuda.is_available() else "cpu"
-            self.scaler = torch.amp.GradScaler(self.amp_device, enabled=bool(self.use_amp))
+            self.amp_scaler = torch.amp.GradScaler(self.amp_device, enabled=bool(self.use_amp))
 
         def train_step(self, x, y):
             self.optimizer.zero_grad()
-            with torch.autocast(self.amp_device, dtype=torch.float16, enabled=self.scaler.is_enabled()):
+            with torch.autocast(self.amp_device, dtype=torch.float16, enabled=self.amp_scaler.is_enabled()):
                 out = self.model(x)
                 loss = torch.nn.functional.mse_loss(out, y)
             if self.use_amp:
-                self.scaler.scale(loss).backward()
+                self.amp_scaler.scale(loss).backward()
             else:
                 loss.backward()
-            self.scaler.step(self.optimizer)  # noqa: the step
-            self.scaler.update()
+            self.amp_scaler.step(self.optimizer)  # noqa: the step
+            self.amp_scaler.update()
             return loss.item()
 
         def save(self):
-            return {"amp": self.scaler.state_dict()}
+            return {"amp": self.amp_scaler.state_dict()}
 
 
     def train(model, optimizer, data, fp16_run):
@@ -376,7 +376,13 @@ def _variant(source: str, old: str, new: str) -> str:
             GLOBAL_FLAG,
             "the flag `fp16` that guards amp.initialize is assigned in another function (fp16)",
         ),
-        (  # a function of another class cannot read self.scaler
+        (  # instances with __slots__ cannot take the GradScaler attribute
+            _variant(
+                TRAINER, "class Trainer:\n", "class Trainer:\n    __slots__ = ('model', 'optimizer', 'use_amp')\n\n"
+            ),
+            "Trainer defines __slots__: the GradScaler cannot be kept as an attribute of its instances",
+        ),
+        (  # a function of another class cannot read self.amp_scaler
             TRAINER + "\n\nclass Other:\n    def save(self):\n        return amp.state_dict()\n",
             "save() is not a method of the class whose __init__() calls amp.initialize",
         ),
@@ -390,6 +396,7 @@ def _variant(source: str, old: str, new: str) -> str:
         "called-early",
         "global",
         "global-flag",
+        "slots",
         "other-class",
     ],
 )

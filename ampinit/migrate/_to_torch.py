@@ -321,6 +321,12 @@ def _check_elsewhere(analysis: _Analysis, scopes: Scopes, init: cst.Attribute, u
     assert plan.home is not None
     plan.shared = True
     statement = _statement_of(analysis, init)
+    owner = scopes.class_of(plan.home.function)
+    if plan.home.kind == "attribute" and owner is not None and "__slots__" in _class_names(owner):
+        analysis.refuse(
+            statement,
+            f"{owner.name.value} defines __slots__: the GradScaler cannot be kept as an attribute of its instances",
+        )
     again = assigned_again(scopes, plan.home, (plan.model, plan.optimizer), analysis.line(statement), analysis.line)
     if again is not None:
         analysis.refuse(statement, again)
@@ -331,6 +337,19 @@ def _check_elsewhere(analysis: _Analysis, scopes: Scopes, init: cst.Attribute, u
         early = runs_first(analysis.module, plan.home, plan.guard_if, users)
         if early is not None:
             analysis.refuse(plan.guard_if, early)
+
+
+def _class_names(owner: cst.ClassDef) -> set[str]:
+    """The names a class body assigns directly (``__slots__ = ...``)."""
+    body = owner.body.body if isinstance(owner.body, cst.IndentedBlock) else []
+    return {
+        _code(t.target)
+        for statement in body
+        if isinstance(statement, cst.SimpleStatementLine)
+        for small in statement.body
+        if isinstance(small, cst.Assign)
+        for t in small.targets
+    }
 
 
 def _check_flag_elsewhere(analysis: _Analysis, scopes: Scopes, flag: str, uses: list[cst.CSTNode]) -> None:
@@ -962,8 +981,12 @@ def migrate_module_to_torch(source: str) -> tuple[str, list[Site], bool]:
     if plan.refusals:
         return source, sorted(plan.refusals, key=lambda s: s.line), True
     assert plan.home is not None
-    scaler = plan.home.name(_fresh(["scaler", "grad_scaler"], plan.names))
-    device = plan.home.name(_fresh(["amp_device"], plan.names))
+    # an attribute only where other methods need it; a distinctive name there, as base classes may hold `scaler`
+    attribute = plan.shared and plan.home.kind == "attribute"
+    scaler = _fresh(["amp_scaler", "_amp_scaler"] if attribute else ["scaler", "grad_scaler"], plan.names)
+    device = _fresh(["amp_device"], plan.names)
+    if attribute:
+        scaler, device = plan.home.name(scaler), plan.home.name(device)
     enabled = f", enabled={plan.enabled_expression}" if plan.enabled_expression is not None else ""
     if enabled and plan.shared:  # the flag's names may not be readable where the loop is; the GradScaler is
         enabled = f", enabled={scaler}.is_enabled()"
