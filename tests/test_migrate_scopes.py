@@ -376,6 +376,11 @@ def _variant(source: str, old: str, new: str) -> str:
             GLOBAL_FLAG,
             "the flag `fp16` that guards amp.initialize is assigned in another function (fp16)",
         ),
+        (  # a subclass's own __init__ may skip the one that creates the GradScaler
+            TRAINER
+            + "\n\nclass Quiet(Trainer):\n    def __init__(self, model, optimizer):\n        self.use_amp = False\n",
+            "Quiet, a subclass of Trainer in this file, defines its own __init__",
+        ),
         (  # instances with __slots__ cannot take the GradScaler attribute
             _variant(
                 TRAINER, "class Trainer:\n", "class Trainer:\n    __slots__ = ('model', 'optimizer', 'use_amp')\n\n"
@@ -396,6 +401,7 @@ def _variant(source: str, old: str, new: str) -> str:
         "called-early",
         "global",
         "global-flag",
+        "subclass",
         "slots",
         "other-class",
     ],

@@ -251,11 +251,31 @@ def reaching(module: cst.Module, users: set[str]) -> set[str]:
     return found
 
 
+class _Subclasses(cst.CSTVisitor):
+    def __init__(self, base: str) -> None:
+        self.base = base
+        self.found: list[str] = []
+
+    def visit_ClassDef(self, node: cst.ClassDef) -> None:
+        if any(dotted(b.value) == self.base for b in node.bases):
+            body = node.body.body if isinstance(node.body, cst.IndentedBlock) else []
+            if any(isinstance(s, cst.FunctionDef) and s.name.value == "__init__" for s in body):
+                self.found.append(node.name.value)
+
+
+def _subclasses_with_init(module: cst.Module, base: str) -> list[str]:
+    visitor = _Subclasses(base)
+    module.visit(visitor)
+    return visitor.found
+
+
 def _listed(functions: set[str]) -> str:
     return ", ".join(f"{name}()" for name in sorted(functions))
 
 
-def runs_first(module: cst.Module, home: Home, guard: cst.CSTNode, users: set[str]) -> str | None:
+def runs_first(
+    module: cst.Module, home: Home, guard: cst.CSTNode, users: set[str], owner: cst.ClassDef | None = None
+) -> str | None:
     """With ``amp.initialize`` under ``if <flag>:`` (``guard``), why the functions ``users`` that use amp might run
     before the GradScaler is created, or None. A flag-off path worked without amp before the migration; after
     it, it reads the GradScaler, so it must exist by then."""
@@ -267,6 +287,12 @@ def runs_first(module: cst.Module, home: Home, guard: cst.CSTNode, users: set[st
             "before it: with the flag off that worked without amp, after the rewrite it would find no GradScaler; "
             "move amp.initialize to __init__, or use --to ampinit"
         )
+    if home.kind == "attribute" and owner is not None:
+        for subclass in _subclasses_with_init(module, owner.name.value):
+            return (
+                f"{subclass}, a subclass of {owner.name.value} in this file, defines its own __init__: where it "
+                "does not run this one, the flag-off path would find no GradScaler"
+            )
     statements = list(home.function.body if isinstance(home.function, cst.Module) else home.function.body.body)
     early = reaching(module, users)
     for statement in statements:

@@ -334,7 +334,7 @@ def _check_elsewhere(analysis: _Analysis, scopes: Scopes, init: cst.Attribute, u
         _check_flag_elsewhere(analysis, scopes, plan.condition, uses)
     if plan.guard_if is not None:
         users = {f.name.value for f in (scopes.function_of(u) for u in uses) if isinstance(f, cst.FunctionDef)}
-        early = runs_first(analysis.module, plan.home, plan.guard_if, users)
+        early = runs_first(analysis.module, plan.home, plan.guard_if, users, owner)
         if early is not None:
             analysis.refuse(plan.guard_if, early)
 
