@@ -569,6 +569,11 @@ def test_a_module_level_parser_with_one_choice_gives_that_level() -> None:
             "`args.opt_level` is assigned in this file",
         ),
         (
+            "opt_level=args.opt_level)",
+            'opt_level=config["amp"]["opt_level"])',
+            "is neither a literal nor an argparse value (a config?): it could hold any level",
+        ),
+        (
             "args = parse_args(argv)",
             "args = load_config(argv)",
             "`load_config()` is not a function of this file that returns parse_args()",
@@ -588,6 +593,7 @@ def test_a_module_level_parser_with_one_choice_gives_that_level() -> None:
         "set-defaults",
         "escaping-parser",
         "assigned",
+        "config-dict",
         "config",
         "parameter",
     ],

@@ -581,8 +581,10 @@ def _variable_level(analysis: _Analysis, call: cst.Call, node: cst.BaseExpressio
         scopes = Scopes(analysis.parents, analysis.assignments)
         found, why = argparse_levels(analysis.module, scopes, scopes.function_of(call), source)
         values = set(found) if found is not None else None
+    if values is None and not why:
+        why = f"`{_code(source)}` is neither a literal nor an argparse value (a config?): it could hold any level"
     if values is None or not values <= {"O0", "O1"}:
-        return _NOT_LITERAL, why or (f"`{_code(source)}` could hold {sorted(map(str, values))}" if values else "")
+        return _NOT_LITERAL, why or f"`{_code(source)}` could hold {sorted(map(str, values or ()))}"
     if len(values) == 1:
         return next(iter(values)), ""
     analysis.plan.level_switch = f'{_code(node)} == "O1"'
