@@ -626,6 +626,35 @@ def test_fused_adam_outside_the_torch_semantics_is_refused_with_the_reason() -> 
     assert subclass.refused
 
 
+def test_fused_sgd_stays_refused_with_the_zeroed_gradients_reason(session_cleanup: None) -> None:
+    """FusedSGD zeroes gradients where torch's SGD sets them to None: with momentum, a parameter that got no
+    gradient in a step still moves under FusedSGD (shown here through the Apex layer) and stays under torch's SGD,
+    so --to torch keeps refusing it and says why."""
+    result = migrate_source("from apex.optimizers import FusedSGD\nopt = FusedSGD(p, lr=0.1, momentum=0.9)\n", "torch")
+    assert result.refused and not result.changed
+    assert [s.render() for s in result.needs_human] == [
+        "  line 1: [needs a human] apex.optimizers.FusedSGD has no native torch equivalent: its zero_grad() zeroes the "
+        "gradients (set_grad_none=False, its default) where torch.optim.SGD's sets them to None, so a parameter that "
+        "gets no gradient in a step still takes weight decay and moves with its momentum under FusedSGD, and is "
+        "skipped by torch's SGD; besides, FusedSGD updates only fp16 and fp32 parameters, and restarts the momentum of "
+        "every parameter of a dtype when the last one's is new; use --to ampinit (or replace it by hand)"
+    ]
+    from ampinit.compat.apex.optimizers import FusedSGD
+
+    moved = []
+    for make in (lambda p: FusedSGD(p, lr=0.1, momentum=0.9), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)):
+        used, unused = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
+        optimizer = make([used, unused])
+        (used.sum() + unused.sum()).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        used.sum().backward()  # `unused` gets no gradient in this step
+        before = unused.detach().clone()
+        optimizer.step()
+        moved.append(not torch.equal(unused.detach(), before))
+    assert moved == [True, False]
+
+
 LEVEL_VARIABLE = textwrap.dedent(
     """
     import torch

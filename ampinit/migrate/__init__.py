@@ -11,7 +11,8 @@ from collections.abc import Iterable, Iterator
 from typing import Literal
 
 from ampinit.migrate._guards import line_map, rewrite_guards
-from ampinit.migrate._optimizers import rewrite_fused_adam
+from ampinit.migrate._multi_tensor import rewrite_multi_tensor
+from ampinit.migrate._optimizers import NOT_NATIVE, rewrite_fused_adam
 from ampinit.migrate._report import FileResult, Report, Site
 from ampinit.migrate._resolve import imported_modules, unresolved_imports
 from ampinit.migrate._to_ampinit import COMMENT_PREFIX, migrate_module
@@ -53,15 +54,19 @@ def _to_torch(source: str, path: str) -> FileResult:
         return _earlier_notes(FileResult(path, source, source, sites, refused=True))
     optimizers, optimizer_sites = rewrite_fused_adam(native)
     optimizer_sites = _relined(optimizer_sites, native, source)
-    migrated, more = migrate_module(optimizers, "torch")
-    more = _relined(more, optimizers, source)
+    tensors, tensor_sites = rewrite_multi_tensor(optimizers)
+    tensor_sites = _relined(tensor_sites, optimizers, source)
+    migrated, more = migrate_module(tensors, "torch")
+    more = _relined(more, tensors, source)
     left = _dependencies_left(migrated, more)
-    if left:
-        reasons = [s for s in optimizer_sites if s.needs_human]
-        if reasons:  # the specific reason replaces the generic one
+    if left:  # the specific reasons replace the generic ones
+        reasons = [s for s in optimizer_sites + tensor_sites if s.needs_human]
+        if any(s in optimizer_sites for s in reasons):
             left = [s for s in left if "FusedAdam" not in s.message]
+        if any(s in tensor_sites for s in reasons):
+            left = [s for s in left if not s.message.startswith(("amp_C ", "apex.multi_tensor_apply"))]
         return _earlier_notes(FileResult(path, source, source, sorted(reasons + left, key=lambda s: s.line), True))
-    found = guard_sites + sites + optimizer_sites + more
+    found = guard_sites + sites + optimizer_sites + tensor_sites + more
     return _checked(FileResult(path, source, migrated, sorted(found, key=lambda s: s.line)))
 
 
@@ -91,7 +96,9 @@ def _dependencies_left(migrated: str, sites: list[Site]) -> list[Site]:
         if site.needs_human and "ampinit provides no" in site.message:
             left.append(Site(site.line, f"{name} has no native torch equivalent (nor an ampinit one)", True))
         elif " -> ampinit" in site.message or " -> import ampinit" in site.message:
-            reason = f"{name} has no native torch equivalent: use --to ampinit (or replace it by hand)"
+            why = NOT_NATIVE.get(name.rsplit(".", 1)[-1])
+            detail = f": {why};" if why else ":"
+            reason = f"{name} has no native torch equivalent{detail} use --to ampinit (or replace it by hand)"
             left.append(Site(site.line, reason, True))
     if not left:
         lines = [line for line, module in imported_modules(migrated) if module.split(".")[0] in roots]

@@ -28,6 +28,20 @@ KEPT = ("lr", "betas", "eps", "weight_decay")
 AT_DEFAULT = {"bias_correction": "True", "amsgrad": "False", "capturable": "False", "master_weights": "False"}
 
 
+#: Why the other Apex optimizers stay refused under --to torch (keyed by class name).
+NOT_NATIVE = {
+    "FusedSGD": (
+        "its zero_grad() zeroes the gradients (set_grad_none=False, its default) where torch.optim.SGD's sets them "
+        "to None, so a parameter that gets no gradient in a step still takes weight decay and moves with its "
+        "momentum under FusedSGD, and is skipped by torch's SGD; besides, FusedSGD updates only fp16 and fp32 "
+        "parameters, and restarts the momentum of every parameter of a dtype when the last one's is new"
+    ),
+    "FusedLAMB": "torch.optim has no LAMB",
+    "FusedMixedPrecisionLamb": "torch.optim has no LAMB",
+    "FusedNovoGrad": "torch.optim has no NovoGrad",
+}
+
+
 def _arguments(call: cst.Call) -> dict[str, cst.Arg] | None:
     found: dict[str, cst.Arg] = {}
     for index, arg in enumerate(call.args):

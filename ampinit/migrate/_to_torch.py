@@ -7,10 +7,12 @@ each ``scale_loss`` block, back to the last ``zero_grad``/``step``) go under ``t
 ``scaler.unscale_(optimizer)`` and clipping the model's parameters; ``amp.state_dict()`` becomes
 ``scaler.state_dict()`` and ``amp.load_state_dict(s)`` loads either format through a function written into the file.
 
-``amp.initialize`` directly under ``if <flag>:``, or with an ``opt_level`` variable that holds O0 or O1, gets a
-GradScaler created on every path with ``enabled=`` that flag (a disabled GradScaler is a pass-through, so the same
-calls are right on both paths). Helper modules that only use ``float_function``/``disable_casts``, and an unused
-amp import, are handled by :mod:`ampinit.migrate._helper_modules` and here.
+``amp.initialize`` directly under ``if <flag>:``, or with an ``opt_level`` variable (or argparse value, see
+:mod:`ampinit.migrate._argparse`) that holds O0 or O1, gets a GradScaler created on every path with ``enabled=``
+that flag (a disabled GradScaler is a pass-through, so the same calls are right on both paths). The loop may sit in
+another function or method of the file where the GradScaler is reachable (:mod:`ampinit.migrate._reach`).
+Helper modules that only use ``float_function``/``disable_casts``, and an unused amp import, are handled by
+:mod:`ampinit.migrate._helper_modules` and here.
 
 Anything without a native equivalent is refused with a reason per site (O2/O3 master weights or half models,
 several models, optimizers or losses, ``delay_unscale``, static loss scales, loss-scale bounds, Apex internals),
@@ -29,7 +31,18 @@ from libcst.metadata import MetadataWrapper, ParentNodeProvider, PositionProvide
 
 from ampinit.compat.apex.amp import frontend as apex_frontend
 from ampinit.compat.apex.amp import handle as apex_handle
+from ampinit.migrate._argparse import argparse_levels
 from ampinit.migrate._helper_modules import GRAD_SCALER_STATE, HELPER_USES, add_definitions, migrate_helper_module
+from ampinit.migrate._reach import (
+    Home,
+    Scopes,
+    assigned_again,
+    declared_global,
+    home_of,
+    runs_first,
+    same_binding,
+    unreachable,
+)
 from ampinit.migrate._report import Site
 from ampinit.migrate._to_ampinit import add_comments, apex_bindings, dotted
 
@@ -89,6 +102,8 @@ class _Plan:
     level: str = "O1"
     enabled: str | None = None
     init_function: cst.CSTNode | None = None
+    home: Home | None = None  # where the GradScaler lives (see ampinit.migrate._reach)
+    shared: bool = False  # amp is used in other functions than amp.initialize's
     refusals: list[Site] = field(default_factory=list)
     notes: list[Site] = field(default_factory=list)
     # (id of block, first index, last index) of the statements to run under autocast
@@ -116,6 +131,7 @@ class _Plan:
 class _Analysis(cst.CSTVisitor):
     def __init__(self, plan: _Plan, wrapper: MetadataWrapper) -> None:
         self.plan = plan
+        self.module = wrapper.module
         self.parents = wrapper.resolve(ParentNodeProvider)
         self.positions = wrapper.resolve(PositionProvider)
         self.init_calls: list[cst.Call] = []
@@ -252,24 +268,28 @@ def _analyse(wrapper: MetadataWrapper, amp_local: str) -> tuple[_Plan, _Analysis
         return plan, analysis
     _check_initialize(analysis, inits[0])
     plan.init_function = analysis.function_of(inits[0])
+    scopes = Scopes(analysis.parents, analysis.assignments)
+    plan.home = home_of(scopes, inits[0], plan.model, plan.optimizer)
     _check_init_guard(analysis, inits[0])
     for statement in analysis.imports:
         guard = analysis.guard(statement)
-        if guard is not None and not _in_guard_if(analysis, statement):
+        if guard is not None and not _in_guard_if(analysis, statement) and not _in_enabled_body(analysis, statement):
             analysis.refuse(
                 statement,
                 f"the Apex import sits under `{guard}` (an availability guard or a switch): after the rewrite the "
                 "import could not fail or be skipped any more, so the code's other path would change; rewrite the "
                 "guard by hand, or use --to ampinit",
             )
+    elsewhere: list[cst.CSTNode] = []  # amp uses in other functions than amp.initialize's
     for name, node in analysis.uses:
         if name == "initialize":
             continue
-        if analysis.function_of(node) is not plan.init_function and name in _NEED_THE_SCALER:
-            analysis.refuse(
-                node, f"amp.{name} is used in another function than amp.initialize: pass a GradScaler there"
-            )
-            continue
+        if name in _NEED_THE_SCALER:
+            reason = unreachable(scopes, plan.home, node, plan.model, plan.optimizer)
+            if reason is not None:
+                analysis.refuse(node, f"amp.{name}: {reason}")
+            elif analysis.function_of(node) is not plan.init_function:
+                elsewhere.append(node)
         handler = _USE_CHECKS.get(name)
         if handler is None:
             analysis.refuse(node, f"amp.{name} has no native torch.amp equivalent")
@@ -279,19 +299,90 @@ def _analyse(wrapper: MetadataWrapper, amp_local: str) -> tuple[_Plan, _Analysis
     if not steps and plan.optimizer:
         plan.refusals.append(Site(1, f"no {plan.optimizer}.step() found to route through scaler.step()", True))
     for step in steps:
+        reason = unreachable(scopes, plan.home, step, plan.model, plan.optimizer)
         if step.args:
             analysis.refuse(step, "optimizer.step(closure): GradScaler.step with a closure is not supported")
         elif not isinstance(analysis.parent(step), (cst.Expr, cst.Assign)):
             analysis.refuse(step, "optimizer.step() inside an expression: rewrite to scaler.step(...) by hand")
+        elif reason is not None:
+            analysis.refuse(step, f"optimizer.step(): {reason}")
         elif analysis.function_of(step) is not plan.init_function:
-            analysis.refuse(
-                step, "optimizer.step() is in another function than amp.initialize: pass a GradScaler there"
-            )
+            elsewhere.append(step)
+    if elsewhere:
+        _check_elsewhere(analysis, scopes, inits[0], elsewhere)
     _check_paths(analysis, inits[0], steps)
     return plan, analysis
 
 
-_NEED_THE_SCALER = ("scale_loss", "master_params", "state_dict", "load_state_dict")
+def _check_elsewhere(analysis: _Analysis, scopes: Scopes, init: cst.Attribute, uses: list[cst.CSTNode]) -> None:
+    """amp used in other functions than amp.initialize's: they must mean the objects it returned, and with
+    amp.initialize under `if <flag>:`, the GradScaler must exist before any of them can run."""
+    plan = analysis.plan
+    assert plan.home is not None
+    plan.shared = True
+    statement = _statement_of(analysis, init)
+    owner = scopes.class_of(plan.home.function)
+    if plan.home.kind == "attribute" and owner is not None and "__slots__" in _class_names(owner):
+        analysis.refuse(
+            statement,
+            f"{owner.name.value} defines __slots__: the GradScaler cannot be kept as an attribute of its instances",
+        )
+    again = assigned_again(scopes, plan.home, (plan.model, plan.optimizer), analysis.line(statement), analysis.line)
+    if again is not None:
+        analysis.refuse(statement, again)
+    if plan.condition is not None:
+        _check_flag_elsewhere(analysis, scopes, plan.condition, uses)
+    if plan.guard_if is not None:
+        users = {f.name.value for f in (scopes.function_of(u) for u in uses) if isinstance(f, cst.FunctionDef)}
+        early = runs_first(analysis.module, plan.home, plan.guard_if, users, owner)
+        if early is not None:
+            analysis.refuse(plan.guard_if, early)
+
+
+def _class_names(owner: cst.ClassDef) -> set[str]:
+    """The names a class body assigns directly (``__slots__ = ...``)."""
+    body = owner.body.body if isinstance(owner.body, cst.IndentedBlock) else []
+    return {
+        _code(t.target)
+        for statement in body
+        if isinstance(statement, cst.SimpleStatementLine)
+        for small in statement.body
+        if isinstance(small, cst.Assign)
+        for t in small.targets
+    }
+
+
+def _check_flag_elsewhere(analysis: _Analysis, scopes: Scopes, flag: str, uses: list[cst.CSTNode]) -> None:
+    """`if <flag>:` in another function means amp.initialize's flag only where the flag's name means the same
+    object there, and only if no other function assigns the flag's attribute."""
+    plan = analysis.plan
+    assert plan.home is not None
+    base = flag.split(".")[0]
+    tests = {id(analysis.function_of(i)) for i in analysis.ifs if dotted(i.test) == flag or _negates(i.test, flag)}
+    for use in uses:
+        where = scopes.function_of(use)
+        if id(where) in tests and not same_binding(scopes, plan.home, where, base):
+            name = where.name.value if isinstance(where, cst.FunctionDef) else "<module>"
+            analysis.refuse(
+                use,
+                f"`{base}` in {name}() is not the `{base}` of amp.initialize's `if {flag}:` in "
+                f"{plan.home.describe()} (a parameter or a local there): the flag could differ",
+            )
+            return
+    for target in analysis.assignments:
+        code, function = _code(target), scopes.function_of(target)
+        rebinds = "." in code or code in declared_global(function)  # a bare name elsewhere is that function's own
+        if rebinds and code in _prefixes(flag) and function is not plan.init_function:
+            analysis.refuse(
+                target,
+                f"the flag `{flag}` that guards amp.initialize is assigned in another function ({code}): the "
+                "GradScaler's enabled= could not follow it; rewrite by hand, or use --to ampinit",
+            )
+            return
+
+
+# the uses that the rewrite gives the GradScaler or the autocast device name
+_NEED_THE_SCALER = ("scale_loss", "master_params", "state_dict", "load_state_dict", "disable_casts")
 
 
 def _statement_of(analysis: _Analysis, node: cst.CSTNode) -> cst.CSTNode:
@@ -299,6 +390,12 @@ def _statement_of(analysis: _Analysis, node: cst.CSTNode) -> cst.CSTNode:
     while not isinstance(current, (cst.SimpleStatementLine, cst.BaseCompoundStatement)):
         current = analysis.parent(current)
     return current
+
+
+def _in_enabled_body(analysis: _Analysis, node: cst.CSTNode) -> bool:
+    """Whether ``node`` sits directly in the body of an `if <flag>:` with amp.initialize's flag: an amp import
+    there only ran where amp was on, and the rewrite removes it."""
+    return id(analysis.parent(_statement_of(analysis, node))) in analysis.plan.enabled_bodies
 
 
 def _in_guard_if(analysis: _Analysis, node: cst.CSTNode) -> bool:
@@ -350,9 +447,7 @@ def _check_init_guard(analysis: _Analysis, init: cst.Attribute) -> None:
         )
         return
     plan.condition, plan.guard_if = flag, guard_if
-    for node in analysis.ifs:
-        if analysis.function_of(node) is not plan.init_function:
-            continue
+    for node in analysis.ifs:  # other functions' ifs count once _check_elsewhere proves the flag is the same
         test = node.test
         if dotted(test) == flag:
             plan.enabled_bodies.add(id(node.body))
@@ -374,22 +469,23 @@ def _prefixes(flag: str) -> set[str]:
 
 
 def _check_paths(analysis: _Analysis, init: cst.Attribute, steps: list[cst.Call]) -> None:
-    """Refuse unless the rewrite is equivalent on every path through the function: ``amp.initialize`` runs on all
-    of them (it creates the GradScaler that every ``scaler.step()`` needs), and every ``optimizer.step()`` comes
-    after a ``scale_loss`` block that runs whenever the step runs (GradScaler.step needs a scaled backward), with
+    """Refuse unless the rewrite is equivalent on every path through each function that steps the optimizer:
+    ``amp.initialize`` runs before (it creates the GradScaler that every ``scaler.step()`` needs; in another
+    function, see :mod:`ampinit.migrate._reach`), and every ``optimizer.step()`` comes after a ``scale_loss``
+    block of the same function that runs whenever the step runs (GradScaler.step needs a scaled backward), with
     no unscaled ``backward()`` beside them."""
     plan = analysis.plan
     start = analysis.positions[init].start
-    blocks = [b for b in analysis.scale_blocks if analysis.function_of(b) is plan.init_function]
-    scaled = {id(b) for b in blocks}
+    stepping = {id(analysis.function_of(s)) for s in steps} | {id(plan.init_function)}
+    scaled = {id(b) for b in analysis.scale_blocks}
     for step in steps:
-        if analysis.function_of(step) is not plan.init_function:
-            continue
+        function = analysis.function_of(step)
         where = analysis.positions[step].start
-        if (where.line, where.column) < (start.line, start.column):
+        if function is plan.init_function and (where.line, where.column) < (start.line, start.column):
             analysis.refuse(step, "optimizer.step() comes before amp.initialize: it would run without a GradScaler")
             continue
         path = analysis.path(step)
+        blocks = [b for b in analysis.scale_blocks if analysis.function_of(b) is function]
         before = [b for b in blocks if analysis.positions[b].start.line < where.line]
         if not before or any(analysis.path(b)[::-1] != path[::-1][: len(analysis.path(b))] for b in before):
             analysis.refuse(
@@ -398,7 +494,7 @@ def _check_paths(analysis: _Analysis, init: cst.Attribute, steps: list[cst.Call]
                 "or missing): GradScaler.step needs a scaled backward on every path",
             )
     for call in analysis.backwards:
-        if analysis.function_of(call) is not plan.init_function:
+        if id(analysis.function_of(call)) not in stepping:
             continue
         current: cst.CSTNode | None = call
         while current is not None and id(current) not in scaled:
@@ -406,7 +502,7 @@ def _check_paths(analysis: _Analysis, init: cst.Attribute, steps: list[cst.Call]
         if current is None and not set(analysis.blocks(call)) & plan.disabled_bodies:
             analysis.refuse(
                 call,
-                "a backward() outside amp.scale_loss in the function that steps the optimizer: on that path "
+                "a backward() outside amp.scale_loss in a function that steps the optimizer: on that path "
                 "scaler.step() would see no scaled gradients",
             )
 
@@ -426,13 +522,15 @@ def _check_initialize(analysis: _Analysis, attribute: cst.Attribute) -> None:
         analysis.refuse(call, "amp.initialize needs exactly one model and one optimizer (no lists) for --to torch")
         return
     level = _literal(args.get("opt_level")) if "opt_level" in args else "O1"
+    why = ""
     if level is _NOT_LITERAL:
-        level = _variable_level(analysis, call, args["opt_level"])
+        level, why = _variable_level(analysis, call, args["opt_level"])
     if level not in ("O0", "O1"):
         reason = (
             f"opt_level={level!r} keeps a half-precision model (and fp32 master weights for O2): no native equivalent"
             if level is not _NOT_LITERAL
             else "opt_level is not a literal: the native equivalent exists only for O0 and O1"
+            + (f" ({why})" if why else "")
         )
         analysis.refuse(call, reason)
     plan.level = level if isinstance(level, str) else "O1"
@@ -459,25 +557,38 @@ def _check_initialize(analysis: _Analysis, attribute: cst.Attribute) -> None:
             analysis.refuse(call, "amp.initialize's result is not unpacked into (model, optimizer)")
 
 
-def _variable_level(analysis: _Analysis, call: cst.Call, node: cst.BaseExpression) -> Any:
-    """The level an ``opt_level`` variable holds at ``amp.initialize`` when the function assigns it once, before
-    the call, from literals (``level = 'O1' if fp16 else 'O0'``): that literal, or ``"O1"`` with the GradScaler
-    switched by ``level == "O1"`` when it can be either; ``_NOT_LITERAL`` otherwise."""
-    if not isinstance(node, cst.Name):
-        return _NOT_LITERAL
+def _variable_level(analysis: _Analysis, call: cst.Call, node: cst.BaseExpression) -> tuple[Any, str]:
+    """The level an ``opt_level`` expression holds at ``amp.initialize``, and why not when it cannot be known: a
+    variable the function assigns once, before the call, from literals (``level = 'O1' if fp16 else 'O0'``) or
+    from argparse, or argparse's ``args.opt_level`` itself (:mod:`ampinit.migrate._argparse`). That literal, or
+    ``"O1"`` with the GradScaler switched by ``<expression> == "O1"`` when it can be O0 or O1; ``_NOT_LITERAL``
+    otherwise."""
     function = analysis.function_of(call)
-    stores = [t for t in analysis.assignments if _code(t) == node.value and analysis.function_of(t) is function]
-    if len(stores) != 1 or analysis.line(stores[0]) >= analysis.line(call):
-        return _NOT_LITERAL
-    target = analysis.parent(stores[0])
-    assign = analysis.parent(target) if isinstance(target, cst.AssignTarget) else None
-    values = _literal_choices(assign.value) if isinstance(assign, cst.Assign) and len(assign.targets) == 1 else None
+    values: set[Any] | None = None
+    why = ""
+    source = node
+    if isinstance(node, cst.Name):
+        stores = [t for t in analysis.assignments if _code(t) == node.value and analysis.function_of(t) is function]
+        if len(stores) != 1 or analysis.line(stores[0]) >= analysis.line(call):
+            return _NOT_LITERAL, f"`{node.value}` is not assigned once in this function before amp.initialize"
+        target = analysis.parent(stores[0])
+        assign = analysis.parent(target) if isinstance(target, cst.AssignTarget) else None
+        if not isinstance(assign, cst.Assign) or len(assign.targets) != 1:
+            return _NOT_LITERAL, f"`{node.value}` is not bound by a plain assignment"
+        values = _literal_choices(assign.value)
+        source = assign.value
+    if values is None and isinstance(source, cst.Attribute):
+        scopes = Scopes(analysis.parents, analysis.assignments)
+        found, why = argparse_levels(analysis.module, scopes, scopes.function_of(call), source)
+        values = set(found) if found is not None else None
+    if values is None and not why:
+        why = f"`{_code(source)}` is neither a literal nor an argparse value (a config?): it could hold any level"
     if values is None or not values <= {"O0", "O1"}:
-        return _NOT_LITERAL
+        return _NOT_LITERAL, why or f"`{_code(source)}` could hold {sorted(map(str, values or ()))}"
     if len(values) == 1:
-        return next(iter(values))
-    analysis.plan.level_switch = f'{node.value} == "O1"'
-    return "O1"
+        return next(iter(values)), ""
+    analysis.plan.level_switch = f'{_code(node)} == "O1"'
+    return "O1", ""
 
 
 def _literal_choices(node: cst.BaseExpression) -> set[Any] | None:
@@ -871,9 +982,16 @@ def migrate_module_to_torch(source: str) -> tuple[str, list[Site], bool]:
         return unused.code, [Site(lines[0], "amp is imported but never used here: the import is removed")], False
     if plan.refusals:
         return source, sorted(plan.refusals, key=lambda s: s.line), True
-    scaler = _fresh(["scaler", "grad_scaler"], plan.names)
+    assert plan.home is not None
+    # an attribute only where other methods need it; a distinctive name there, as base classes may hold `scaler`
+    attribute = plan.shared and plan.home.kind == "attribute"
+    scaler = _fresh(["amp_scaler", "_amp_scaler"] if attribute else ["scaler", "grad_scaler"], plan.names)
     device = _fresh(["amp_device"], plan.names)
+    if attribute:
+        scaler, device = plan.home.name(scaler), plan.home.name(device)
     enabled = f", enabled={plan.enabled_expression}" if plan.enabled_expression is not None else ""
+    if enabled and plan.shared:  # the flag's names may not be readable where the loop is; the GradScaler is
+        enabled = f", enabled={scaler}.is_enabled()"
     header = f"torch.autocast({device}, dtype=torch.float16{enabled})"
     wrapped = wrapper.module.visit(_WrapAutocast(plan.autocast, header, plan.notes, analysis.positions))
     has_torch = any(
