@@ -56,9 +56,9 @@ CLIP_TORCH = textwrap.dedent(
         ampinit migrate --to torch."""
         inputs, outputs = tensor_lists
         nonfinite = torch.stack([~torch.isfinite(t).all() for t in inputs]).any()
-        products = torch._foreach_mul([t.float() for t in inputs], scale)
         overflow_buf.masked_fill_(nonfinite, 1)
-        torch._foreach_copy_(outputs, products)
+        for source, target in zip(inputs, outputs):
+            target.copy_(source.float() * scale)
 
 
     def clip_grads(grads, max_norm):

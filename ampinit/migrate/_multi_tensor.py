@@ -39,9 +39,9 @@ SCALE = '''def {name}(overflow_buf, tensor_lists, scale):
     ampinit migrate --to torch."""
     inputs, outputs = tensor_lists
     nonfinite = torch.stack([~torch.isfinite(t).all() for t in inputs]).any()
-    products = torch._foreach_mul([t.float() for t in inputs], scale)
     overflow_buf.masked_fill_(nonfinite, 1)
-    torch._foreach_copy_(outputs, products)
+    for source, target in zip(inputs, outputs):
+        target.copy_(source.float() * scale)
 '''
 
 KERNELS = {
@@ -235,7 +235,7 @@ def rewrite_multi_tensor(source: str) -> tuple[str, list[Site]]:
             + (
                 "torch.linalg.vector_norm in fp32, shape [1] as Apex's"
                 if k == "multi_tensor_l2norm"
-                else "torch._foreach_mul in fp32 + copy, the overflow buffer set on inf/NaN as Apex's"
+                else "a multiply in fp32 + copy, the overflow buffer set on inf/NaN as Apex's"
             ),
         )
         for c, k in uses.calls
