@@ -18,6 +18,13 @@ from ampinit._kernels import (
     total_norm,
     write_back,
 )
+from ampinit.optimizers._adam_math import (
+    adam_update_foreach,
+    adam_update_single,
+    bias_corrections,
+    clip_divisor,
+    trust_ratio,
+)
 from ampinit.optimizers._base import (
     FusedOptimizer,
     Implementation,
@@ -69,32 +76,24 @@ def lamb_multi_tensor(
         if grad_scale is not None:
             _kernels.foreach_div_(g, grad_scale.to(device))
         norm = global_grad_norm.to(device=device, dtype=torch.float32).reshape(())
-        _kernels.foreach_div_(g, torch.where(norm > max_grad_norm, norm / max_grad_norm, torch.ones_like(norm)))
-        if not adam_w_mode and weight_decay != 0:
-            _kernels.foreach_add_(g, wp, alpha=weight_decay)
-        _kernels.foreach_mul_(wm, beta1)
-        _kernels.foreach_add_(wm, g, alpha=beta3)
-        _kernels.foreach_mul_(wv, beta2)
-        _kernels.foreach_addcmul_(wv, g, g, value=1 - beta2)
-        one = torch.ones((), device=device)
-        t = step.to(device)
-        denom = _kernels.foreach_div(wv, 1 - beta2**t if bias_correction else one)
-        _kernels.foreach_sqrt_(denom)
-        _kernels.foreach_add_(denom, eps)
-        update = _kernels.foreach_div(wm, 1 - beta1**t if bias_correction else one)
-        _kernels.foreach_div_(update, denom)
-        if adam_w_mode and weight_decay != 0:
-            _kernels.foreach_add_(update, wp, alpha=weight_decay)
+        _kernels.foreach_div_(g, clip_divisor(norm, max_grad_norm))
+        update = adam_update_foreach(
+            wp,
+            g,
+            wm,
+            wv,
+            betas=(beta1, beta2, beta3),
+            eps=eps,
+            weight_decay=weight_decay,
+            decoupled=adam_w_mode,
+            corrections=bias_corrections(step.to(device), beta1, beta2, bias_correction),
+        )
         if use_nvlamb or weight_decay != 0:
-            p_norm = torch.stack(l2_norms(wp))
-            u_norm = torch.stack(l2_norms(update))
-            ratio = torch.where((p_norm != 0) & (u_norm != 0), lr * p_norm / u_norm, lr)
+            ratio = trust_ratio(torch.stack(l2_norms(wp)), torch.stack(l2_norms(update)), lr)
             _kernels.foreach_sub_(wp, _kernels.foreach_mul(update, list(ratio.unbind())))
         else:
             _kernels.foreach_add_(wp, update, alpha=-lr)
-        write_back(p, wp, skip)
-        write_back(m, wm, skip)
-        write_back(v, wv, skip)
+        write_back(p + m + v, wp + wm + wv, skip)
         for i, u in zip(indices, update):
             updates[i] = u
     return updates
@@ -123,29 +122,26 @@ def lamb_single_tensor(
 ) -> list[Tensor]:
     """The same update as :func:`lamb_multi_tensor`, one tensor at a time in plain torch (the reference)."""
     updates = []
-    beta3 = 1 - beta1 if grad_averaging else 1.0
+    betas = (beta1, beta2, 1 - beta1 if grad_averaging else 1.0)
     for param, grad, exp_avg, exp_avg_sq in zip(params, grads, exp_avgs, exp_avg_sqs):
         device = param.device
         p = param.float()
         g = grad.float()
         if grad_scale is not None:
             g = g / grad_scale.to(device)
-        norm = global_grad_norm.to(device).reshape(())
-        g = g / torch.where(norm > max_grad_norm, norm / max_grad_norm, 1.0)
+        g = g / clip_divisor(global_grad_norm.to(device).reshape(()), max_grad_norm)
         if not adam_w_mode:
             g = g + weight_decay * p
-        m = beta1 * exp_avg + beta3 * g
-        v = beta2 * exp_avg_sq + (1 - beta2) * g * g
         t = step.to(device)
-        m_hat = m / (1 - beta1**t) if bias_correction else m
-        v_hat = v / (1 - beta2**t) if bias_correction else v
-        update = m_hat / (v_hat.sqrt() + eps)
+        m, v, update = adam_update_single(
+            g, exp_avg, exp_avg_sq, t, betas=betas, eps=eps, bias_correction=bias_correction
+        )
         if adam_w_mode:
             update = update + weight_decay * p
         ratio: Tensor | float = lr
         if use_nvlamb or weight_decay != 0:
             p_norm, u_norm = l2_norms([p, update])
-            ratio = torch.where((p_norm != 0) & (u_norm != 0), lr * p_norm / u_norm, lr)
+            ratio = trust_ratio(p_norm, u_norm, lr)
         skip = None if found_inf is None else found_inf.to(device).bool()
         write_back([param, exp_avg, exp_avg_sq], [p - ratio * update, m, v], skip)
         updates.append(update)
