@@ -25,15 +25,7 @@ from ampinit.optimizers._adam_math import (
     clip_divisor,
     trust_ratio,
 )
-from ampinit.optimizers._base import (
-    FusedOptimizer,
-    Implementation,
-    ParamsT,
-    advance_step,
-    apex_kernels,
-    check_hyperparameters,
-    group_step,
-)
+from ampinit.optimizers._base import FusedOptimizer, Implementation, ParamsT, adam_defaults, apex_kernels
 
 
 def lamb_multi_tensor(
@@ -181,20 +173,10 @@ class FusedLAMB(FusedOptimizer):
         *,
         implementation: Implementation = "multi_tensor",
     ) -> None:
-        if amsgrad:
-            raise RuntimeError("FusedLAMB does not support the AMSGrad variant.")
-        check_hyperparameters(lr=lr, eps=eps, betas=betas, weight_decay=weight_decay)
+        defaults = adam_defaults("FusedLAMB", amsgrad, lr, bias_correction, betas, eps, weight_decay)
+        defaults.update(grad_averaging=grad_averaging, max_grad_norm=max_grad_norm)
         if not max_grad_norm >= 0.0:
             raise ValueError(f"Invalid max_grad_norm value: {max_grad_norm!r}")
-        defaults = dict(
-            lr=lr,
-            bias_correction=bias_correction,
-            betas=betas,
-            eps=eps,
-            weight_decay=weight_decay,
-            grad_averaging=grad_averaging,
-            max_grad_norm=max_grad_norm,
-        )
         super().__init__(params, defaults, set_grad_none=set_grad_none, implementation=implementation)
         ops = apex_kernels()
         self.multi_tensor_l2norm = ops.multi_tensor_l2norm
@@ -220,33 +202,18 @@ class FusedLAMB(FusedOptimizer):
         return loss
 
     def _step_group(self, group: dict[str, Any], params: list[Tensor], grad_norm: Tensor) -> None:
-        device = group["params"][0].device
-        scaling = self._amp_scaling(device)
-        step = group_step(group, device)
-        for p in params:
-            if not self.state[p]:
-                self.state[p]["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
-                self.state[p]["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
-        beta1, beta2 = group["betas"]
         update = lamb_multi_tensor if self.implementation == "multi_tensor" else lamb_single_tensor
-        update(
-            params,
-            [p.grad for p in params],  # type: ignore[misc]
-            [self.state[p]["exp_avg"] for p in params],
-            [self.state[p]["exp_avg_sq"] for p in params],
-            step=step + 1,
-            lr=group["lr"],
-            beta1=beta1,
-            beta2=beta2,
-            eps=group["eps"],
-            weight_decay=group["weight_decay"],
-            bias_correction=bool(group["bias_correction"]),
-            grad_averaging=bool(group["grad_averaging"]),
-            adam_w_mode=bool(self.adam_w_mode),
-            global_grad_norm=grad_norm,
-            max_grad_norm=self.defaults["max_grad_norm"],
-            use_nvlamb=self.use_nvlamb,
-            grad_scale=scaling.grad_scale,
-            found_inf=scaling.found_inf,
-        )
-        advance_step(step, scaling)
+        with self._adam_step(group) as arguments:
+            self._zero_state(params, "exp_avg", "exp_avg_sq")
+            update(
+                params,
+                [p.grad for p in params],  # type: ignore[misc]
+                [self.state[p]["exp_avg"] for p in params],
+                [self.state[p]["exp_avg_sq"] for p in params],
+                grad_averaging=bool(group["grad_averaging"]),
+                adam_w_mode=bool(self.adam_w_mode),
+                global_grad_norm=grad_norm,
+                max_grad_norm=self.defaults["max_grad_norm"],
+                use_nvlamb=self.use_nvlamb,
+                **arguments,
+            )

@@ -10,15 +10,7 @@ from torch import Tensor
 
 from ampinit import _kernels
 from ampinit._kernels import fp32_copies, fp32_work, l2_norms, write_back
-from ampinit.optimizers._base import (
-    FusedOptimizer,
-    Implementation,
-    ParamsT,
-    advance_step,
-    apex_kernels,
-    check_hyperparameters,
-    group_step,
-)
+from ampinit.optimizers._base import FusedOptimizer, Implementation, ParamsT, adam_defaults, apex_kernels
 
 # Apex keeps one norm tensor per dtype in group['exp_avg_sq']: [fp16, fp32]. bf16 is ampinit's third slot.
 NORM_SLOTS = (torch.float16, torch.float32, torch.bfloat16)
@@ -176,21 +168,10 @@ class FusedNovoGrad(FusedOptimizer):
         *,
         implementation: Implementation = "multi_tensor",
     ) -> None:
-        if amsgrad:
-            raise RuntimeError("FusedNovoGrad does not support the AMSGrad variant.")
-        check_hyperparameters(lr=lr, eps=eps, betas=betas, weight_decay=weight_decay)
+        defaults = adam_defaults("FusedNovoGrad", amsgrad, lr, bias_correction, betas, eps, weight_decay)
+        defaults.update(grad_averaging=grad_averaging, norm_type=norm_type, init_zero=init_zero)
         if norm_type not in (0, 2):
             raise ValueError(f"Invalid norm_type: {norm_type!r}. FusedNovoGrad supports 2 (L2) and 0 (infinity)")
-        defaults = dict(
-            lr=lr,
-            bias_correction=bias_correction,
-            betas=betas,
-            eps=eps,
-            weight_decay=weight_decay,
-            grad_averaging=grad_averaging,
-            norm_type=norm_type,
-            init_zero=init_zero,
-        )
         super().__init__(params, defaults, set_grad_none=set_grad_none, implementation=implementation)
         ops = apex_kernels()
         self.multi_tensor_novograd = ops.multi_tensor_novograd
@@ -207,38 +188,23 @@ class FusedNovoGrad(FusedOptimizer):
         return loss
 
     def _step_group(self, group: dict[str, Any], params: list[Tensor]) -> None:
-        device = group["params"][0].device
-        scaling = self._amp_scaling(device)
-        step = group_step(group, device)
-        slots = [[p for p in params if p.dtype == dtype] for dtype in NORM_SLOTS]
-        norms = self._slot_norms(group, slots)
-        beta1, beta2 = group["betas"]
         update = novograd_multi_tensor if self.implementation == "multi_tensor" else novograd_single_tensor
-        for slot, slot_norms in zip(slots, norms):
-            if not slot:
-                continue
-            for p in slot:
-                if not self.state[p]:
-                    self.state[p]["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
-            update(
-                slot,
-                [p.grad for p in slot],  # type: ignore[misc]
-                [self.state[p]["exp_avg"] for p in slot],
-                slot_norms,
-                step=step + 1,
-                lr=group["lr"],
-                beta1=beta1,
-                beta2=beta2,
-                eps=group["eps"],
-                weight_decay=group["weight_decay"],
-                bias_correction=bool(group["bias_correction"]),
-                grad_averaging=bool(group["grad_averaging"]),
-                moment_mode=self.moment_mode,
-                norm_type=group["norm_type"],
-                grad_scale=scaling.grad_scale,
-                found_inf=scaling.found_inf,
-            )
-        advance_step(step, scaling)
+        with self._adam_step(group) as arguments:
+            slots = [[p for p in params if p.dtype == dtype] for dtype in NORM_SLOTS]
+            for slot, slot_norms in zip(slots, self._slot_norms(group, slots)):
+                if not slot:
+                    continue
+                self._zero_state(slot, "exp_avg")
+                update(
+                    slot,
+                    [p.grad for p in slot],  # type: ignore[misc]
+                    [self.state[p]["exp_avg"] for p in slot],
+                    slot_norms,
+                    grad_averaging=bool(group["grad_averaging"]),
+                    moment_mode=self.moment_mode,
+                    norm_type=group["norm_type"],
+                    **arguments,
+                )
 
     @staticmethod
     def _slot_norms(group: dict[str, Any], slots: list[list[Tensor]]) -> list[Tensor]:
