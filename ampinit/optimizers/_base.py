@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Literal, Union, get_args
+from typing import Any, Literal, TypedDict, Union, get_args
 
 import torch
 from torch import Tensor
@@ -33,6 +33,15 @@ class AmpScaling:
     grad_scale: Tensor | None = None
     found_inf: Tensor | None = None
     skip: Tensor | None = None
+
+    def kernel_arguments(self) -> KernelAmpArguments:
+        """The ``grad_scale``/``found_inf`` keyword arguments of torch's fused optimizer kernels."""
+        return {"grad_scale": self.grad_scale, "found_inf": self.found_inf}
+
+
+class KernelAmpArguments(TypedDict):
+    grad_scale: Tensor | None
+    found_inf: Tensor | None
 
 
 class FusedOptimizer(torch.optim.Optimizer):

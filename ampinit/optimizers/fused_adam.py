@@ -11,6 +11,7 @@ from ampinit import _kernels
 from ampinit._kernels import device_scalar, fp32_work, group_indices, pick, write_back
 from ampinit.optimizers._adam_math import adam_update_single
 from ampinit.optimizers._base import FusedOptimizer, Implementation, ParamsT, adam_defaults, apex_kernels
+from ampinit.optimizers._update_io import amp_on, reference_inputs, write_back_fused
 
 _DEPRECATED_STEP_ARGS = (
     "FusedAdam has been updated.  Simply initialize it identically to torch.optim.Adam, "
@@ -48,7 +49,7 @@ def adam_multi_tensor(
     lists = [params, grads, exp_avgs, exp_avg_sqs] + ([masters] if masters is not None else [])
     for (device, dtypes), indices in group_indices(lists).items():
         p, g, m, v = (pick(t, indices) for t in lists[:4])
-        skip = None if found_inf is None else found_inf.to(device).bool()
+        amp = amp_on(device, grad_scale, found_inf)
         if masters is None and len(set(dtypes)) == 1:
             wp, wg, wm, wv = p, g, m, v
         else:
@@ -70,14 +71,9 @@ def adam_multi_tensor(
             eps=eps,
             amsgrad=False,
             maximize=False,
-            grad_scale=None if grad_scale is None else grad_scale.to(device),
-            found_inf=None if found_inf is None else found_inf.to(device),
+            **amp.kernel_arguments(),
         )
-        write_back(p, wp, skip)
-        write_back(m, wm, skip)
-        write_back(v, wv, skip)
-        if grad_scale is not None:
-            write_back(g, wg, skip)
+        write_back_fused(amp, p + m + v, wp + wm + wv, g, wg)
 
 
 def adam_single_tensor(
@@ -102,12 +98,7 @@ def adam_single_tensor(
     for i, (param, grad, exp_avg, exp_avg_sq) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs)):
         device = param.device
         target = masters[i] if masters is not None else param
-        p = target.float()
-        g = grad.float()
-        if grad_scale is not None:
-            g = g / grad_scale.to(device)
-        if not adam_w_mode and weight_decay != 0:
-            g = g + weight_decay * p
+        p, g = reference_inputs(target, grad, grad_scale, 0.0 if adam_w_mode else weight_decay)
         betas = (beta1, beta2, 1 - beta1)
         m, v, update = adam_update_single(
             g, exp_avg, exp_avg_sq, step.to(device), betas=betas, eps=eps, bias_correction=bias_correction

@@ -10,7 +10,6 @@ from torch import Tensor
 
 from ampinit import _kernels
 from ampinit._kernels import (
-    fp32_copies,
     fp32_work,
     group_indices,
     l2_norms,
@@ -26,6 +25,7 @@ from ampinit.optimizers._adam_math import (
     trust_ratio,
 )
 from ampinit.optimizers._base import FusedOptimizer, Implementation, ParamsT, adam_defaults, apex_kernels
+from ampinit.optimizers._update_io import reference_inputs, unscaled_copies
 
 
 def lamb_multi_tensor(
@@ -64,9 +64,7 @@ def lamb_multi_tensor(
         p, m, v = pick(params, indices), pick(exp_avgs, indices), pick(exp_avg_sqs, indices)
         skip = None if found_inf is None else found_inf.to(device).bool()
         wp, wm, wv = (fp32_work(t, private=skip is not None) for t in (p, m, v))
-        g = fp32_copies(pick(grads, indices))
-        if grad_scale is not None:
-            _kernels.foreach_div_(g, grad_scale.to(device))
+        g = unscaled_copies(pick(grads, indices), grad_scale)
         norm = global_grad_norm.to(device=device, dtype=torch.float32).reshape(())
         _kernels.foreach_div_(g, clip_divisor(norm, max_grad_norm))
         update = adam_update_foreach(
@@ -117,10 +115,7 @@ def lamb_single_tensor(
     betas = (beta1, beta2, 1 - beta1 if grad_averaging else 1.0)
     for param, grad, exp_avg, exp_avg_sq in zip(params, grads, exp_avgs, exp_avg_sqs):
         device = param.device
-        p = param.float()
-        g = grad.float()
-        if grad_scale is not None:
-            g = g / grad_scale.to(device)
+        p, g = reference_inputs(param, grad, grad_scale)
         g = g / clip_divisor(global_grad_norm.to(device).reshape(()), max_grad_norm)
         if not adam_w_mode:
             g = g + weight_decay * p

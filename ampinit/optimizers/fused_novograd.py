@@ -9,8 +9,9 @@ import torch
 from torch import Tensor
 
 from ampinit import _kernels
-from ampinit._kernels import fp32_copies, fp32_work, l2_norms, write_back
+from ampinit._kernels import fp32_work, l2_norms, write_back
 from ampinit.optimizers._base import FusedOptimizer, Implementation, ParamsT, adam_defaults, apex_kernels
+from ampinit.optimizers._update_io import reference_inputs, unscaled_copies
 
 # Apex keeps one norm tensor per dtype in group['exp_avg_sq']: [fp16, fp32]. bf16 is ampinit's third slot.
 NORM_SLOTS = (torch.float16, torch.float32, torch.bfloat16)
@@ -64,9 +65,7 @@ def novograd_multi_tensor(
     device = grad_norms.device
     skip = None if found_inf is None else found_inf.to(device).bool()
     wp, wm = fp32_work(params, private=skip is not None), fp32_work(exp_avgs, private=skip is not None)
-    g = fp32_copies(grads)
-    if grad_scale is not None:
-        _kernels.foreach_div_(g, grad_scale.to(device))
+    g = unscaled_copies(grads, grad_scale)
     norms = blend_norms(grad_norms, layer_norms(g, norm_type), beta2, norm_type)
     t = step.to(device)
     one = torch.ones((), device=device)
@@ -118,10 +117,7 @@ def novograd_single_tensor(
     beta3 = 1 - beta1 if grad_averaging else 1.0
     new_norms = []
     for i, (param, grad, exp_avg) in enumerate(zip(params, grads, exp_avgs)):
-        p = param.float()
-        g = grad.float()
-        if grad_scale is not None:
-            g = g / grad_scale.to(device)
+        p, g = reference_inputs(param, grad, grad_scale)
         # max() of an empty tensor is an error; Apex's kernel reports 0 for it.
         empty = g.numel() == 0
         layer = l2_norms([g])[0] if norm_type == 2 or empty else g.abs().max()
