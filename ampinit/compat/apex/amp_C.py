@@ -15,6 +15,7 @@ on CUDA.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -47,6 +48,9 @@ __all__ = [
 ]
 
 TensorLists = Sequence[Sequence[Tensor]]
+
+# Each op spells out Apex's positional signature (Megatron, NeMo and Apex's optimizers call them positionally),
+# so ops with the same arguments repeat them; what they compute is shared below and in ampinit.optimizers.
 
 
 def flag_if(noop_flag: Tensor, condition: Tensor) -> None:
@@ -186,6 +190,27 @@ def multi_tensor_unscale_l2norm(
     return _norm_result(noop_flag, norms, device, per_tensor)
 
 
+def _adam_arguments(
+    device: torch.device,
+    step: int,
+    lr: float,
+    betas: tuple[float, float],
+    epsilon: float,
+    weight_decay: float,
+    bias_correction: int,
+) -> dict[str, Any]:
+    """Apex's Adam-family op arguments as the keyword arguments of ampinit's update functions."""
+    return dict(
+        step=device_scalar(float(step), device),
+        lr=lr,
+        beta1=betas[0],
+        beta2=betas[1],
+        eps=epsilon,
+        weight_decay=weight_decay,
+        bias_correction=bias_correction == 1,
+    )
+
+
 def multi_tensor_adam(
     chunk_size: int,
     noop_flag: Tensor,
@@ -203,20 +228,8 @@ def multi_tensor_adam(
     if not _check_lists("multi_tensor_adam", tensor_lists, (4,)):
         return
     g, p, m, v = tensor_lists
-    adam_multi_tensor(
-        p,
-        g,
-        m,
-        v,
-        step=device_scalar(float(step), p[0].device),
-        lr=lr,
-        beta1=beta1,
-        beta2=beta2,
-        eps=epsilon,
-        weight_decay=weight_decay,
-        adam_w_mode=mode == 1,
-        bias_correction=bias_correction == 1,
-    )
+    hyper = _adam_arguments(p[0].device, step, lr, (beta1, beta2), epsilon, weight_decay, bias_correction)
+    adam_multi_tensor(p, g, m, v, adam_w_mode=mode == 1, **hyper)
 
 
 def multi_tensor_sgd(
@@ -302,13 +315,7 @@ def multi_tensor_lamb(
         g,
         m,
         v,
-        step=device_scalar(float(step), p[0].device),
-        lr=lr,
-        beta1=beta1,
-        beta2=beta2,
-        eps=epsilon,
-        weight_decay=weight_decay,
-        bias_correction=bias_correction == 1,
+        **_adam_arguments(p[0].device, step, lr, (beta1, beta2), epsilon, weight_decay, bias_correction),
         grad_averaging=grad_averaging == 1,
         adam_w_mode=mode == 1,
         global_grad_norm=global_grad_norm,
@@ -344,13 +351,7 @@ def multi_tensor_novograd(
         g,
         m,
         grad_norms,
-        step=device_scalar(float(step), grad_norms.device),
-        lr=lr,
-        beta1=beta1,
-        beta2=beta2,
-        eps=epsilon,
-        weight_decay=weight_decay,
-        bias_correction=bias_correction == 1,
+        **_adam_arguments(grad_norms.device, step, lr, (beta1, beta2), epsilon, weight_decay, bias_correction),
         grad_averaging=grad_averaging == 1,
         moment_mode=mode,
         norm_type=norm_type,
