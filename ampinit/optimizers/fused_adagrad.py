@@ -91,6 +91,7 @@ def _adagrad_foreach(
     write_back(state_sums, wh, skip)
 
 
+# adagrad_multi_tensor's signature, spelled out: the two are interchangeable (``implementation`` picks one).
 def adagrad_single_tensor(
     params: Sequence[Tensor],
     grads: Sequence[Tensor],
@@ -122,6 +123,7 @@ class FusedAdagrad(FusedOptimizer):
     State per parameter: ``sum`` (float32), Apex's name for the running sum of squared gradients.
     """
 
+    # Apex's constructor (arguments, order, defaults), spelled out for users and IDEs.
     def __init__(
         self,
         params: ParamsT,

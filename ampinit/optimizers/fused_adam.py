@@ -76,6 +76,7 @@ def adam_multi_tensor(
         write_back_fused(amp, p + m + v, wp + wm + wv, g, wg)
 
 
+# adam_multi_tensor's signature, spelled out: the two are interchangeable (``implementation`` picks one).
 def adam_single_tensor(
     params: Sequence[Tensor],
     grads: Sequence[Tensor],
@@ -128,6 +129,7 @@ class FusedAdam(FusedOptimizer):
     ``implementation`` selects torch's fused kernels (``"multi_tensor"``) or the per-tensor reference.
     """
 
+    # Apex's constructor (arguments, order, defaults), spelled out for users and IDEs.
     def __init__(
         self,
         params: ParamsT,

@@ -28,6 +28,8 @@ from ampinit.optimizers._base import FusedOptimizer, Implementation, ParamsT, ad
 from ampinit.optimizers._update_io import reference_inputs, unscaled_copies
 
 
+# The Adam-family update functions (FusedAdam's, FusedLAMB's, FusedNovoGrad's) take the same keyword arguments;
+# FusedOptimizer._adam_step fills them in from a parameter group.
 def lamb_multi_tensor(
     params: Sequence[Tensor],
     grads: Sequence[Tensor],
@@ -89,6 +91,7 @@ def lamb_multi_tensor(
     return updates
 
 
+# lamb_multi_tensor's signature, spelled out: the two are interchangeable (``implementation`` picks one).
 def lamb_single_tensor(
     params: Sequence[Tensor],
     grads: Sequence[Tensor],
@@ -151,6 +154,7 @@ class FusedLAMB(FusedOptimizer):
     they were (Apex overwrites them with the update).
     """
 
+    # Apex's constructor (arguments, order, defaults), spelled out for users and IDEs.
     def __init__(
         self,
         params: ParamsT,

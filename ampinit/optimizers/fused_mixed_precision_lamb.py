@@ -29,6 +29,7 @@ class FusedMixedPrecisionLamb(torch.optim.Optimizer):
 
     _step_supports_amp_scaling = True
 
+    # Apex's constructor (arguments, order, defaults), spelled out for users and IDEs.
     def __init__(
         self,
         params: ParamsT,

@@ -91,6 +91,7 @@ def novograd_multi_tensor(
     write_back([grad_norms], [norms], skip)
 
 
+# novograd_multi_tensor's signature, spelled out: the two are interchangeable (``implementation`` picks one).
 def novograd_single_tensor(
     params: Sequence[Tensor],
     grads: Sequence[Tensor],
@@ -147,6 +148,7 @@ class FusedNovoGrad(FusedOptimizer):
     ``exp_avg`` (float32). All parameters of one dtype in a group must be on one device, as in Apex.
     """
 
+    # Apex's constructor (arguments, order, defaults), spelled out for users and IDEs.
     def __init__(
         self,
         params: ParamsT,

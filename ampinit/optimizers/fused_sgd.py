@@ -104,6 +104,7 @@ def _sgd_foreach(
     _kernels.foreach_add_(p, _kernels.foreach_add(list(direction), p, alpha=weight_decay), alpha=-lr)
 
 
+# sgd_multi_tensor's signature, spelled out: the two are interchangeable (``implementation`` picks one).
 def sgd_single_tensor(
     params: Sequence[Tensor],
     grads: Sequence[Tensor],
@@ -151,6 +152,7 @@ class FusedSGD(FusedOptimizer):
     ``materialize_master_grads`` is accepted and stored for amp; the optimizer's math does not depend on it.
     """
 
+    # Apex's constructor (arguments, order, defaults), spelled out for users and IDEs.
     def __init__(
         self,
         params: ParamsT,
