@@ -2,7 +2,7 @@
 
 FusedAdam's reference, FusedLAMB (both forms), Apex's capturable Adam ops and mixed-precision LAMB op all
 advance the same two moments and divide them the same way; only where the step number, bias corrections and
-weight decay come from differs, so those are the callers' arguments.
+weight decay come from differs, so those are the callers' arguments. FusedNovoGrad shares the bias corrections.
 """
 
 from __future__ import annotations

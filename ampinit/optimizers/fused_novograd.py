@@ -10,6 +10,7 @@ from torch import Tensor
 
 from ampinit import _kernels
 from ampinit._kernels import fp32_work, l2_norms, write_back
+from ampinit.optimizers._adam_math import bias_corrections
 from ampinit.optimizers._base import FusedOptimizer, Implementation, ParamsT, adam_defaults, apex_kernels
 from ampinit.optimizers._update_io import reference_inputs, unscaled_copies
 
@@ -67,11 +68,8 @@ def novograd_multi_tensor(
     wp, wm = fp32_work(params, private=skip is not None), fp32_work(exp_avgs, private=skip is not None)
     g = unscaled_copies(grads, grad_scale)
     norms = blend_norms(grad_norms, layer_norms(g, norm_type), beta2, norm_type)
-    t = step.to(device)
-    one = torch.ones((), device=device)
-    bias1 = 1 - beta1**t if bias_correction else one
-    bias2 = (1 - beta2**t).sqrt() if bias_correction else one
-    denoms = list((norms / bias2 + eps).unbind())
+    bias1, bias2 = bias_corrections(step.to(device), beta1, beta2, bias_correction)
+    denoms = list((norms / bias2.sqrt() + eps).unbind())
     beta3 = 1 - beta1 if grad_averaging else 1.0
     if moment_mode == 0:
         _kernels.foreach_div_(g, denoms)
