@@ -117,9 +117,12 @@ class FusedMixedPrecisionLamb(torch.optim.Optimizer):
         found_inf, scale = self._amp_inputs(grad_scaler)
         self._dummy_overflow_buf.copy_(found_inf.ne(0))
         grad_norm = multi_tensor_l2norm_mp(0, self._dummy_overflow_buf, [grads], False)[0]
+        # The norm is taken of the scaled gradients, so the limit is scaled too.
+        max_grad_norm = self.defaults["max_grad_norm"] * scale
+        inv_scale = scale.double().reciprocal().float()
         for group, full in zip(self.param_groups, self.param_groups_full_precision):
             group["step"] += self._dummy_overflow_buf.ne(1).to(group["step"].dtype)
-            self._step_group(group, full["params"], grad_norm, found_inf, scale)
+            self._step_group(group, full["params"], (grad_norm, max_grad_norm), found_inf, inv_scale)
         return loss
 
     def _grads_of_one_dtype_groups(self) -> list[Tensor]:
@@ -149,7 +152,12 @@ class FusedMixedPrecisionLamb(torch.optim.Optimizer):
         return found_inf, scale
 
     def _step_group(
-        self, group: dict[str, Any], masters: list[Tensor | None], grad_norm: Tensor, found_inf: Tensor, scale: Tensor
+        self,
+        group: dict[str, Any],
+        masters: list[Tensor | None],
+        norm_and_limit: tuple[Tensor, Tensor],  # the global gradient norm and its limit, both scaled
+        found_inf: Tensor,
+        inv_scale: Tensor,
     ) -> None:
         """Apex's ``multi_tensor_lamb_mp`` on the group's parameters (or their masters) that have gradients."""
         from ampinit.compat.apex.amp_C import multi_tensor_lamb_mp
@@ -184,10 +192,8 @@ class FusedMixedPrecisionLamb(torch.optim.Optimizer):
             group["weight_decay"],
             1 if group["grad_averaging"] else 0,
             self.adam_w_mode,
-            grad_norm,
-            # The norm is taken of the scaled gradients, so the limit is scaled too.
-            self.defaults["max_grad_norm"] * scale,
+            *norm_and_limit,
             self.use_nvlamb,
             found_inf,
-            scale.double().reciprocal().float(),
+            inv_scale,
         )
