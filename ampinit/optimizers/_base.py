@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Literal, Union, get_args
+from typing import Any, Literal, TypedDict, Union, get_args
 
 import torch
 from torch import Tensor
@@ -32,6 +33,15 @@ class AmpScaling:
     grad_scale: Tensor | None = None
     found_inf: Tensor | None = None
     skip: Tensor | None = None
+
+    def kernel_arguments(self) -> KernelAmpArguments:
+        """The ``grad_scale``/``found_inf`` keyword arguments of torch's fused optimizer kernels."""
+        return {"grad_scale": self.grad_scale, "found_inf": self.found_inf}
+
+
+class KernelAmpArguments(TypedDict):
+    grad_scale: Tensor | None
+    found_inf: Tensor | None
 
 
 class FusedOptimizer(torch.optim.Optimizer):
@@ -118,6 +128,34 @@ class FusedOptimizer(torch.optim.Optimizer):
             params.append(p)
         return params
 
+    def _zero_state(self, params: Iterable[Tensor], *names: str) -> None:
+        """Create the named float32 state tensors, as zeros, of each parameter that has no state yet."""
+        for p in params:
+            if not self.state[p]:
+                for name in names:
+                    self.state[p][name] = torch.zeros_like(p, dtype=torch.float32)
+
+    @contextmanager
+    def _adam_step(self, group: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        """The keyword arguments of an Adam-family update of ``group`` (this step's number, the group's
+        hyperparameters, the AMP inputs); the group's step is counted, unless skipped, when the block ends."""
+        device = group["params"][0].device
+        scaling = self._amp_scaling(device)
+        step = group_step(group, device)
+        beta1, beta2 = group["betas"]
+        yield dict(
+            step=step + 1,
+            lr=group["lr"],
+            beta1=beta1,
+            beta2=beta2,
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+            bias_correction=bool(group["bias_correction"]),
+            grad_scale=scaling.grad_scale,
+            found_inf=scaling.found_inf,
+        )
+        advance_step(step, scaling)
+
     def _amp_scaling(self, device: torch.device) -> AmpScaling:
         """This step's ``grad_scale``/``found_inf`` attributes, on ``device``, without a host sync."""
         grad_scale = getattr(self, "grad_scale", None)
@@ -161,6 +199,23 @@ def advance_step(step: Tensor, scaling: AmpScaling) -> None:
         step.add_(1)
     else:
         step.add_(1 - scaling.found_inf.to(step.device))
+
+
+def adam_defaults(
+    name: str,
+    amsgrad: bool,
+    lr: float,
+    bias_correction: bool,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+) -> dict[str, Any]:
+    """Check the arguments every Adam-family constructor of Apex takes (none has AMSGrad) and return them as
+    group defaults, in Apex's order."""
+    if amsgrad:
+        raise RuntimeError(f"{name} does not support the AMSGrad variant.")
+    check_hyperparameters(lr=lr, eps=eps, betas=betas, weight_decay=weight_decay)
+    return dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps, weight_decay=weight_decay)
 
 
 def check_hyperparameters(*, lr: float, eps: float, betas: tuple[float, float], weight_decay: float) -> None:

@@ -8,8 +8,9 @@ import torch
 from torch import Tensor
 
 from ampinit import _kernels
-from ampinit._kernels import fp32_copies, fp32_work, group_indices, pick, write_back
+from ampinit._kernels import fp32_work, group_indices, pick, write_back
 from ampinit.optimizers._base import FusedOptimizer, Implementation, ParamsT, apex_kernels
+from ampinit.optimizers._update_io import amp_on, reference_inputs, unscaled_copies, write_back_fused
 
 
 def adagrad_multi_tensor(
@@ -32,13 +33,13 @@ def adagrad_multi_tensor(
     """
     for (device, dtypes), indices in group_indices([params, grads, state_sums]).items():
         p, g, h = pick(params, indices), pick(grads, indices), pick(state_sums, indices)
-        skip = None if found_inf is None else found_inf.to(device).bool()
+        amp = amp_on(device, grad_scale, found_inf)
         if not _kernels.has_fused_adagrad(device):
-            _adagrad_foreach(p, g, h, lr, eps, weight_decay, adagrad_w_mode, grad_scale, skip)
+            _adagrad_foreach(p, g, h, lr, eps, weight_decay, adagrad_w_mode, grad_scale, amp.skip)
             continue
         wp, wg, wh = (p, g, h) if len(set(dtypes)) == 1 else (fp32_work(p), fp32_work(g), fp32_work(h))
         if adagrad_w_mode and weight_decay != 0:
-            keep = torch.ones((), device=device) if found_inf is None else 1 - found_inf.to(device)
+            keep = torch.ones((), device=device) if amp.found_inf is None else 1 - amp.found_inf
             _kernels.foreach_mul_(wp, 1 - lr * weight_decay * keep)
         # lr_decay is 0, so the kernel's step count only enters as (step - 1) * 0.
         steps = [torch.ones((), device=device) for _ in wp]
@@ -52,13 +53,9 @@ def adagrad_multi_tensor(
             weight_decay=0.0 if adagrad_w_mode else weight_decay,
             eps=eps,
             maximize=False,
-            grad_scale=None if grad_scale is None else grad_scale.to(device),
-            found_inf=None if found_inf is None else found_inf.to(device),
+            **amp.kernel_arguments(),
         )
-        write_back(p, wp, skip)
-        write_back(h, wh, skip)
-        if grad_scale is not None:
-            write_back(g, wg, skip)
+        write_back_fused(amp, p + h, wp + wh, g, wg)
 
 
 def _adagrad_foreach(
@@ -77,11 +74,9 @@ def _adagrad_foreach(
     Like the kernel, it leaves the gradients unscaled in place when ``grad_scale`` is given; a skipped step
     (``skip`` true) changes nothing.
     """
-    device = params[0].device
     wp, wh = fp32_work(params, private=skip is not None), fp32_work(state_sums, private=skip is not None)
-    g = fp32_copies(grads)
+    g = unscaled_copies(grads, grad_scale)
     if grad_scale is not None:
-        _kernels.foreach_div_(g, grad_scale.to(device))
         write_back(grads, g, skip)
     if not adagrad_w_mode and weight_decay != 0:
         g = list(_kernels.foreach_add(g, wp, alpha=weight_decay))
@@ -96,6 +91,7 @@ def _adagrad_foreach(
     write_back(state_sums, wh, skip)
 
 
+# adagrad_multi_tensor's signature, spelled out: the two are interchangeable (``implementation`` picks one).
 def adagrad_single_tensor(
     params: Sequence[Tensor],
     grads: Sequence[Tensor],
@@ -111,12 +107,7 @@ def adagrad_single_tensor(
     """The update of :func:`adagrad_multi_tensor`, one tensor at a time in plain torch (the reference)."""
     for param, grad, state_sum in zip(params, grads, state_sums):
         device = param.device
-        p = param.float()
-        g = grad.float()
-        if grad_scale is not None:
-            g = g / grad_scale.to(device)
-        if not adagrad_w_mode and weight_decay != 0:
-            g = g + weight_decay * p
+        p, g = reference_inputs(param, grad, grad_scale, 0.0 if adagrad_w_mode else weight_decay)
         h = state_sum + g * g
         update = g / (h.sqrt() + eps)
         if adagrad_w_mode and weight_decay != 0:
@@ -132,6 +123,7 @@ class FusedAdagrad(FusedOptimizer):
     State per parameter: ``sum`` (float32), Apex's name for the running sum of squared gradients.
     """
 
+    # Apex's constructor (arguments, order, defaults), spelled out for users and IDEs.
     def __init__(
         self,
         params: ParamsT,

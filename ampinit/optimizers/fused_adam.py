@@ -9,15 +9,9 @@ from torch import Tensor
 
 from ampinit import _kernels
 from ampinit._kernels import device_scalar, fp32_work, group_indices, pick, write_back
-from ampinit.optimizers._base import (
-    FusedOptimizer,
-    Implementation,
-    ParamsT,
-    advance_step,
-    apex_kernels,
-    check_hyperparameters,
-    group_step,
-)
+from ampinit.optimizers._adam_math import adam_update_single
+from ampinit.optimizers._base import FusedOptimizer, Implementation, ParamsT, adam_defaults, apex_kernels
+from ampinit.optimizers._update_io import amp_on, reference_inputs, write_back_fused
 
 _DEPRECATED_STEP_ARGS = (
     "FusedAdam has been updated.  Simply initialize it identically to torch.optim.Adam, "
@@ -55,7 +49,7 @@ def adam_multi_tensor(
     lists = [params, grads, exp_avgs, exp_avg_sqs] + ([masters] if masters is not None else [])
     for (device, dtypes), indices in group_indices(lists).items():
         p, g, m, v = (pick(t, indices) for t in lists[:4])
-        skip = None if found_inf is None else found_inf.to(device).bool()
+        amp = amp_on(device, grad_scale, found_inf)
         if masters is None and len(set(dtypes)) == 1:
             wp, wg, wm, wv = p, g, m, v
         else:
@@ -77,16 +71,12 @@ def adam_multi_tensor(
             eps=eps,
             amsgrad=False,
             maximize=False,
-            grad_scale=None if grad_scale is None else grad_scale.to(device),
-            found_inf=None if found_inf is None else found_inf.to(device),
+            **amp.kernel_arguments(),
         )
-        write_back(p, wp, skip)
-        write_back(m, wm, skip)
-        write_back(v, wv, skip)
-        if grad_scale is not None:
-            write_back(g, wg, skip)
+        write_back_fused(amp, p + m + v, wp + wm + wv, g, wg)
 
 
+# adam_multi_tensor's signature, spelled out: the two are interchangeable (``implementation`` picks one).
 def adam_single_tensor(
     params: Sequence[Tensor],
     grads: Sequence[Tensor],
@@ -109,18 +99,11 @@ def adam_single_tensor(
     for i, (param, grad, exp_avg, exp_avg_sq) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs)):
         device = param.device
         target = masters[i] if masters is not None else param
-        p = target.float()
-        g = grad.float()
-        if grad_scale is not None:
-            g = g / grad_scale.to(device)
-        if not adam_w_mode and weight_decay != 0:
-            g = g + weight_decay * p
-        m = beta1 * exp_avg + (1 - beta1) * g
-        v = beta2 * exp_avg_sq + (1 - beta2) * g * g
-        t = step.to(device)
-        m_hat = m / (1 - beta1**t) if bias_correction else m
-        v_hat = v / (1 - beta2**t) if bias_correction else v
-        update = m_hat / (v_hat.sqrt() + eps)
+        p, g = reference_inputs(target, grad, grad_scale, 0.0 if adam_w_mode else weight_decay)
+        betas = (beta1, beta2, 1 - beta1)
+        m, v, update = adam_update_single(
+            g, exp_avg, exp_avg_sq, step.to(device), betas=betas, eps=eps, bias_correction=bias_correction
+        )
         if adam_w_mode and weight_decay != 0:
             update = update + weight_decay * p
         skip = None if found_inf is None else found_inf.to(device).bool()
@@ -146,6 +129,7 @@ class FusedAdam(FusedOptimizer):
     ``implementation`` selects torch's fused kernels (``"multi_tensor"``) or the per-tensor reference.
     """
 
+    # Apex's constructor (arguments, order, defaults), spelled out for users and IDEs.
     def __init__(
         self,
         params: ParamsT,
@@ -162,12 +146,9 @@ class FusedAdam(FusedOptimizer):
         *,
         implementation: Implementation = "multi_tensor",
     ) -> None:
-        if amsgrad:
-            raise RuntimeError("FusedAdam does not support the AMSGrad variant.")
+        defaults = adam_defaults("FusedAdam", amsgrad, lr, bias_correction, betas, eps, weight_decay)
         if master_weights and not capturable:
             raise RuntimeError("Master weights is currently only supported with the capturable version.")
-        check_hyperparameters(lr=lr, eps=eps, betas=betas, weight_decay=weight_decay)
-        defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults, set_grad_none=set_grad_none, implementation=implementation)
         ops = apex_kernels()
         self.multi_tensor_adam = ops.multi_tensor_adam
@@ -207,37 +188,23 @@ class FusedAdam(FusedOptimizer):
             # Empty groups are skipped, as in Apex and torch.optim; a group of frozen parameters only counts a step.
             if not group["params"]:
                 continue
-            device = group["params"][0].device
-            scaling = self._amp_scaling(device)
-            step = group_step(group, device)
-            params = self._params_with_grads(group)
-            states = [self._state_for(p) for p in params]
-            beta1, beta2 = group["betas"]
-            update(
-                params,
-                [p.grad for p in params],  # type: ignore[misc]
-                [s["exp_avg"] for s in states],
-                [s["exp_avg_sq"] for s in states],
-                step=step + 1,
-                lr=group["lr"],
-                beta1=beta1,
-                beta2=beta2,
-                eps=group["eps"],
-                weight_decay=group["weight_decay"],
-                adam_w_mode=bool(self.adam_w_mode),
-                bias_correction=bool(group["bias_correction"]),
-                grad_scale=scaling.grad_scale,
-                found_inf=scaling.found_inf,
-                masters=[s.get("master_param", p) for s, p in zip(states, params)] if self.master_weights else None,
-            )
-            advance_step(step, scaling)
+            with self._adam_step(group) as arguments:
+                params = self._params_with_grads(group)
+                states = [self._state_for(p) for p in params]
+                update(
+                    params,
+                    [p.grad for p in params],  # type: ignore[misc]
+                    [s["exp_avg"] for s in states],
+                    [s["exp_avg_sq"] for s in states],
+                    adam_w_mode=bool(self.adam_w_mode),
+                    masters=[s.get("master_param", p) for s, p in zip(states, params)] if self.master_weights else None,
+                    **arguments,
+                )
         return loss
 
     def _state_for(self, param: Tensor) -> dict[str, Tensor]:
+        self._zero_state([param], "exp_avg", "exp_avg_sq")
         state: dict[str, Tensor] = self.state[param]
-        if not state:
-            state["exp_avg"] = torch.zeros_like(param, dtype=torch.float32)
-            state["exp_avg_sq"] = torch.zeros_like(param, dtype=torch.float32)
         if self.master_weights and param.dtype != torch.float32 and "master_param" not in state:
             state["master_param"] = param.detach().to(torch.float32, copy=True)
         return state

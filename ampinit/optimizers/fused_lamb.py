@@ -10,7 +10,6 @@ from torch import Tensor
 
 from ampinit import _kernels
 from ampinit._kernels import (
-    fp32_copies,
     fp32_work,
     group_indices,
     l2_norms,
@@ -18,17 +17,19 @@ from ampinit._kernels import (
     total_norm,
     write_back,
 )
-from ampinit.optimizers._base import (
-    FusedOptimizer,
-    Implementation,
-    ParamsT,
-    advance_step,
-    apex_kernels,
-    check_hyperparameters,
-    group_step,
+from ampinit.optimizers._adam_math import (
+    adam_update_foreach,
+    adam_update_single,
+    bias_corrections,
+    clip_divisor,
+    trust_ratio,
 )
+from ampinit.optimizers._base import FusedOptimizer, Implementation, ParamsT, adam_defaults, apex_kernels
+from ampinit.optimizers._update_io import reference_inputs, unscaled_copies
 
 
+# The Adam-family update functions (FusedAdam's, FusedLAMB's, FusedNovoGrad's) take the same keyword arguments;
+# FusedOptimizer._adam_step fills them in from a parameter group.
 def lamb_multi_tensor(
     params: Sequence[Tensor],
     grads: Sequence[Tensor],
@@ -65,41 +66,32 @@ def lamb_multi_tensor(
         p, m, v = pick(params, indices), pick(exp_avgs, indices), pick(exp_avg_sqs, indices)
         skip = None if found_inf is None else found_inf.to(device).bool()
         wp, wm, wv = (fp32_work(t, private=skip is not None) for t in (p, m, v))
-        g = fp32_copies(pick(grads, indices))
-        if grad_scale is not None:
-            _kernels.foreach_div_(g, grad_scale.to(device))
+        g = unscaled_copies(pick(grads, indices), grad_scale)
         norm = global_grad_norm.to(device=device, dtype=torch.float32).reshape(())
-        _kernels.foreach_div_(g, torch.where(norm > max_grad_norm, norm / max_grad_norm, torch.ones_like(norm)))
-        if not adam_w_mode and weight_decay != 0:
-            _kernels.foreach_add_(g, wp, alpha=weight_decay)
-        _kernels.foreach_mul_(wm, beta1)
-        _kernels.foreach_add_(wm, g, alpha=beta3)
-        _kernels.foreach_mul_(wv, beta2)
-        _kernels.foreach_addcmul_(wv, g, g, value=1 - beta2)
-        one = torch.ones((), device=device)
-        t = step.to(device)
-        denom = _kernels.foreach_div(wv, 1 - beta2**t if bias_correction else one)
-        _kernels.foreach_sqrt_(denom)
-        _kernels.foreach_add_(denom, eps)
-        update = _kernels.foreach_div(wm, 1 - beta1**t if bias_correction else one)
-        _kernels.foreach_div_(update, denom)
-        if adam_w_mode and weight_decay != 0:
-            _kernels.foreach_add_(update, wp, alpha=weight_decay)
+        _kernels.foreach_div_(g, clip_divisor(norm, max_grad_norm))
+        update = adam_update_foreach(
+            wp,
+            g,
+            wm,
+            wv,
+            betas=(beta1, beta2, beta3),
+            eps=eps,
+            weight_decay=weight_decay,
+            decoupled=adam_w_mode,
+            corrections=bias_corrections(step.to(device), beta1, beta2, bias_correction),
+        )
         if use_nvlamb or weight_decay != 0:
-            p_norm = torch.stack(l2_norms(wp))
-            u_norm = torch.stack(l2_norms(update))
-            ratio = torch.where((p_norm != 0) & (u_norm != 0), lr * p_norm / u_norm, lr)
+            ratio = trust_ratio(torch.stack(l2_norms(wp)), torch.stack(l2_norms(update)), lr)
             _kernels.foreach_sub_(wp, _kernels.foreach_mul(update, list(ratio.unbind())))
         else:
             _kernels.foreach_add_(wp, update, alpha=-lr)
-        write_back(p, wp, skip)
-        write_back(m, wm, skip)
-        write_back(v, wv, skip)
+        write_back(p + m + v, wp + wm + wv, skip)
         for i, u in zip(indices, update):
             updates[i] = u
     return updates
 
 
+# lamb_multi_tensor's signature, spelled out: the two are interchangeable (``implementation`` picks one).
 def lamb_single_tensor(
     params: Sequence[Tensor],
     grads: Sequence[Tensor],
@@ -123,29 +115,23 @@ def lamb_single_tensor(
 ) -> list[Tensor]:
     """The same update as :func:`lamb_multi_tensor`, one tensor at a time in plain torch (the reference)."""
     updates = []
-    beta3 = 1 - beta1 if grad_averaging else 1.0
+    betas = (beta1, beta2, 1 - beta1 if grad_averaging else 1.0)
     for param, grad, exp_avg, exp_avg_sq in zip(params, grads, exp_avgs, exp_avg_sqs):
         device = param.device
-        p = param.float()
-        g = grad.float()
-        if grad_scale is not None:
-            g = g / grad_scale.to(device)
-        norm = global_grad_norm.to(device).reshape(())
-        g = g / torch.where(norm > max_grad_norm, norm / max_grad_norm, 1.0)
+        p, g = reference_inputs(param, grad, grad_scale)
+        g = g / clip_divisor(global_grad_norm.to(device).reshape(()), max_grad_norm)
         if not adam_w_mode:
             g = g + weight_decay * p
-        m = beta1 * exp_avg + beta3 * g
-        v = beta2 * exp_avg_sq + (1 - beta2) * g * g
         t = step.to(device)
-        m_hat = m / (1 - beta1**t) if bias_correction else m
-        v_hat = v / (1 - beta2**t) if bias_correction else v
-        update = m_hat / (v_hat.sqrt() + eps)
+        m, v, update = adam_update_single(
+            g, exp_avg, exp_avg_sq, t, betas=betas, eps=eps, bias_correction=bias_correction
+        )
         if adam_w_mode:
             update = update + weight_decay * p
         ratio: Tensor | float = lr
         if use_nvlamb or weight_decay != 0:
             p_norm, u_norm = l2_norms([p, update])
-            ratio = torch.where((p_norm != 0) & (u_norm != 0), lr * p_norm / u_norm, lr)
+            ratio = trust_ratio(p_norm, u_norm, lr)
         skip = None if found_inf is None else found_inf.to(device).bool()
         write_back([param, exp_avg, exp_avg_sq], [p - ratio * update, m, v], skip)
         updates.append(update)
@@ -168,6 +154,7 @@ class FusedLAMB(FusedOptimizer):
     they were (Apex overwrites them with the update).
     """
 
+    # Apex's constructor (arguments, order, defaults), spelled out for users and IDEs.
     def __init__(
         self,
         params: ParamsT,
@@ -185,20 +172,10 @@ class FusedLAMB(FusedOptimizer):
         *,
         implementation: Implementation = "multi_tensor",
     ) -> None:
-        if amsgrad:
-            raise RuntimeError("FusedLAMB does not support the AMSGrad variant.")
-        check_hyperparameters(lr=lr, eps=eps, betas=betas, weight_decay=weight_decay)
+        defaults = adam_defaults("FusedLAMB", amsgrad, lr, bias_correction, betas, eps, weight_decay)
+        defaults.update(grad_averaging=grad_averaging, max_grad_norm=max_grad_norm)
         if not max_grad_norm >= 0.0:
             raise ValueError(f"Invalid max_grad_norm value: {max_grad_norm!r}")
-        defaults = dict(
-            lr=lr,
-            bias_correction=bias_correction,
-            betas=betas,
-            eps=eps,
-            weight_decay=weight_decay,
-            grad_averaging=grad_averaging,
-            max_grad_norm=max_grad_norm,
-        )
         super().__init__(params, defaults, set_grad_none=set_grad_none, implementation=implementation)
         ops = apex_kernels()
         self.multi_tensor_l2norm = ops.multi_tensor_l2norm
@@ -224,33 +201,18 @@ class FusedLAMB(FusedOptimizer):
         return loss
 
     def _step_group(self, group: dict[str, Any], params: list[Tensor], grad_norm: Tensor) -> None:
-        device = group["params"][0].device
-        scaling = self._amp_scaling(device)
-        step = group_step(group, device)
-        for p in params:
-            if not self.state[p]:
-                self.state[p]["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
-                self.state[p]["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
-        beta1, beta2 = group["betas"]
         update = lamb_multi_tensor if self.implementation == "multi_tensor" else lamb_single_tensor
-        update(
-            params,
-            [p.grad for p in params],  # type: ignore[misc]
-            [self.state[p]["exp_avg"] for p in params],
-            [self.state[p]["exp_avg_sq"] for p in params],
-            step=step + 1,
-            lr=group["lr"],
-            beta1=beta1,
-            beta2=beta2,
-            eps=group["eps"],
-            weight_decay=group["weight_decay"],
-            bias_correction=bool(group["bias_correction"]),
-            grad_averaging=bool(group["grad_averaging"]),
-            adam_w_mode=bool(self.adam_w_mode),
-            global_grad_norm=grad_norm,
-            max_grad_norm=self.defaults["max_grad_norm"],
-            use_nvlamb=self.use_nvlamb,
-            grad_scale=scaling.grad_scale,
-            found_inf=scaling.found_inf,
-        )
-        advance_step(step, scaling)
+        with self._adam_step(group) as arguments:
+            self._zero_state(params, "exp_avg", "exp_avg_sq")
+            update(
+                params,
+                [p.grad for p in params],  # type: ignore[misc]
+                [self.state[p]["exp_avg"] for p in params],
+                [self.state[p]["exp_avg_sq"] for p in params],
+                grad_averaging=bool(group["grad_averaging"]),
+                adam_w_mode=bool(self.adam_w_mode),
+                global_grad_norm=grad_norm,
+                max_grad_norm=self.defaults["max_grad_norm"],
+                use_nvlamb=self.use_nvlamb,
+                **arguments,
+            )

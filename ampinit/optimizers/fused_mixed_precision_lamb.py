@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ampinit.optimizers._base import ParamsT, check_hyperparameters
+from ampinit.optimizers._base import FusedOptimizer, ParamsT, adam_defaults
 
 
 class FusedMixedPrecisionLamb(torch.optim.Optimizer):
@@ -29,6 +29,7 @@ class FusedMixedPrecisionLamb(torch.optim.Optimizer):
 
     _step_supports_amp_scaling = True
 
+    # Apex's constructor (arguments, order, defaults), spelled out for users and IDEs.
     def __init__(
         self,
         params: ParamsT,
@@ -45,19 +46,11 @@ class FusedMixedPrecisionLamb(torch.optim.Optimizer):
         use_nvlamb: bool = False,
         reduced_precision_dtype: torch.dtype | None = None,
     ) -> None:
-        if amsgrad:
-            raise RuntimeError("FusedLAMB does not support the AMSGrad variant.")
-        check_hyperparameters(lr=lr, eps=eps, betas=betas, weight_decay=weight_decay)
-        defaults = dict(
-            lr=torch.full((), lr, dtype=torch.float32),
-            step=torch.full((1,), step, dtype=torch.int32),
-            bias_correction=bias_correction,
-            betas=betas,
-            eps=eps,
-            weight_decay=weight_decay,
-            grad_averaging=grad_averaging,
-            max_grad_norm=max_grad_norm,
+        defaults = adam_defaults("FusedLAMB", amsgrad, lr, bias_correction, betas, eps, weight_decay)
+        defaults.update(
+            step=torch.full((1,), step, dtype=torch.int32), grad_averaging=grad_averaging, max_grad_norm=max_grad_norm
         )
+        defaults["lr"] = torch.full((), lr, dtype=torch.float32)
         super().__init__(params, defaults)
         firsts = [group["params"][0] for group in self.param_groups if group["params"]]
         device = firsts[0].device if firsts else torch.device("cpu")
@@ -113,16 +106,27 @@ class FusedMixedPrecisionLamb(torch.optim.Optimizer):
     ) -> float | None:
         """One LAMB step over every group (Apex's ``step``); see the class docstring for ``grad_scaler``."""
         # Imported here: Apex's amp_C ops (the compat layer) are built on this package's modules.
-        from ampinit.compat.apex.amp_C import multi_tensor_l2norm_mp, multi_tensor_lamb_mp
+        from ampinit.compat.apex.amp_C import multi_tensor_l2norm_mp
 
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = FusedOptimizer._evaluate(closure)
         # Masters are made at the first step, not in the constructor, so that parameters broadcast by DDP
         # after construction are the ones copied (Apex's reason).
         if not self.param_groups_full_precision:
             self._setup_full_precision_params()
+        grads = self._grads_of_one_dtype_groups()
+        found_inf, scale = self._amp_inputs(grad_scaler)
+        self._dummy_overflow_buf.copy_(found_inf.ne(0))
+        grad_norm = multi_tensor_l2norm_mp(0, self._dummy_overflow_buf, [grads], False)[0]
+        # The norm is taken of the scaled gradients, so the limit is scaled too.
+        max_grad_norm = self.defaults["max_grad_norm"] * scale
+        inv_scale = scale.double().reciprocal().float()
+        for group, full in zip(self.param_groups, self.param_groups_full_precision):
+            group["step"] += self._dummy_overflow_buf.ne(1).to(group["step"].dtype)
+            self._step_group(group, full["params"], (grad_norm, max_grad_norm), found_inf, inv_scale)
+        return loss
+
+    def _grads_of_one_dtype_groups(self) -> list[Tensor]:
+        """Every gradient, after checking that each group holds one dtype (Apex's rule)."""
         grads = []
         for group in self.param_groups:
             for p in group["params"]:
@@ -133,59 +137,63 @@ class FusedMixedPrecisionLamb(torch.optim.Optimizer):
                     )
                 if p.grad is not None:
                     grads.append(p.grad)
+        return grads
+
+    def _amp_inputs(self, grad_scaler: Any) -> tuple[Tensor, Tensor]:
+        """This step's ``(found_inf, scale)`` on the optimizer's device, shape [1]: from ``grad_scaler`` (Apex's
+        convention), else from the ``found_inf``/``grad_scale`` attributes, else 0 and 1."""
         device = self._device
         if grad_scaler is not None:
-            found_inf = grad_scaler._check_inf_per_device(self)[device].reshape(1)
-            scale = grad_scaler._get_scale_async().reshape(1)
-        else:
-            found = getattr(self, "found_inf", None)
-            given = getattr(self, "grad_scale", None)
-            found_inf = torch.zeros(1, device=device) if found is None else found.to(device).reshape(1)
-            scale = torch.ones(1, device=device) if given is None else given.to(device).reshape(1).float()
-        inv_scale = scale.double().reciprocal().float()
-        self._dummy_overflow_buf.copy_(found_inf.ne(0))
-        # The norm is taken of the scaled gradients, so the limit is scaled too.
-        max_grad_norm = self.defaults["max_grad_norm"] * scale
-        grad_norm = multi_tensor_l2norm_mp(0, self._dummy_overflow_buf, [grads], False)[0]
-        for group, full in zip(self.param_groups, self.param_groups_full_precision):
-            beta1, beta2 = group["betas"]
-            group["step"] += self._dummy_overflow_buf.ne(1).to(group["step"].dtype)
-            lists: list[list[Tensor]] = [[], [], [], []]
-            if self.reduced_precision_dtype is not None:
-                lists.append([])
-            for p, master in zip(group["params"], full["params"]):
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("FusedMixedPrecisionLamb does not support sparse gradients")
-                state = self.state[p]
-                if not state:
-                    dtype = torch.float32 if master is not None else p.dtype
-                    state["exp_avg"] = torch.zeros_like(p, dtype=dtype)
-                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype)
-                lists[0].append(p.grad)
-                lists[1].append(master if master is not None else p)
-                lists[2].append(state["exp_avg"])
-                lists[3].append(state["exp_avg_sq"])
-                if self.reduced_precision_dtype is not None:
-                    lists[4].append(p)
-            multi_tensor_lamb_mp(
-                0,
-                self._dummy_overflow_buf,
-                lists,
-                group["lr"],
-                beta1,
-                beta2,
-                group["eps"],
-                group["step"],
-                1 if group["bias_correction"] else 0,
-                group["weight_decay"],
-                1 if group["grad_averaging"] else 0,
-                self.adam_w_mode,
-                grad_norm,
-                max_grad_norm,
-                self.use_nvlamb,
-                found_inf,
-                inv_scale,
-            )
-        return loss
+            return grad_scaler._check_inf_per_device(self)[device].reshape(1), grad_scaler._get_scale_async().reshape(1)
+        found = getattr(self, "found_inf", None)
+        given = getattr(self, "grad_scale", None)
+        found_inf = torch.zeros(1, device=device) if found is None else found.to(device).reshape(1)
+        scale = torch.ones(1, device=device) if given is None else given.to(device).reshape(1).float()
+        return found_inf, scale
+
+    def _step_group(
+        self,
+        group: dict[str, Any],
+        masters: list[Tensor | None],
+        norm_and_limit: tuple[Tensor, Tensor],  # the global gradient norm and its limit, both scaled
+        found_inf: Tensor,
+        inv_scale: Tensor,
+    ) -> None:
+        """Apex's ``multi_tensor_lamb_mp`` on the group's parameters (or their masters) that have gradients."""
+        from ampinit.compat.apex.amp_C import multi_tensor_lamb_mp
+
+        lists: list[list[Tensor]] = [[], [], [], []]
+        if self.reduced_precision_dtype is not None:
+            lists.append([])
+        for p, master in zip(group["params"], masters):
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise RuntimeError("FusedMixedPrecisionLamb does not support sparse gradients")
+            state = self.state[p]
+            if not state:
+                dtype = torch.float32 if master is not None else p.dtype
+                state["exp_avg"] = torch.zeros_like(p, dtype=dtype)
+                state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype)
+            row = (p.grad, p if master is None else master, state["exp_avg"], state["exp_avg_sq"], p)
+            for tensors, tensor in zip(lists, row):
+                tensors.append(tensor)
+        beta1, beta2 = group["betas"]
+        multi_tensor_lamb_mp(
+            0,
+            self._dummy_overflow_buf,
+            lists,
+            group["lr"],
+            beta1,
+            beta2,
+            group["eps"],
+            group["step"],
+            1 if group["bias_correction"] else 0,
+            group["weight_decay"],
+            1 if group["grad_averaging"] else 0,
+            self.adam_w_mode,
+            *norm_and_limit,
+            self.use_nvlamb,
+            found_inf,
+            inv_scale,
+        )

@@ -9,16 +9,10 @@ import torch
 from torch import Tensor
 
 from ampinit import _kernels
-from ampinit._kernels import fp32_copies, fp32_work, l2_norms, write_back
-from ampinit.optimizers._base import (
-    FusedOptimizer,
-    Implementation,
-    ParamsT,
-    advance_step,
-    apex_kernels,
-    check_hyperparameters,
-    group_step,
-)
+from ampinit._kernels import fp32_work, l2_norms, write_back
+from ampinit.optimizers._adam_math import bias_corrections
+from ampinit.optimizers._base import FusedOptimizer, Implementation, ParamsT, adam_defaults, apex_kernels
+from ampinit.optimizers._update_io import reference_inputs, unscaled_copies
 
 # Apex keeps one norm tensor per dtype in group['exp_avg_sq']: [fp16, fp32]. bf16 is ampinit's third slot.
 NORM_SLOTS = (torch.float16, torch.float32, torch.bfloat16)
@@ -72,15 +66,10 @@ def novograd_multi_tensor(
     device = grad_norms.device
     skip = None if found_inf is None else found_inf.to(device).bool()
     wp, wm = fp32_work(params, private=skip is not None), fp32_work(exp_avgs, private=skip is not None)
-    g = fp32_copies(grads)
-    if grad_scale is not None:
-        _kernels.foreach_div_(g, grad_scale.to(device))
+    g = unscaled_copies(grads, grad_scale)
     norms = blend_norms(grad_norms, layer_norms(g, norm_type), beta2, norm_type)
-    t = step.to(device)
-    one = torch.ones((), device=device)
-    bias1 = 1 - beta1**t if bias_correction else one
-    bias2 = (1 - beta2**t).sqrt() if bias_correction else one
-    denoms = list((norms / bias2 + eps).unbind())
+    bias1, bias2 = bias_corrections(step.to(device), beta1, beta2, bias_correction)
+    denoms = list((norms / bias2.sqrt() + eps).unbind())
     beta3 = 1 - beta1 if grad_averaging else 1.0
     if moment_mode == 0:
         _kernels.foreach_div_(g, denoms)
@@ -100,6 +89,7 @@ def novograd_multi_tensor(
     write_back([grad_norms], [norms], skip)
 
 
+# novograd_multi_tensor's signature, spelled out: the two are interchangeable (``implementation`` picks one).
 def novograd_single_tensor(
     params: Sequence[Tensor],
     grads: Sequence[Tensor],
@@ -126,10 +116,7 @@ def novograd_single_tensor(
     beta3 = 1 - beta1 if grad_averaging else 1.0
     new_norms = []
     for i, (param, grad, exp_avg) in enumerate(zip(params, grads, exp_avgs)):
-        p = param.float()
-        g = grad.float()
-        if grad_scale is not None:
-            g = g / grad_scale.to(device)
+        p, g = reference_inputs(param, grad, grad_scale)
         # max() of an empty tensor is an error; Apex's kernel reports 0 for it.
         empty = g.numel() == 0
         layer = l2_norms([g])[0] if norm_type == 2 or empty else g.abs().max()
@@ -159,6 +146,7 @@ class FusedNovoGrad(FusedOptimizer):
     ``exp_avg`` (float32). All parameters of one dtype in a group must be on one device, as in Apex.
     """
 
+    # Apex's constructor (arguments, order, defaults), spelled out for users and IDEs.
     def __init__(
         self,
         params: ParamsT,
@@ -176,21 +164,10 @@ class FusedNovoGrad(FusedOptimizer):
         *,
         implementation: Implementation = "multi_tensor",
     ) -> None:
-        if amsgrad:
-            raise RuntimeError("FusedNovoGrad does not support the AMSGrad variant.")
-        check_hyperparameters(lr=lr, eps=eps, betas=betas, weight_decay=weight_decay)
+        defaults = adam_defaults("FusedNovoGrad", amsgrad, lr, bias_correction, betas, eps, weight_decay)
+        defaults.update(grad_averaging=grad_averaging, norm_type=norm_type, init_zero=init_zero)
         if norm_type not in (0, 2):
             raise ValueError(f"Invalid norm_type: {norm_type!r}. FusedNovoGrad supports 2 (L2) and 0 (infinity)")
-        defaults = dict(
-            lr=lr,
-            bias_correction=bias_correction,
-            betas=betas,
-            eps=eps,
-            weight_decay=weight_decay,
-            grad_averaging=grad_averaging,
-            norm_type=norm_type,
-            init_zero=init_zero,
-        )
         super().__init__(params, defaults, set_grad_none=set_grad_none, implementation=implementation)
         ops = apex_kernels()
         self.multi_tensor_novograd = ops.multi_tensor_novograd
@@ -207,38 +184,23 @@ class FusedNovoGrad(FusedOptimizer):
         return loss
 
     def _step_group(self, group: dict[str, Any], params: list[Tensor]) -> None:
-        device = group["params"][0].device
-        scaling = self._amp_scaling(device)
-        step = group_step(group, device)
-        slots = [[p for p in params if p.dtype == dtype] for dtype in NORM_SLOTS]
-        norms = self._slot_norms(group, slots)
-        beta1, beta2 = group["betas"]
         update = novograd_multi_tensor if self.implementation == "multi_tensor" else novograd_single_tensor
-        for slot, slot_norms in zip(slots, norms):
-            if not slot:
-                continue
-            for p in slot:
-                if not self.state[p]:
-                    self.state[p]["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
-            update(
-                slot,
-                [p.grad for p in slot],  # type: ignore[misc]
-                [self.state[p]["exp_avg"] for p in slot],
-                slot_norms,
-                step=step + 1,
-                lr=group["lr"],
-                beta1=beta1,
-                beta2=beta2,
-                eps=group["eps"],
-                weight_decay=group["weight_decay"],
-                bias_correction=bool(group["bias_correction"]),
-                grad_averaging=bool(group["grad_averaging"]),
-                moment_mode=self.moment_mode,
-                norm_type=group["norm_type"],
-                grad_scale=scaling.grad_scale,
-                found_inf=scaling.found_inf,
-            )
-        advance_step(step, scaling)
+        with self._adam_step(group) as arguments:
+            slots = [[p for p in params if p.dtype == dtype] for dtype in NORM_SLOTS]
+            for slot, slot_norms in zip(slots, self._slot_norms(group, slots)):
+                if not slot:
+                    continue
+                self._zero_state(slot, "exp_avg")
+                update(
+                    slot,
+                    [p.grad for p in slot],  # type: ignore[misc]
+                    [self.state[p]["exp_avg"] for p in slot],
+                    slot_norms,
+                    grad_averaging=bool(group["grad_averaging"]),
+                    moment_mode=self.moment_mode,
+                    norm_type=group["norm_type"],
+                    **arguments,
+                )
 
     @staticmethod
     def _slot_norms(group: dict[str, Any], slots: list[list[Tensor]]) -> list[Tensor]:

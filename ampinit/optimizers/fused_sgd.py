@@ -12,6 +12,7 @@ from torch.optim.optimizer import _RequiredParameter, required
 from ampinit import _kernels
 from ampinit._kernels import fp32_copies, fp32_work, group_indices, pick, write_back
 from ampinit.optimizers._base import FusedOptimizer, Implementation, ParamsT, apex_kernels
+from ampinit.optimizers._update_io import amp_on, reference_inputs
 
 
 def sgd_multi_tensor(
@@ -46,8 +47,8 @@ def sgd_multi_tensor(
     for (device, dtypes), indices in group_indices(lists).items():
         p, g = pick(params, indices), pick(grads, indices)
         m = pick(momentum_buffers, indices) if momentum != 0 else []
-        skip = None if found_inf is None else found_inf.to(device).bool()
-        gs = None if grad_scale is None else grad_scale.to(device)
+        amp = amp_on(device, grad_scale, found_inf)
+        skip, gs = amp.skip, amp.grad_scale
         if decay_after:
             wp, wm = fp32_work(p, private=skip is not None), fp32_work(m, private=skip is not None)
             _sgd_foreach(wp, fp32_copies(g), wm, lr, momentum, dampening, weight_decay, nesterov, first_run, gs)
@@ -67,8 +68,7 @@ def sgd_multi_tensor(
                 nesterov=nesterov,
                 maximize=False,
                 is_first_step=first_run,
-                grad_scale=gs,
-                found_inf=None if found_inf is None else found_inf.to(device),
+                **amp.kernel_arguments(),
             )
             if gs is not None:
                 write_back(g, wg, skip)
@@ -104,6 +104,7 @@ def _sgd_foreach(
     _kernels.foreach_add_(p, _kernels.foreach_add(list(direction), p, alpha=weight_decay), alpha=-lr)
 
 
+# sgd_multi_tensor's signature, spelled out: the two are interchangeable (``implementation`` picks one).
 def sgd_single_tensor(
     params: Sequence[Tensor],
     grads: Sequence[Tensor],
@@ -123,12 +124,7 @@ def sgd_single_tensor(
     """The same update as :func:`sgd_multi_tensor`, one tensor at a time in plain torch (the reference)."""
     for i, (param, grad) in enumerate(zip(params, grads)):
         device = param.device
-        p = param.float()
-        g = grad.float()
-        if grad_scale is not None:
-            g = g / grad_scale.to(device)
-        if weight_decay != 0 and not wd_after_momentum:
-            g = g + weight_decay * p
+        p, g = reference_inputs(param, grad, grad_scale, 0.0 if wd_after_momentum else weight_decay)
         targets, values = [param], []
         if momentum != 0:
             buf = momentum_buffers[i]
@@ -156,6 +152,7 @@ class FusedSGD(FusedOptimizer):
     ``materialize_master_grads`` is accepted and stored for amp; the optimizer's math does not depend on it.
     """
 
+    # Apex's constructor (arguments, order, defaults), spelled out for users and IDEs.
     def __init__(
         self,
         params: ParamsT,

@@ -15,12 +15,14 @@ on CUDA.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from ampinit import _kernels
 from ampinit._kernels import device_scalar, fp32_copies, group_indices, l2_norms, pick, total_norm, write_back
+from ampinit.optimizers._adam_math import adam_update_foreach, bias_corrections, clip_divisor
 from ampinit.optimizers.fused_adagrad import adagrad_multi_tensor
 from ampinit.optimizers.fused_adam import adam_multi_tensor
 from ampinit.optimizers.fused_lamb import lamb_multi_tensor
@@ -46,6 +48,9 @@ __all__ = [
 ]
 
 TensorLists = Sequence[Sequence[Tensor]]
+
+# Each op spells out Apex's positional signature (Megatron, NeMo and Apex's optimizers call them positionally),
+# so ops with the same arguments repeat them; what they compute is shared below and in ampinit.optimizers.
 
 
 def flag_if(noop_flag: Tensor, condition: Tensor) -> None:
@@ -185,6 +190,27 @@ def multi_tensor_unscale_l2norm(
     return _norm_result(noop_flag, norms, device, per_tensor)
 
 
+def _adam_arguments(
+    device: torch.device,
+    step: int,
+    lr: float,
+    betas: tuple[float, float],
+    epsilon: float,
+    weight_decay: float,
+    bias_correction: int,
+) -> dict[str, Any]:
+    """Apex's Adam-family op arguments as the keyword arguments of ampinit's update functions."""
+    return dict(
+        step=device_scalar(float(step), device),
+        lr=lr,
+        beta1=betas[0],
+        beta2=betas[1],
+        eps=epsilon,
+        weight_decay=weight_decay,
+        bias_correction=bias_correction == 1,
+    )
+
+
 def multi_tensor_adam(
     chunk_size: int,
     noop_flag: Tensor,
@@ -202,20 +228,8 @@ def multi_tensor_adam(
     if not _check_lists("multi_tensor_adam", tensor_lists, (4,)):
         return
     g, p, m, v = tensor_lists
-    adam_multi_tensor(
-        p,
-        g,
-        m,
-        v,
-        step=device_scalar(float(step), p[0].device),
-        lr=lr,
-        beta1=beta1,
-        beta2=beta2,
-        eps=epsilon,
-        weight_decay=weight_decay,
-        adam_w_mode=mode == 1,
-        bias_correction=bias_correction == 1,
-    )
+    hyper = _adam_arguments(p[0].device, step, lr, (beta1, beta2), epsilon, weight_decay, bias_correction)
+    adam_multi_tensor(p, g, m, v, adam_w_mode=mode == 1, **hyper)
 
 
 def multi_tensor_sgd(
@@ -301,13 +315,7 @@ def multi_tensor_lamb(
         g,
         m,
         v,
-        step=device_scalar(float(step), p[0].device),
-        lr=lr,
-        beta1=beta1,
-        beta2=beta2,
-        eps=epsilon,
-        weight_decay=weight_decay,
-        bias_correction=bias_correction == 1,
+        **_adam_arguments(p[0].device, step, lr, (beta1, beta2), epsilon, weight_decay, bias_correction),
         grad_averaging=grad_averaging == 1,
         adam_w_mode=mode == 1,
         global_grad_norm=global_grad_norm,
@@ -343,13 +351,7 @@ def multi_tensor_novograd(
         g,
         m,
         grad_norms,
-        step=device_scalar(float(step), grad_norms.device),
-        lr=lr,
-        beta1=beta1,
-        beta2=beta2,
-        eps=epsilon,
-        weight_decay=weight_decay,
-        bias_correction=bias_correction == 1,
+        **_adam_arguments(grad_norms.device, step, lr, (beta1, beta2), epsilon, weight_decay, bias_correction),
         grad_averaging=grad_averaging == 1,
         moment_mode=mode,
         norm_type=norm_type,
@@ -409,6 +411,22 @@ def update_scale_hysteresis(
     return current_scale
 
 
+def _times(tensors: list[Tensor], factor: Tensor) -> list[Tensor]:
+    """Float32 copies of ``tensors`` multiplied by the one-element ``factor`` (Apex's ``inv_scale``)."""
+    work = fp32_copies(tensors)
+    if work:
+        _kernels.foreach_mul_(work, factor.to(device=work[0].device, dtype=torch.float32).reshape(()))
+    return work
+
+
+def _float64_corrections(
+    step: Tensor, beta1: float, beta2: float, bias_correction: int, device: torch.device
+) -> tuple[Tensor, Tensor]:
+    """Adam's bias corrections at the device-side ``step``, powers taken in float64 as Apex's kernels take them."""
+    t = step.to(device=device, dtype=torch.float64).reshape(())
+    return bias_corrections(t, beta1, beta2, bias_correction == 1)
+
+
 def _adam_capturable(
     noop_flag: Tensor,
     tensor_lists: TensorLists,
@@ -425,41 +443,31 @@ def _adam_capturable(
     """Apex's capturable Adam kernels: every input that changes per step is a device tensor, so one
     captured graph replays correctly; nothing is read on the host."""
     masters = len(tensor_lists) == 5
+    decoupled = mode == 1
     for (device, _), indices in group_indices(tensor_lists).items():
         g, p, m, v = (pick(t, indices) for t in tensor_lists[:4])
         skip = ~_not_flagged(noop_flag, device)
         # The kernel multiplies the gradients by inv_scale and stores them back, then works in float32.
-        wg = fp32_copies(g)
-        _kernels.foreach_mul_(wg, inv_scale.to(device=device, dtype=torch.float32).reshape(()))
+        wg = _times(g, inv_scale)
         source = pick(tensor_lists[4], indices) if masters else p
         wp, wm, wv = fp32_copies(source), fp32_copies(m), fp32_copies(v)
-        if mode == 0 and weight_decay != 0:
-            _kernels.foreach_add_(wg, wp, alpha=weight_decay)
-        _kernels.foreach_mul_(wm, beta1)
-        _kernels.foreach_add_(wm, wg, alpha=1 - beta1)
-        _kernels.foreach_mul_(wv, beta2)
-        _kernels.foreach_addcmul_(wv, wg, wg, value=1 - beta2)
-        t = step.to(device=device, dtype=torch.float64).reshape(())
-        one = torch.ones((), dtype=torch.float32, device=device)
-        bc1 = (1 - beta1**t).float() if bias_correction == 1 else one
-        bc2 = (1 - beta2**t).float() if bias_correction == 1 else one
-        denom = _kernels.foreach_div(wv, bc2)
-        _kernels.foreach_sqrt_(denom)
-        _kernels.foreach_add_(denom, epsilon)
-        update = _kernels.foreach_div(wm, bc1)
-        _kernels.foreach_div_(update, denom)
-        if mode == 1 and weight_decay != 0:
-            _kernels.foreach_add_(update, wp, alpha=weight_decay)
+        update = adam_update_foreach(
+            wp,
+            wg,
+            wm,
+            wv,
+            betas=(beta1, beta2, 1 - beta1),
+            eps=epsilon,
+            weight_decay=weight_decay,
+            decoupled=decoupled,
+            corrections=_float64_corrections(step, beta1, beta2, bias_correction, device),
+        )
         _kernels.foreach_mul_(update, lr.to(device=device, dtype=torch.float32).reshape(()))
         _kernels.foreach_sub_(wp, update)
-        if mode == 0 and weight_decay != 0:
+        if not decoupled and weight_decay != 0:
             # The gradient stored back is the unscaled one, without the L2 term.
-            wg = fp32_copies(g)
-            _kernels.foreach_mul_(wg, inv_scale.to(device=device, dtype=torch.float32).reshape(()))
-        write_back(g, wg, skip)
-        write_back(p, wp, skip)
-        write_back(m, wm, skip)
-        write_back(v, wv, skip)
+            wg = _times(g, inv_scale)
+        write_back(g + p + m + v, wg + wp + wm + wv, skip)
         if masters:
             write_back(pick(tensor_lists[4], indices), wp, skip)
 
@@ -546,55 +554,52 @@ def multi_tensor_lamb_mp(
     if not _check_lists("multi_tensor_lamb_mp", tensor_lists, (4, 5)):
         return
     g, p, m, v = tensor_lists[:4]
-    p_norms = _norms(p)
-    flag_if(noop_flag, torch.stack([n.to(noop_flag.device) for n in p_norms]).isfinite().all().logical_not())
-    beta3 = 1 - beta1 if grad_averaging == 1 else 1.0
-    updates: list[Tensor] = [torch.empty(0)] * len(g)
+    p_norms = _flagged_norms(noop_flag, p)
     for (device, _), indices in group_indices([g, p, m, v]).items():
-        run = _not_flagged(noop_flag, device)
-        wg = fp32_copies(pick(g, indices))
-        _kernels.foreach_mul_(wg, inv_scale.to(device=device, dtype=torch.float32).reshape(()))
+        wg = _times(pick(g, indices), inv_scale)
         norm = global_grad_norm.to(device=device, dtype=torch.float32).reshape(())
-        limit = max_grad_norm.to(device=device, dtype=torch.float32).reshape(())
-        _kernels.foreach_div_(wg, torch.where(norm > limit, norm / limit, torch.ones_like(norm)))
-        wp = fp32_copies(pick(p, indices))
+        _kernels.foreach_div_(wg, clip_divisor(norm, max_grad_norm.to(device=device, dtype=torch.float32).reshape(())))
         wm, wv = fp32_copies(pick(m, indices)), fp32_copies(pick(v, indices))
-        if mode == 0 and weight_decay != 0:
-            _kernels.foreach_add_(wg, wp, alpha=weight_decay)
-        _kernels.foreach_mul_(wm, beta1)
-        _kernels.foreach_add_(wm, wg, alpha=beta3)
-        _kernels.foreach_mul_(wv, beta2)
-        _kernels.foreach_addcmul_(wv, wg, wg, value=1 - beta2)
-        t = step.to(device=device, dtype=torch.float64).reshape(())
-        one = torch.ones((), dtype=torch.float32, device=device)
-        bc1 = (1 - beta1**t).float() if bias_correction == 1 else one
-        bc2 = (1 - beta2**t).float() if bias_correction == 1 else one
-        denom = _kernels.foreach_div(wv, bc2)
-        _kernels.foreach_sqrt_(denom)
-        _kernels.foreach_add_(denom, epsilon)
-        update = _kernels.foreach_div(wm, bc1)
-        _kernels.foreach_div_(update, denom)
-        if mode == 1 and weight_decay != 0:
-            _kernels.foreach_add_(update, wp, alpha=weight_decay)
-        skip = ~run
-        write_back(pick(g, indices), update, skip)
-        write_back(pick(m, indices), wm, skip)
-        write_back(pick(v, indices), wv, skip)
-        for i in indices:
-            updates[i] = g[i]
-    u_norms = _norms(updates)
-    flag_if(noop_flag, torch.stack([n.to(noop_flag.device) for n in u_norms]).isfinite().all().logical_not())
+        update = adam_update_foreach(
+            fp32_copies(pick(p, indices)),
+            wg,
+            wm,
+            wv,
+            betas=(beta1, beta2, 1 - beta1 if grad_averaging == 1 else 1.0),
+            eps=epsilon,
+            weight_decay=weight_decay,
+            decoupled=mode == 1,
+            corrections=_float64_corrections(step, beta1, beta2, bias_correction, device),
+        )
+        write_back(
+            pick(g, indices) + pick(m, indices) + pick(v, indices), update + wm + wv, ~_not_flagged(noop_flag, device)
+        )
+    u_norms = _flagged_norms(noop_flag, g)
+    trusted = bool(use_nvlamb) or weight_decay != 0
+    _lamb_mp_apply(noop_flag, tensor_lists, lr, p_norms if trusted else None, u_norms)
+
+
+def _flagged_norms(noop_flag: Tensor, tensors: Sequence[Tensor]) -> list[Tensor]:
+    """Float32 L2 norm of each tensor; sets the flag if any is non-finite."""
+    norms = _norms(tensors)
+    flag_if(noop_flag, torch.stack([n.to(noop_flag.device) for n in norms]).isfinite().all().logical_not())
+    return norms
+
+
+def _lamb_mp_apply(
+    noop_flag: Tensor, tensor_lists: TensorLists, lr: Tensor, p_norms: list[Tensor] | None, u_norms: list[Tensor]
+) -> None:
+    """Stage 3 of :func:`multi_tensor_lamb_mp`: ``p -= ratio * update`` (the update is in ``g``), with the trust
+    ratio ``lr * (||p|| / ||update||)`` where ``p_norms`` is given and both norms are nonzero, else ``lr``."""
+    g, p = tensor_lists[:2]
     for (device, _), indices in group_indices([g, p]).items():
         skip = ~_not_flagged(noop_flag, device)
         learning_rate = lr.to(device=device, dtype=torch.float32).reshape(())
+        ratios = [learning_rate] * len(indices)
+        if p_norms is not None:
+            pairs = [(p_norms[i].to(device), u_norms[i].to(device)) for i in indices]
+            ratios = [torch.where((pn != 0) & (un != 0), learning_rate * (pn / un), learning_rate) for pn, un in pairs]
         wp = fp32_copies(pick(p, indices))
-        ratios = []
-        for i in indices:
-            pn, un = p_norms[i].to(device), u_norms[i].to(device)
-            if use_nvlamb or weight_decay != 0:
-                ratios.append(torch.where((pn != 0) & (un != 0), learning_rate * (pn / un), learning_rate))
-            else:
-                ratios.append(learning_rate)
         _kernels.foreach_sub_(wp, _kernels.foreach_mul(fp32_copies(pick(g, indices)), ratios))
         write_back(pick(p, indices), wp, skip)
         if len(tensor_lists) == 5:

@@ -1,34 +1,11 @@
-"""``apex.fp16_utils``: Apex's manual mixed-precision utilities (deprecated in Apex itself; see docs/migration.md)."""
+"""``apex.fp16_utils``: Apex's manual mixed-precision utilities (deprecated in Apex itself; see docs/migration.md).
 
+Every name of :mod:`.fp16util` is re-exported; its ``__all__`` is the one list of them.
+"""
+
+from ampinit.compat.apex.fp16_utils import fp16util
 from ampinit.compat.apex.fp16_utils.fp16_optimizer import FP16_Optimizer
-from ampinit.compat.apex.fp16_utils.fp16util import (
-    BN_convert_float,
-    FP16Model,
-    clip_grad_norm,
-    convert_module,
-    convert_network,
-    master_params_to_model_params,
-    model_grads_to_master_grads,
-    network_to_half,
-    prep_param_lists,
-    to_python_float,
-    tofp16,
-)
+from ampinit.compat.apex.fp16_utils.fp16util import *  # noqa: F403
 from ampinit.compat.apex.fp16_utils.loss_scaler import DynamicLossScaler, LossScaler
 
-__all__ = [
-    "BN_convert_float",
-    "DynamicLossScaler",
-    "FP16Model",
-    "FP16_Optimizer",
-    "LossScaler",
-    "clip_grad_norm",
-    "convert_module",
-    "convert_network",
-    "master_params_to_model_params",
-    "model_grads_to_master_grads",
-    "network_to_half",
-    "prep_param_lists",
-    "to_python_float",
-    "tofp16",
-]
+__all__ = ["DynamicLossScaler", "FP16_Optimizer", "LossScaler", *fp16util.__all__]

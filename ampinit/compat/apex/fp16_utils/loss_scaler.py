@@ -16,6 +16,7 @@ import torch
 
 from ampinit._loss_scale import DynamicLossScale
 from ampinit._scaler import LossScaler as EngineScaler
+from ampinit.compat.apex._engine_fields import set_loss_scale
 
 __all__ = ["DynamicLossScaler", "LossScaler"]
 
@@ -42,7 +43,7 @@ class LossScaler:
 
     @cur_scale.setter
     def cur_scale(self, value: float) -> None:
-        self._scaler.load_state_dict({"loss_scale": float(value), "unskipped": self._scaler.unskipped()})
+        set_loss_scale(self._scaler, value)
 
     def has_overflow(self, params: Iterable[torch.Tensor]) -> bool:
         return False

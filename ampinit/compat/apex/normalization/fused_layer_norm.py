@@ -161,6 +161,7 @@ class MixedFusedRMSNorm(_WeightDtypeOutput, FusedRMSNorm):
 
 # -- Apex's functional forms (timm, Megatron and fairseq call these directly) ----------------------------------------
 # Apex's defaults: eps=1e-6 here, unlike the modules' 1e-5. ``memory_efficient`` changes nothing here (see above).
+# Each spells out Apex's signature, so the plain and mixed-dtype forms repeat their arguments; the work is shared.
 
 
 def fused_layer_norm_affine(
