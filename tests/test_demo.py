@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib.util
 import io
 import json
@@ -23,11 +24,13 @@ from ampinit.demo.run import (
     DemoReport,
     RunResult,
     _fill_speedups,
+    _loss_axis_scale,
     _make_task,
     make_progress,
     quick_config,
     run_demo,
     write_outputs,
+    write_png,
 )
 from ampinit.demo.tasks import make_classifier
 from ampinit.demo.verdict import LevelOutcome, choose_level
@@ -337,3 +340,31 @@ def test_benchmarks_import_the_package_tasks() -> None:
     from benchmarks import models
 
     assert models.make_mlp is tasks.make_mlp and models.make_checkerboard is tasks.make_checkerboard
+
+
+def test_loss_axis_is_log_only_over_a_decade_of_positive_losses() -> None:
+    assert _loss_axis_scale([0.53, 0.70, 0.61]) == "linear"  # within a decade: log would label crowded minor ticks
+    assert _loss_axis_scale([2.26, 0.0001]) == "log"
+    assert _loss_axis_scale([float("nan")] * 3) == "linear"  # every level diverged: nothing positive to log
+    assert _loss_axis_scale([0.0, float("inf"), 1.0]) == "linear"
+
+
+def test_png_is_drawn_when_every_level_runs_at_the_same_speed(
+    quick: tuple[DemoReport, Path, str, str], tmp_path: Path
+) -> None:
+    """A busy machine evens out step times; a log time axis over one decade then collapsed the layout (a warning,
+    an error under this suite's filterwarnings) and one task of NaN losses could not be log-scaled at all."""
+    report = copy.deepcopy(quick[0])
+    report.busy = ["the test says so"]
+    for task in report.tasks:
+        for run in task.runs:
+            run.ms_per_step = 1.5
+    for run in report.tasks[0].runs:
+        run.losses = [float("nan")] * len(run.losses)
+    if HAS_MATPLOTLIB:
+        write_png(report, tmp_path / "demo.png")
+        assert (tmp_path / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    else:
+        stream = io.StringIO()
+        write_outputs(report, tmp_path, plot=True, stream=stream)
+        assert "matplotlib is not installed" in stream.getvalue()

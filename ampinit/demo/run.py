@@ -863,6 +863,15 @@ def _drawn_title(run: RunResult) -> str:
     return f"{run.accuracy:.0%} ({run.steps} steps)"
 
 
+def _loss_axis_scale(losses: Sequence[float]) -> str:
+    """Log where the losses span a decade or more, else linear. A log axis over less than a decade labels its
+    minor ticks, and with every level at a similar loss those labels can crowd the axes to nothing (matplotlib's
+    constrained layout then gives up); with no positive finite loss (every level diverged) log has nothing to show.
+    Time is on a linear axis for the same reason: levels often run at similar speeds."""
+    positive = [loss for loss in losses if math.isfinite(loss) and loss > 0]
+    return "log" if positive and max(positive) >= 10 * min(positive) else "linear"
+
+
 def write_png(report: DemoReport, path: Path) -> None:
     """Per task: training loss against step, and against time (step x the level's median ms/step), so that a
     level that learns as well but slower shows as a curve stretched to the right; below them the checkerboard
@@ -884,13 +893,13 @@ def write_png(report: DemoReport, path: Path) -> None:
             seconds = [step * run.ms_per_step / 1e3 for step in steps]
             label = f"{run.level} {run.ms_per_step:.1f} ms/step"
             by_time.plot(seconds, run.losses, style, label=label, linewidth=1.4)
+        scale = _loss_axis_scale([loss for run in task.runs for loss in run.losses])
         for axes, what in ((by_step, "step"), (by_time, "seconds (step x median ms/step)")):
-            axes.set_yscale("log")
+            axes.set_yscale(scale)
             axes.set_xlabel(what)
             axes.set_ylabel("training loss")
         by_step.set_title(f"{task.name}: loss per step ({common_steps(task)} steps each)")
         by_time.set_title(f"{task.name}: loss against time")
-        by_time.set_xscale("log")
         by_step.legend(fontsize="x-small")
         by_time.legend(fontsize="x-small")
     if boards is not None:
