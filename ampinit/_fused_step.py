@@ -15,7 +15,7 @@ other than an lr scheduler has wrapped.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
@@ -24,6 +24,7 @@ import torch.optim.optimizer as optim_module
 
 from ampinit import _fused_master
 from ampinit import _kernels as engine_kernels
+from ampinit._fused_master import AdamSettings, SgdSettings
 
 # Tests set this to run the Triton kernels on CPU tensors through Triton's interpreter (TRITON_INTERPRET=1).
 _TRITON_ON_CPU = False
@@ -132,36 +133,9 @@ def _adam(
     weights: list[torch.Tensor],
     found_inf: torch.Tensor | None,
 ) -> None:
-    states = []
-    for p in params:
-        state = opt.state[p]
-        if not state:
-            # torch's layout for a fused Adam: the step count on the parameter's device.
-            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        states.append(state)
-    steps = [s["step"] for s in states]
-    engine_kernels.advance_steps_(steps, found_inf)
-    beta1, beta2 = group["betas"]
-    decoupled = type(opt) is torch.optim.AdamW or bool(group.get("decoupled_weight_decay"))
-    kernels.adam_(
-        weights,
-        [p.grad for p in params],
-        params,
-        [s["exp_avg"] for s in states],
-        [s["exp_avg_sq"] for s in states],
-        _fused_master.adam_step_scalars(steps, beta1, beta2, group["lr"]).to(params[0].device),
-        lr=group["lr"],
-        beta1=beta1,
-        beta2=beta2,
-        eps=group["eps"],
-        weight_decay=group["weight_decay"],
-        decoupled=decoupled,
-        maximize=group["maximize"],
-        inv_scale=None,
-        found_inf=found_inf,
-    )
+    exp_avgs, exp_avg_sqs, scalars, settings = adam_inputs(opt, group, params, found_inf)
+    grads = [p.grad for p in params]
+    kernels.adam_(weights, grads, params, exp_avgs, exp_avg_sqs, scalars, settings, found_inf=found_inf)
 
 
 def _sgd(
@@ -172,27 +146,71 @@ def _sgd(
     weights: list[torch.Tensor],
     found_inf: torch.Tensor | None,
 ) -> None:
-    momentum = group["momentum"]
-    first = [momentum != 0 and "momentum_buffer" not in opt.state.get(p, {}) for p in params]
-    for p, is_first in zip(params, first):
-        if is_first:
-            opt.state[p]["momentum_buffer"] = torch.empty_like(p)
-    for first_step in (True, False):
-        chosen = [i for i, f in enumerate(first) if f == first_step]
-        if not chosen:
-            continue
+    settings = SgdSettings.of(group)
+    for first_step, chosen, buffers in sgd_batches(opt, group, params):
         kernels.sgd_(
             [weights[i] for i in chosen] if weights else [],
             [params[i].grad for i in chosen],
             [params[i] for i in chosen],
-            [opt.state[params[i]]["momentum_buffer"] for i in chosen] if momentum != 0 else [],
-            lr=group["lr"],
-            momentum=momentum,
-            dampening=group["dampening"],
-            nesterov=group["nesterov"],
-            weight_decay=group["weight_decay"],
-            maximize=group["maximize"],
+            buffers,
+            settings,
             first_step=first_step,
-            inv_scale=None,
             found_inf=found_inf,
         )
+
+
+# -- torch's optimizer state for the kernels (also the remainder kernels' in ampinit._remainder_masters) ----------
+def adam_state(opt: torch.optim.Optimizer, group: dict[str, Any], param: torch.Tensor) -> dict[str, Any]:
+    """``param``'s state in torch's Adam layout (``Adam._init_group``), created on first use.
+
+    The moments are fp32 (for a bf16 parameter, those of its fp32 master); the step count is on the parameter's
+    device when the group is fused or capturable, as torch keeps it.
+    """
+    state: dict[str, Any] = opt.state[param]
+    if not state:
+        on_device = group["capturable"] or group["fused"]
+        state["step"] = (
+            torch.zeros((), dtype=torch.float32, device=param.device)
+            if on_device
+            else torch.tensor(0.0, dtype=torch.get_default_dtype())
+        )
+        state["exp_avg"] = torch.zeros_like(param, dtype=torch.float32)
+        state["exp_avg_sq"] = torch.zeros_like(param, dtype=torch.float32)
+        if group["amsgrad"]:
+            state["max_exp_avg_sq"] = torch.zeros_like(param, dtype=torch.float32)
+    return state
+
+
+def adam_inputs(
+    opt: torch.optim.Optimizer, group: dict[str, Any], params: list[torch.Tensor], found_inf: torch.Tensor | None
+) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor, AdamSettings]:
+    """What an Adam kernel takes besides grads and masters: ``(exp_avgs, exp_avg_sqs, step_scalars, settings)``.
+
+    The step counts advance here (on the device, not where ``found_inf`` is set).
+    """
+    states = [adam_state(opt, group, p) for p in params]
+    steps = [s["step"] for s in states]
+    engine_kernels.advance_steps_(steps, found_inf)
+    settings = AdamSettings.of(opt, group)
+    scalars = _fused_master.adam_step_scalars(steps, settings.beta1, settings.beta2, settings.lr)
+    return [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], scalars.to(params[0].device), settings
+
+
+def sgd_batches(
+    opt: torch.optim.Optimizer, group: dict[str, Any], params: list[torch.Tensor]
+) -> Iterator[tuple[bool, list[int], list[torch.Tensor]]]:
+    """``(first_step, indices into params, momentum buffers)`` per SGD kernel launch.
+
+    With momentum, the parameters without a buffer get torch's ``momentum_buffer`` (fp32) and their own launch
+    (the kernel sets a first step's buffer to the grad). Without momentum the buffer lists are empty.
+    """
+    momentum = group["momentum"]
+    first = [momentum != 0 and "momentum_buffer" not in opt.state.get(p, {}) for p in params]
+    for p, is_first in zip(params, first):
+        if is_first:
+            opt.state[p]["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
+    for first_step in (True, False):
+        chosen = [i for i, f in enumerate(first) if f == first_step]
+        if chosen:
+            buffers = [opt.state[params[i]]["momentum_buffer"] for i in chosen] if momentum != 0 else []
+            yield first_step, chosen, buffers

@@ -42,6 +42,7 @@ import math
 import torch
 
 from ampinit import _fused_master
+from ampinit._fused_master import AdamSettings, SgdSettings
 from ampinit._types import TensorList
 
 REMAINDER_DTYPE = torch.int16
@@ -91,10 +92,6 @@ def join(weight: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
     return join_(weight, remainder, torch.empty_like(weight, dtype=torch.float32))
 
 
-def _skipped(found_inf: torch.Tensor | None) -> bool:
-    return found_inf is not None and bool(found_inf.reshape(-1)[0].item() != 0)
-
-
 def _check_master(master: torch.Tensor) -> None:
     if master.dtype != torch.float32:
         raise ValueError(f"remainder masters split fp32 tensors, got {master.dtype}")
@@ -108,42 +105,21 @@ def adam_(
     exp_avgs: TensorList,
     exp_avg_sqs: TensorList,
     step_scalars: torch.Tensor,
+    settings: AdamSettings,
     *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    decoupled: bool,
-    maximize: bool,
-    inv_scale: torch.Tensor | None,
-    found_inf: torch.Tensor | None,
+    inv_scale: torch.Tensor | None = None,
+    found_inf: torch.Tensor | None = None,
 ) -> None:
     """``ampinit._fused_master.adam_`` on the masters that ``weights`` and ``remainders`` hold.
 
     Each master is joined, stepped and split again; nothing changes when ``found_inf`` is nonzero.
     """
-    if _skipped(found_inf):
+    if _fused_master.skipped(found_inf):
         return
     for i, (weight, remainder) in enumerate(zip(weights, remainders)):
         master = join(weight, remainder)
-        _fused_master.adam_(
-            [],
-            [grads[i]],
-            [master],
-            [exp_avgs[i]],
-            [exp_avg_sqs[i]],
-            step_scalars[i : i + 1],
-            lr=lr,
-            beta1=beta1,
-            beta2=beta2,
-            eps=eps,
-            weight_decay=weight_decay,
-            decoupled=decoupled,
-            maximize=maximize,
-            inv_scale=inv_scale,
-            found_inf=None,
-        )
+        moments = [exp_avgs[i]], [exp_avg_sqs[i]]
+        _fused_master.adam_([], [grads[i]], [master], *moments, step_scalars[i : i + 1], settings, inv_scale=inv_scale)
         split_(master, weight, remainder)
 
 
@@ -152,35 +128,17 @@ def sgd_(
     remainders: TensorList,
     grads: TensorList,
     momentum_buffers: TensorList,
+    settings: SgdSettings,
     *,
-    lr: float,
-    momentum: float,
-    dampening: float,
-    nesterov: bool,
-    weight_decay: float,
-    maximize: bool,
     first_step: bool,
-    inv_scale: torch.Tensor | None,
-    found_inf: torch.Tensor | None,
+    inv_scale: torch.Tensor | None = None,
+    found_inf: torch.Tensor | None = None,
 ) -> None:
     """``ampinit._fused_master.sgd_`` on the masters that ``weights`` and ``remainders`` hold."""
-    if _skipped(found_inf):
+    if _fused_master.skipped(found_inf):
         return
     for i, (weight, remainder) in enumerate(zip(weights, remainders)):
         master = join(weight, remainder)
-        _fused_master.sgd_(
-            [],
-            [grads[i]],
-            [master],
-            [momentum_buffers[i]] if momentum != 0 else [],
-            lr=lr,
-            momentum=momentum,
-            dampening=dampening,
-            nesterov=nesterov,
-            weight_decay=weight_decay,
-            maximize=maximize,
-            first_step=first_step,
-            inv_scale=inv_scale,
-            found_inf=None,
-        )
+        buffers = [momentum_buffers[i]] if settings.momentum != 0 else []
+        _fused_master.sgd_([], [grads[i]], [master], buffers, settings, first_step=first_step, inv_scale=inv_scale)
         split_(master, weight, remainder)

@@ -29,7 +29,9 @@ from torch.optim.adam import adam as adam_update
 from torch.optim.sgd import sgd as sgd_update
 from torch.utils.hooks import RemovableHandle
 
-from ampinit import _fused_master, _kernels, _remainder
+from ampinit import _fused_master, _remainder
+from ampinit._fused_master import SgdSettings
+from ampinit._fused_step import adam_inputs, adam_state, sgd_batches
 from ampinit._master_weights import OptimizerGrads
 
 #: The largest number of elements joined into fp32 at once in a step (4 MiB of masters, as much of grads).
@@ -217,7 +219,7 @@ class RemainderGrads(OptimizerGrads):
         grads: list[torch.Tensor],
         flag: torch.Tensor | None,
     ) -> None:
-        states = [self._adam_state(group, p) for p in params]
+        states = [adam_state(self.optimizer, group, p) for p in params]
         beta1, beta2 = group["betas"]
         adam_update(
             masters,
@@ -242,22 +244,6 @@ class RemainderGrads(OptimizerGrads):
             eps=group["eps"],
             maximize=group["maximize"],
         )
-
-    def _adam_state(self, group: dict[str, Any], param: torch.Tensor) -> dict[str, Any]:
-        # torch's layout (Adam._init_group), with fp32 moments for the bf16 parameter's fp32 master.
-        state: dict[str, Any] = self.optimizer.state[param]
-        if not state:
-            on_device = group["capturable"] or group["fused"]
-            state["step"] = (
-                torch.zeros((), dtype=torch.float32, device=param.device)
-                if on_device
-                else torch.tensor(0.0, dtype=torch.get_default_dtype())
-            )
-            state["exp_avg"] = torch.zeros_like(param, dtype=torch.float32)
-            state["exp_avg_sq"] = torch.zeros_like(param, dtype=torch.float32)
-            if group["amsgrad"]:
-                state["max_exp_avg_sq"] = torch.zeros_like(param, dtype=torch.float32)
-        return state
 
     def _sgd(
         self,
@@ -385,34 +371,17 @@ class RemainderGrads(OptimizerGrads):
         direct: list[torch.Tensor],
         found_inf: torch.Tensor | None,
     ) -> None:
-        beta1, beta2 = group["betas"]
-        options = dict(
-            lr=group["lr"],
-            beta1=beta1,
-            beta2=beta2,
-            eps=group["eps"],
-            weight_decay=group["weight_decay"],
-            decoupled=bool(group.get("decoupled_weight_decay", type(self.optimizer) is torch.optim.AdamW)),
-            maximize=group["maximize"],
-            inv_scale=None,
-            found_inf=found_inf,
-        )
         for params in (with_remainder, direct):
             if not params:
                 continue
-            states = [self._adam_state(group, p) for p in params]
-            steps = [s["step"] for s in states]
-            _kernels.advance_steps_(steps, found_inf)
-            scalars = _fused_master.adam_step_scalars(steps, beta1, beta2, group["lr"]).to(params[0].device)
-            exp_avgs = [s["exp_avg"] for s in states]
-            exp_avg_sqs = [s["exp_avg_sq"] for s in states]
+            moments_and_settings = adam_inputs(self.optimizer, group, params, found_inf)
             grads = [_grad(p) for p in params]
+            tensors = [p.detach() for p in params]
             if params is with_remainder:
                 remainders = [self._remainders[id(p)][1] for p in params]
-                weights = [p.detach() for p in params]
-                kernels.adam_remainder_(weights, remainders, grads, exp_avgs, exp_avg_sqs, scalars, **options)
+                kernels.adam_remainder_(tensors, remainders, grads, *moments_and_settings, found_inf=found_inf)
             else:
-                kernels.adam_([], grads, [p.detach() for p in params], exp_avgs, exp_avg_sqs, scalars, **options)
+                kernels.adam_([], grads, tensors, *moments_and_settings, found_inf=found_inf)
 
     def _kernel_sgd(
         self,
@@ -422,35 +391,18 @@ class RemainderGrads(OptimizerGrads):
         direct: list[torch.Tensor],
         found_inf: torch.Tensor | None,
     ) -> None:
-        momentum = group["momentum"]
-        options = dict(
-            lr=group["lr"],
-            momentum=momentum,
-            dampening=group["dampening"],
-            nesterov=group["nesterov"],
-            weight_decay=group["weight_decay"],
-            maximize=group["maximize"],
-            inv_scale=None,
-            found_inf=found_inf,
-        )
+        settings = SgdSettings.of(group)
         for params in (with_remainder, direct):
-            first = [momentum != 0 and "momentum_buffer" not in self.optimizer.state[p] for p in params]
-            for param, is_first in zip(params, first):
-                if is_first:
-                    self.optimizer.state[param]["momentum_buffer"] = torch.zeros_like(param, dtype=torch.float32)
-            for first_step in (True, False):
-                chosen = [p for p, f in zip(params, first) if f == first_step]
-                if not chosen:
-                    continue
-                grads = [_grad(p) for p in chosen]
-                buffers = [self.optimizer.state[p]["momentum_buffer"] for p in chosen] if momentum != 0 else []
+            for first_step, chosen, buffers in sgd_batches(self.optimizer, group, params):
+                grads = [_grad(params[i]) for i in chosen]
+                tensors = [params[i].detach() for i in chosen]
                 if params is with_remainder:
-                    remainders = [self._remainders[id(p)][1] for p in chosen]
-                    weights = [p.detach() for p in chosen]
-                    kernels.sgd_remainder_(weights, remainders, grads, buffers, first_step=first_step, **options)
+                    remainders = [self._remainders[id(params[i])][1] for i in chosen]
+                    kernels.sgd_remainder_(
+                        tensors, remainders, grads, buffers, settings, first_step=first_step, found_inf=found_inf
+                    )
                 else:
-                    masters = [p.detach() for p in chosen]
-                    kernels.sgd_([], grads, masters, buffers, first_step=first_step, **options)
+                    kernels.sgd_([], grads, tensors, buffers, settings, first_step=first_step, found_inf=found_inf)
 
 
 #: Tests set this to run the remainder kernels on CPU tensors through Triton's interpreter (TRITON_INTERPRET=1).
