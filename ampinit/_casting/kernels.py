@@ -88,62 +88,85 @@ def make_kernel(op: torch._ops.OpOverload, policy: Policy, device_type: str) -> 
     These run on every call of a listed op, so each does the least it can in Python: the schema is read here,
     once, and a call only looks at its Tensor-typed arguments.
     """
-    excluded = DispatchKeySet(getattr(DispatchKey, AUTOCAST_KEYS[device_type]))
-    guard = torch._C._ExcludeDispatchKeyGuard
-    explicit_dtype = _explicit_dtype(op)
-    tensor_positions, tensor_names = _tensor_arguments(op)
-    cast_all = arguments.cast_all
+    run = _Runner(op, device_type)
+    if policy == "promote":
+        return _promote_kernel(run)
+    if policy == "banned":
+        return _banned_kernel(run)
+    return _fixed_dtype_kernel(run, lower=policy == "lower")
 
-    def cast_and_run(dtype: torch.dtype, lower: bool, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+
+class _Runner:
+    """Runs one op below the device's autocast key: as called, or with its Tensor arguments cast first."""
+
+    def __init__(self, op: torch._ops.OpOverload, device_type: str) -> None:
+        self.op = op
+        self.device_type = device_type
+        self._excluded = DispatchKeySet(getattr(DispatchKey, AUTOCAST_KEYS[device_type]))
+        self._positions, self._names = _tensor_arguments(op)
+
+    def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        with torch._C._ExcludeDispatchKeyGuard(self._excluded):
+            return self.op(*args, **kwargs)
+
+    def cast(self, dtype: torch.dtype, lower: bool, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        cast_all, device_type = arguments.cast_all, self.device_type
         cast_args = list(args)
         count = len(cast_args)
-        for position in tensor_positions:
+        for position in self._positions:
             if position < count:
                 cast_args[position] = cast_all(cast_args[position], dtype, device_type, lower=lower)
         if kwargs:
-            kwargs = {
-                k: cast_all(v, dtype, device_type, lower=lower) if k in tensor_names else v for k, v in kwargs.items()
-            }
-        with guard(excluded):
-            return op(*cast_args, **kwargs)
+            names = self._names
+            kwargs = {k: cast_all(v, dtype, device_type, lower=lower) if k in names else v for k, v in kwargs.items()}
+        with torch._C._ExcludeDispatchKeyGuard(self._excluded):
+            return self.op(*cast_args, **kwargs)
 
-    def lower_kernel(*args: Any, **kwargs: Any) -> Any:
+
+def _fixed_dtype_kernel(run: _Runner, *, lower: bool) -> Callable[..., Any]:
+    """``lower`` (to the autocast dtype) or fp32; calls that pass the op's own ``dtype`` are left alone."""
+    explicit_dtype = _explicit_dtype(run.op)
+    device_type = run.device_type
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
         if _apex_policy() is None or (explicit_dtype is not None and explicit_dtype(args, kwargs)):
-            with guard(excluded):
-                return op(*args, **kwargs)
-        return cast_and_run(torch.get_autocast_dtype(device_type), True, args, kwargs)
+            return run(args, kwargs)
+        return run.cast(torch.get_autocast_dtype(device_type) if lower else torch.float32, lower, args, kwargs)
 
-    def fp32_kernel(*args: Any, **kwargs: Any) -> Any:
-        if _apex_policy() is None or (explicit_dtype is not None and explicit_dtype(args, kwargs)):
-            with guard(excluded):
-                return op(*args, **kwargs)
-        return cast_and_run(torch.float32, False, args, kwargs)
+    return kernel
 
-    def promote_kernel(*args: Any, **kwargs: Any) -> Any:
+
+def _promote_kernel(run: _Runner) -> Callable[..., Any]:
+    """Mixed floating inputs are cast to the widest of them."""
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
         if _apex_policy() is not None:
-            dtypes = arguments.floating_dtypes((*args, *kwargs.values()), device_type)
+            dtypes = arguments.floating_dtypes((*args, *kwargs.values()), run.device_type)
             if len(dtypes) > 1:
-                return cast_and_run(arguments.widest(dtypes), False, args, kwargs)
-        with guard(excluded):
-            return op(*args, **kwargs)
+                return run.cast(arguments.widest(dtypes), False, args, kwargs)
+        return run(args, kwargs)
 
-    def banned_kernel(*args: Any, **kwargs: Any) -> Any:
+    return kernel
+
+
+def _banned_kernel(run: _Runner) -> Callable[..., Any]:
+    """Apex's banned ops (``binary_cross_entropy``): refused on half inputs unless ``allow_banned``, then fp32."""
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
         policy = _apex_policy()
         if policy is None:  # what the device's own autocast kernel does
-            if device_type != "cpu":
+            if run.device_type != "cpu":
                 raise RuntimeError(NATIVE_BCE_MESSAGE)
-            return cast_and_run(torch.float32, False, args, kwargs)
-        dtypes = arguments.floating_dtypes((*args, *kwargs.values()), device_type)
+            return run.cast(torch.float32, False, args, kwargs)
+        dtypes = arguments.floating_dtypes((*args, *kwargs.values()), run.device_type)
         if any(dtype in HALF_DTYPES for dtype in dtypes):
             if not policy.allow_banned:
                 # A deliberate refusal, with Apex's exception type and message (code may catch either).
                 raise NotImplementedError(BANNED_BCE_MESSAGE)
-            return cast_and_run(torch.float32, False, args, kwargs)
-        with guard(excluded):
-            return op(*args, **kwargs)
+            return run.cast(torch.float32, False, args, kwargs)
+        return run(args, kwargs)
 
-    kernels = {"lower": lower_kernel, "fp32": fp32_kernel, "promote": promote_kernel, "banned": banned_kernel}
-    return kernels[policy]
+    return kernel
 
 
 class _Kernels:
