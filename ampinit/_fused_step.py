@@ -85,44 +85,58 @@ def try_step(
     kind = _kind(opt)
     if kind is None or not _plain_step(opt, original):
         return False
+    planned = _plan(opt, kind, model_of, found_inf)
+    if planned is None:
+        return False
+    kernels, plan = planned
+    opt._opt_called = True  # type: ignore[attr-defined]  # what an lr scheduler's step wrapper records
+    step = _adam if kind == "adam" else _sgd
+    for group, params in plan:
+        # One launch per weight dtype; masters without a model weight (None) write nothing back.
+        dtype_of = {id(p): model_of[id(p)].dtype if id(p) in model_of else None for p in params}
+        for weight_dtype in set(dtype_of.values()):
+            chosen = [p for p in params if dtype_of[id(p)] == weight_dtype]
+            weights = [model_of[id(p)] for p in chosen] if weight_dtype is not None else []
+            step(kernels, opt, group, chosen, weights, found_inf)
+    return True
+
+
+def _plan(
+    opt: torch.optim.Optimizer, kind: str, model_of: dict[int, torch.Tensor], found_inf: torch.Tensor | None
+) -> tuple[ModuleType, list[tuple[dict[str, Any], list[torch.Tensor]]]] | None:
+    """The kernels and each group's parameters with a grad, or None when any of them is beyond the kernels."""
     plan: list[tuple[dict[str, Any], list[torch.Tensor]]] = []
     kernels: ModuleType | None = None
     for group in opt.param_groups:
         params = [p for p in group["params"] if p.grad is not None]
         for p in params:
-            grad = p.grad
-            assert grad is not None
-            weight = model_of.get(id(p))
-            if (
-                p.dtype != torch.float32
-                or grad.is_sparse
-                or grad.dtype != torch.float32
-                or not (p.is_contiguous() and grad.is_contiguous())
-                or (weight is not None and not weight.is_contiguous())
-            ):
-                return False
-            device_kernels = _kernels(p.device)
+            device_kernels = _kernels(p.device) if _fits(p, model_of.get(id(p))) else None
             if device_kernels is None or (kernels is not None and device_kernels is not kernels):
-                return False
+                return None
             kernels = device_kernels
         first_momentum = any("momentum_buffer" not in opt.state.get(p, {}) for p in params)
         if kind == "sgd" and group["momentum"] != 0 and found_inf is not None and first_momentum:
-            return False  # a first step that may be skipped on the device: torch's path handles it
+            return None  # a first step that may be skipped on the device: torch's path handles it
         plan.append((group, params))
     if kernels is None:
-        return False
+        return None
     if found_inf is not None and any(p.device != found_inf.device for _, params in plan for p in params):
-        return False
-    opt._opt_called = True  # type: ignore[attr-defined]  # what an lr scheduler's step wrapper records
-    for group, params in plan:
-        for weight_dtype in {None if id(p) not in model_of else model_of[id(p)].dtype for p in params}:
-            chosen = [p for p in params if (model_of[id(p)].dtype if id(p) in model_of else None) == weight_dtype]
-            weights = [model_of[id(p)] for p in chosen] if weight_dtype is not None else []
-            if kind == "adam":
-                _adam(kernels, opt, group, chosen, weights, found_inf)
-            else:
-                _sgd(kernels, opt, group, chosen, weights, found_inf)
-    return True
+        return None
+    return kernels, plan
+
+
+def _fits(master: torch.Tensor, weight: torch.Tensor | None) -> bool:
+    """Whether the kernels take ``master`` (fp32, with a dense contiguous fp32 grad) and its model ``weight``."""
+    grad = master.grad
+    assert grad is not None
+    return (
+        master.dtype == torch.float32
+        and not grad.is_sparse
+        and grad.dtype == torch.float32
+        and master.is_contiguous()
+        and grad.is_contiguous()
+        and (weight is None or weight.is_contiguous())
+    )
 
 
 def _adam(
