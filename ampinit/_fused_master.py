@@ -7,7 +7,8 @@ functions here do all of it in one call, per list of tensors:
 - :func:`check_finite_` raises the overflow flag if any (still scaled, still half) grad is inf or NaN;
 - :func:`adam_` and :func:`sgd_` read each grad in its own dtype, multiply it by ``inv_scale``, update the
   fp32 master and the optimizer state, and write the master, rounded to nearest-even, into the half weight; they
-  do nothing at all when ``found_inf`` is nonzero.
+  do nothing at all when ``found_inf`` is nonzero. With remainder masters (:class:`Masters`) they join each
+  master from its bf16 weight and remainder and split it back instead.
 
 The functions in this module are the *reference*: plain torch ops in a fixed order, each op rounded to fp32 (no
 fused multiply-add), so that ``ampinit._triton_master``'s kernels, which take the same arguments, reproduce them
@@ -24,6 +25,7 @@ from typing import Any
 
 import torch
 
+from ampinit import _remainder
 from ampinit._types import TensorList
 
 
@@ -62,6 +64,39 @@ class SgdSettings:
     def of(cls, group: dict[str, Any]) -> SgdSettings:
         """The settings of ``group`` of a torch ``SGD`` (the fields are named as its keys)."""
         return cls(**{field.name: group[field.name] for field in fields(cls)})
+
+
+@dataclass(frozen=True)
+class Masters:
+    """Where one list's fp32 masters live: what every master-step function updates.
+
+    Either fp32 ``masters``, updated in place, and the half model ``weights`` written from them (empty: none),
+    or bf16 ``weights`` with the int16 ``remainders`` that make them fp32 masters (:mod:`ampinit._remainder`).
+    Build one with :meth:`fp32` or :meth:`remainder`.
+    """
+
+    masters: TensorList
+    weights: TensorList
+    remainders: TensorList
+
+    @classmethod
+    def fp32(cls, masters: TensorList, weights: TensorList | None = None) -> Masters:
+        return cls(masters, weights or [], [])
+
+    @classmethod
+    def remainder(cls, weights: TensorList, remainders: TensorList) -> Masters:
+        return cls([], weights, remainders)
+
+    def master(self, i: int) -> torch.Tensor:
+        """Master ``i`` as an fp32 tensor: the master itself, or joined from its weight and remainder."""
+        return _remainder.join(self.weights[i], self.remainders[i]) if self.remainders else self.masters[i]
+
+    def store(self, i: int, master: torch.Tensor) -> None:
+        """Keep the updated ``master`` ``i``: written into its half weight, or split back (``master`` is scratch)."""
+        if self.remainders:
+            _remainder.split_(master, self.weights[i], self.remainders[i])
+        elif self.weights:
+            self.weights[i].copy_(master)
 
 
 def triton_available() -> bool:
@@ -118,9 +153,8 @@ def _unscaled(grad: torch.Tensor, inv_scale: torch.Tensor | None, maximize: bool
 
 
 def adam_(
-    weights: TensorList,
     grads: TensorList,
-    masters: TensorList,
+    masters: Masters,
     exp_avgs: TensorList,
     exp_avg_sqs: TensorList,
     step_scalars: torch.Tensor,
@@ -129,18 +163,17 @@ def adam_(
     inv_scale: torch.Tensor | None = None,
     found_inf: torch.Tensor | None = None,
 ) -> None:
-    """One Adam or AdamW step of fp32 ``masters`` from ``grads``, written into ``weights``.
+    """One Adam or AdamW step of ``masters`` from ``grads``.
 
-    ``step_scalars`` comes from :func:`adam_step_scalars` (one row per tensor). ``weights`` may be empty (no
-    write-back), or hold the half model weights, one per master.
+    ``step_scalars`` comes from :func:`adam_step_scalars` (one row per tensor).
     """
     if skipped(found_inf):
         return
     s = settings
     with torch.no_grad():
-        for i, (grad, master, m, v) in enumerate(zip(grads, masters, exp_avgs, exp_avg_sqs)):
+        for i, (grad, m, v) in enumerate(zip(grads, exp_avgs, exp_avg_sqs)):
             g = _unscaled(grad, inv_scale, s.maximize)
-            p = master
+            p = master = masters.master(i)
             if s.weight_decay != 0:
                 if s.decoupled:
                     p = p * (1 - s.lr * s.weight_decay)
@@ -150,14 +183,12 @@ def adam_(
             v.copy_(v * s.beta2 + (g * g) * (1 - s.beta2))
             denom = _div(_sqrt(v), step_scalars[i, 1]) + s.eps
             master.copy_(p - _div(step_scalars[i, 0] * m, denom))
-            if weights:
-                weights[i].copy_(master)
+            masters.store(i, master)
 
 
 def sgd_(
-    weights: TensorList,
     grads: TensorList,
-    masters: TensorList,
+    masters: Masters,
     momentum_buffers: TensorList,
     settings: SgdSettings,
     *,
@@ -173,7 +204,8 @@ def sgd_(
         return
     s = settings
     with torch.no_grad():
-        for i, (grad, master) in enumerate(zip(grads, masters)):
+        for i, grad in enumerate(grads):
+            master = masters.master(i)
             g = _unscaled(grad, inv_scale, s.maximize)
             if s.weight_decay != 0:
                 g = g + master * s.weight_decay
@@ -182,5 +214,4 @@ def sgd_(
                 buf.copy_(g if first_step else buf * s.momentum + g * (1 - s.dampening))
                 g = g + buf * s.momentum if s.nesterov else buf
             master.copy_(master + g * -s.lr)
-            if weights:
-                weights[i].copy_(master)
+            masters.store(i, master)

@@ -24,7 +24,7 @@ import torch.optim.optimizer as optim_module
 
 from ampinit import _fused_master
 from ampinit import _kernels as engine_kernels
-from ampinit._fused_master import AdamSettings, SgdSettings
+from ampinit._fused_master import AdamSettings, Masters, SgdSettings
 
 # Tests set this to run the Triton kernels on CPU tensors through Triton's interpreter (TRITON_INTERPRET=1).
 _TRITON_ON_CPU = False
@@ -147,9 +147,8 @@ def _adam(
     weights: list[torch.Tensor],
     found_inf: torch.Tensor | None,
 ) -> None:
-    exp_avgs, exp_avg_sqs, scalars, settings = adam_inputs(opt, group, params, found_inf)
-    grads = [p.grad for p in params]
-    kernels.adam_(weights, grads, params, exp_avgs, exp_avg_sqs, scalars, settings, found_inf=found_inf)
+    inputs = adam_inputs(opt, group, params, found_inf)
+    kernels.adam_([p.grad for p in params], Masters.fp32(params, weights), *inputs, found_inf=found_inf)
 
 
 def _sgd(
@@ -162,15 +161,9 @@ def _sgd(
 ) -> None:
     settings = SgdSettings.of(group)
     for first_step, chosen, buffers in sgd_batches(opt, group, params):
-        kernels.sgd_(
-            [weights[i] for i in chosen] if weights else [],
-            [params[i].grad for i in chosen],
-            [params[i] for i in chosen],
-            buffers,
-            settings,
-            first_step=first_step,
-            found_inf=found_inf,
-        )
+        masters = Masters.fp32([params[i] for i in chosen], [weights[i] for i in chosen] if weights else [])
+        grads = [params[i].grad for i in chosen]
+        kernels.sgd_(grads, masters, buffers, settings, first_step=first_step, found_inf=found_inf)
 
 
 # -- torch's optimizer state for the kernels (also the remainder kernels' in ampinit._remainder_masters) ----------

@@ -30,9 +30,8 @@ because rounding a NaN's upper half up can carry out of the exponent field (0x7F
 a NaN into a number. A pair that ``split`` did not produce (a weight written behind the optimizer's back, with
 a stale remainder) joins to a value within one bf16 ulp of the weight.
 
-The step functions here are the *reference* of the remainder kernels in ``ampinit._triton_master``
-(``adam_remainder_`` / ``sgd_remainder_``, same arguments, same bits): join, the master step of
-``ampinit._fused_master``, split.
+The master step on remainder masters (``ampinit._fused_master``'s reference, with ``Masters.remainder``, and
+its Triton kernels) joins each master, updates it, and splits it back.
 """
 
 from __future__ import annotations
@@ -40,10 +39,6 @@ from __future__ import annotations
 import math
 
 import torch
-
-from ampinit import _fused_master
-from ampinit._fused_master import AdamSettings, SgdSettings
-from ampinit._types import TensorList
 
 REMAINDER_DTYPE = torch.int16
 
@@ -95,50 +90,3 @@ def join(weight: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
 def _check_master(master: torch.Tensor) -> None:
     if master.dtype != torch.float32:
         raise ValueError(f"remainder masters split fp32 tensors, got {master.dtype}")
-
-
-# -- the reference step ---------------------------------------------------------------------------------------
-def adam_(
-    weights: TensorList,
-    remainders: TensorList,
-    grads: TensorList,
-    exp_avgs: TensorList,
-    exp_avg_sqs: TensorList,
-    step_scalars: torch.Tensor,
-    settings: AdamSettings,
-    *,
-    inv_scale: torch.Tensor | None = None,
-    found_inf: torch.Tensor | None = None,
-) -> None:
-    """``ampinit._fused_master.adam_`` on the masters that ``weights`` and ``remainders`` hold.
-
-    Each master is joined, stepped and split again; nothing changes when ``found_inf`` is nonzero.
-    """
-    if _fused_master.skipped(found_inf):
-        return
-    for i, (weight, remainder) in enumerate(zip(weights, remainders)):
-        master = join(weight, remainder)
-        moments = [exp_avgs[i]], [exp_avg_sqs[i]]
-        _fused_master.adam_([], [grads[i]], [master], *moments, step_scalars[i : i + 1], settings, inv_scale=inv_scale)
-        split_(master, weight, remainder)
-
-
-def sgd_(
-    weights: TensorList,
-    remainders: TensorList,
-    grads: TensorList,
-    momentum_buffers: TensorList,
-    settings: SgdSettings,
-    *,
-    first_step: bool,
-    inv_scale: torch.Tensor | None = None,
-    found_inf: torch.Tensor | None = None,
-) -> None:
-    """``ampinit._fused_master.sgd_`` on the masters that ``weights`` and ``remainders`` hold."""
-    if _fused_master.skipped(found_inf):
-        return
-    for i, (weight, remainder) in enumerate(zip(weights, remainders)):
-        master = join(weight, remainder)
-        buffers = [momentum_buffers[i]] if settings.momentum != 0 else []
-        _fused_master.sgd_([], [grads[i]], [master], buffers, settings, first_step=first_step, inv_scale=inv_scale)
-        split_(master, weight, remainder)

@@ -10,7 +10,7 @@ optimizer's update), split the masters back into weight and remainder. The resul
 same optimizer on fp32 masters, with the bf16 copy rounded ties-away (the remainder tie rule).
 
 On CUDA (or on CPU under Triton's interpreter, for the tests), ``torch.optim.Adam/AdamW/SGD(fused=True)`` take
-ampinit's remainder kernels instead (``_triton_master.adam_remainder_``/``sgd_remainder_``): one launch per
+ampinit's kernels instead (``_triton_master.adam_``/``sgd_`` on ``Masters.remainder``): one launch per
 list that reads the bf16 grad, weight and remainder, and writes weight, remainder and state.
 
 Checkpoints use the fp32-master format: ``model.state_dict()`` reports the joined masters (``master_for``), an
@@ -30,7 +30,7 @@ from torch.optim.sgd import sgd as sgd_update
 from torch.utils.hooks import RemovableHandle
 
 from ampinit import _fused_master, _remainder
-from ampinit._fused_master import SgdSettings
+from ampinit._fused_master import Masters, SgdSettings
 from ampinit._fused_step import adam_inputs, adam_state, sgd_batches
 from ampinit._master_weights import OptimizerGrads
 
@@ -372,16 +372,9 @@ class RemainderGrads(OptimizerGrads):
         found_inf: torch.Tensor | None,
     ) -> None:
         for params in (with_remainder, direct):
-            if not params:
-                continue
-            moments_and_settings = adam_inputs(self.optimizer, group, params, found_inf)
-            grads = [_grad(p) for p in params]
-            tensors = [p.detach() for p in params]
-            if params is with_remainder:
-                remainders = [self._remainders[id(p)][1] for p in params]
-                kernels.adam_remainder_(tensors, remainders, grads, *moments_and_settings, found_inf=found_inf)
-            else:
-                kernels.adam_([], grads, tensors, *moments_and_settings, found_inf=found_inf)
+            if params:
+                inputs = adam_inputs(self.optimizer, group, params, found_inf)
+                kernels.adam_([_grad(p) for p in params], self._masters(params), *inputs, found_inf=found_inf)
 
     def _kernel_sgd(
         self,
@@ -394,15 +387,16 @@ class RemainderGrads(OptimizerGrads):
         settings = SgdSettings.of(group)
         for params in (with_remainder, direct):
             for first_step, chosen, buffers in sgd_batches(self.optimizer, group, params):
-                grads = [_grad(params[i]) for i in chosen]
-                tensors = [params[i].detach() for i in chosen]
-                if params is with_remainder:
-                    remainders = [self._remainders[id(params[i])][1] for i in chosen]
-                    kernels.sgd_remainder_(
-                        tensors, remainders, grads, buffers, settings, first_step=first_step, found_inf=found_inf
-                    )
-                else:
-                    kernels.sgd_([], grads, tensors, buffers, settings, first_step=first_step, found_inf=found_inf)
+                batch = [params[i] for i in chosen]
+                grads, masters = [_grad(p) for p in batch], self._masters(batch)
+                kernels.sgd_(grads, masters, buffers, settings, first_step=first_step, found_inf=found_inf)
+
+    def _masters(self, params: list[torch.Tensor]) -> Masters:
+        """The masters of ``params``, all with a remainder or all without (fp32 parameters are their own)."""
+        tensors = [p.detach() for p in params]
+        if params and id(params[0]) in self._remainders:
+            return Masters.remainder(tensors, [self._remainders[id(p)][1] for p in params])
+        return Masters.fp32(tensors)
 
 
 #: Tests set this to run the remainder kernels on CPU tensors through Triton's interpreter (TRITON_INTERPRET=1).

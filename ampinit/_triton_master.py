@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ampinit._fused_master import AdamSettings, SgdSettings
+from ampinit._fused_master import AdamSettings, Masters, SgdSettings
 from ampinit._types import TensorList
 
 _BLOCK = 1024
@@ -269,14 +269,16 @@ def check_finite_(grads: TensorList, found_inf: torch.Tensor) -> None:
     )
 
 
-def _storage(weights: TensorList, *, remainder: bool) -> dict[str, Any]:
-    """The kernels' STORAGE constants: fp32 masters (and ``weights`` to write, if any), or bf16 ``weights``."""
-    if remainder:
-        return {"STORAGE": _REMAINDER, "WEIGHT_T": tl.bfloat16, "WEIGHT_IS_BF16": True}
-    if not weights:
-        return {"STORAGE": _MASTER, "WEIGHT_T": tl.float16, "WEIGHT_IS_BF16": False}
-    dtype = weights[0].dtype
-    return {"STORAGE": _MASTER_AND_WEIGHT, "WEIGHT_T": _TL_DTYPES[dtype], "WEIGHT_IS_BF16": dtype == torch.bfloat16}
+def _storage(masters: Masters) -> tuple[TensorList, TensorList, dict[str, Any]]:
+    """The kernels' two master lists, and their STORAGE constants (the weight dtype matters only when written)."""
+    if masters.remainders:
+        storage, lists, weight_dtype = _REMAINDER, (masters.weights, masters.remainders), torch.bfloat16
+    elif masters.weights:
+        storage, lists, weight_dtype = _MASTER_AND_WEIGHT, (masters.masters, masters.weights), masters.weights[0].dtype
+    else:
+        storage, lists, weight_dtype = _MASTER, (masters.masters, []), torch.float16
+    weight_t, weight_is_bf16 = _TL_DTYPES[weight_dtype], weight_dtype == torch.bfloat16
+    return *lists, {"STORAGE": storage, "WEIGHT_T": weight_t, "WEIGHT_IS_BF16": weight_is_bf16}
 
 
 def _launch(
@@ -312,43 +314,9 @@ def _launch(
     )
 
 
-def _adam(
-    lists: Sequence[TensorList],
-    step_scalars: torch.Tensor,
-    s: AdamSettings,
-    inv_scale: torch.Tensor | None,
-    found_inf: torch.Tensor | None,
-    storage: dict[str, Any],
-) -> None:
-    betas = (s.beta1, 1 - s.beta1, s.beta2, 1 - s.beta2)
-    scalars = (step_scalars.contiguous(), *betas, s.eps, s.weight_decay, 1 - s.lr * s.weight_decay)
-    constants = {**storage, "DECAY": 0 if s.weight_decay == 0 else (2 if s.decoupled else 1)}
-    _launch(_adam_kernel, lists, scalars, inv_scale, found_inf, s.maximize, constants)
-
-
-def _sgd(
-    lists: Sequence[TensorList],
-    s: SgdSettings,
-    first_step: bool,
-    inv_scale: torch.Tensor | None,
-    found_inf: torch.Tensor | None,
-    storage: dict[str, Any],
-) -> None:
-    scalars = (-s.lr, s.momentum, 1 - s.dampening, s.weight_decay)
-    constants = {
-        **storage,
-        "HAS_DECAY": s.weight_decay != 0,
-        "HAS_MOMENTUM": s.momentum != 0,
-        "FIRST_STEP": first_step,
-        "NESTEROV": s.nesterov,
-    }
-    _launch(_sgd_kernel, lists, scalars, inv_scale, found_inf, s.maximize, constants)
-
-
 def adam_(
-    weights: TensorList,
     grads: TensorList,
-    masters: TensorList,
+    masters: Masters,
     exp_avgs: TensorList,
     exp_avg_sqs: TensorList,
     step_scalars: torch.Tensor,
@@ -358,15 +326,20 @@ def adam_(
     found_inf: torch.Tensor | None = None,
 ) -> None:
     """See ``ampinit._fused_master.adam_`` (same arguments, same bits)."""
-    if masters:
-        lists = (grads, exp_avgs, exp_avg_sqs, masters, weights)
-        _adam(lists, step_scalars, settings, inv_scale, found_inf, _storage(weights, remainder=False))
+    if not grads:
+        return
+    first, second, constants = _storage(masters)
+    s = settings
+    betas = (s.beta1, 1 - s.beta1, s.beta2, 1 - s.beta2)
+    scalars = (step_scalars.contiguous(), *betas, s.eps, s.weight_decay, 1 - s.lr * s.weight_decay)
+    constants["DECAY"] = 0 if s.weight_decay == 0 else (2 if s.decoupled else 1)
+    lists = (grads, exp_avgs, exp_avg_sqs, first, second)
+    _launch(_adam_kernel, lists, scalars, inv_scale, found_inf, s.maximize, constants)
 
 
 def sgd_(
-    weights: TensorList,
     grads: TensorList,
-    masters: TensorList,
+    masters: Masters,
     momentum_buffers: TensorList,
     settings: SgdSettings,
     *,
@@ -375,42 +348,13 @@ def sgd_(
     found_inf: torch.Tensor | None = None,
 ) -> None:
     """See ``ampinit._fused_master.sgd_`` (same arguments, same bits)."""
-    if masters:
-        # Without momentum the buffers' list repeats the grads, unread.
-        lists = (grads, momentum_buffers or grads, masters, weights)
-        _sgd(lists, settings, first_step, inv_scale, found_inf, _storage(weights, remainder=False))
-
-
-def adam_remainder_(
-    weights: TensorList,
-    remainders: TensorList,
-    grads: TensorList,
-    exp_avgs: TensorList,
-    exp_avg_sqs: TensorList,
-    step_scalars: torch.Tensor,
-    settings: AdamSettings,
-    *,
-    inv_scale: torch.Tensor | None = None,
-    found_inf: torch.Tensor | None = None,
-) -> None:
-    """See ``ampinit._remainder.adam_`` (same arguments, same bits)."""
-    if weights:
-        lists = (grads, exp_avgs, exp_avg_sqs, weights, remainders)
-        _adam(lists, step_scalars, settings, inv_scale, found_inf, _storage(weights, remainder=True))
-
-
-def sgd_remainder_(
-    weights: TensorList,
-    remainders: TensorList,
-    grads: TensorList,
-    momentum_buffers: TensorList,
-    settings: SgdSettings,
-    *,
-    first_step: bool,
-    inv_scale: torch.Tensor | None = None,
-    found_inf: torch.Tensor | None = None,
-) -> None:
-    """See ``ampinit._remainder.sgd_`` (same arguments, same bits)."""
-    if weights:
-        lists = (grads, momentum_buffers or grads, weights, remainders)
-        _sgd(lists, settings, first_step, inv_scale, found_inf, _storage(weights, remainder=True))
+    if not grads:
+        return
+    first, second, constants = _storage(masters)
+    s = settings
+    flags = {"HAS_DECAY": s.weight_decay != 0, "HAS_MOMENTUM": s.momentum != 0, "NESTEROV": s.nesterov}
+    constants.update(flags, FIRST_STEP=first_step)
+    # Without momentum the buffers' list repeats the grads, unread.
+    lists = (grads, momentum_buffers or grads, first, second)
+    scalars = (-s.lr, s.momentum, 1 - s.dampening, s.weight_decay)
+    _launch(_sgd_kernel, lists, scalars, inv_scale, found_inf, s.maximize, constants)
