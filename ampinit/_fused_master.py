@@ -87,6 +87,14 @@ class Masters:
     def remainder(cls, weights: TensorList, remainders: TensorList) -> Masters:
         return cls([], weights, remainders)
 
+    def take(self, indices: list[int]) -> Masters:
+        """The masters at ``indices``, stored as these are."""
+
+        def pick(tensors: TensorList) -> TensorList:
+            return [tensors[i] for i in indices] if tensors else []
+
+        return Masters(pick(self.masters), pick(self.weights), pick(self.remainders))
+
     def master(self, i: int) -> torch.Tensor:
         """Master ``i`` as an fp32 tensor: the master itself, or joined from its weight and remainder."""
         return _remainder.join(self.weights[i], self.remainders[i]) if self.remainders else self.masters[i]

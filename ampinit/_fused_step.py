@@ -90,14 +90,14 @@ def try_step(
         return False
     kernels, plan = planned
     opt._opt_called = True  # type: ignore[attr-defined]  # what an lr scheduler's step wrapper records
-    step = _adam if kind == "adam" else _sgd
+    step = step_adam if kind == "adam" else step_sgd
     for group, params in plan:
         # One launch per weight dtype; masters without a model weight (None) write nothing back.
         dtype_of = {id(p): model_of[id(p)].dtype if id(p) in model_of else None for p in params}
         for weight_dtype in set(dtype_of.values()):
             chosen = [p for p in params if dtype_of[id(p)] == weight_dtype]
             weights = [model_of[id(p)] for p in chosen] if weight_dtype is not None else []
-            step(kernels, opt, group, chosen, weights, found_inf)
+            step(kernels, opt, group, chosen, Masters.fp32(chosen, weights), found_inf)
     return True
 
 
@@ -139,31 +139,38 @@ def _fits(master: torch.Tensor, weight: torch.Tensor | None) -> bool:
     )
 
 
-def _adam(
+def step_adam(
     kernels: ModuleType,
     opt: torch.optim.Optimizer,
     group: dict[str, Any],
     params: list[torch.Tensor],
-    weights: list[torch.Tensor],
+    masters: Masters,
     found_inf: torch.Tensor | None,
 ) -> None:
+    """Adam on ``masters`` in one launch of ``kernels``; ``params`` (the optimizer's own) hold the grads and key
+    the optimizer's state. :func:`step_sgd` takes the same arguments."""
     inputs = adam_inputs(opt, group, params, found_inf)
-    kernels.adam_([p.grad for p in params], Masters.fp32(params, weights), *inputs, found_inf=found_inf)
+    kernels.adam_([_grad(p) for p in params], masters, *inputs, found_inf=found_inf)
 
 
-def _sgd(
+def step_sgd(
     kernels: ModuleType,
     opt: torch.optim.Optimizer,
     group: dict[str, Any],
     params: list[torch.Tensor],
-    weights: list[torch.Tensor],
+    masters: Masters,
     found_inf: torch.Tensor | None,
 ) -> None:
+    """SGD on ``masters``: one launch of ``kernels``, or two when some momentum buffers take their first step."""
     settings = SgdSettings.of(group)
     for first_step, chosen, buffers in sgd_batches(opt, group, params):
-        masters = Masters.fp32([params[i] for i in chosen], [weights[i] for i in chosen] if weights else [])
-        grads = [params[i].grad for i in chosen]
-        kernels.sgd_(grads, masters, buffers, settings, first_step=first_step, found_inf=found_inf)
+        grads = [_grad(params[i]) for i in chosen]
+        kernels.sgd_(grads, masters.take(chosen), buffers, settings, first_step=first_step, found_inf=found_inf)
+
+
+def _grad(param: torch.Tensor) -> torch.Tensor:
+    assert param.grad is not None
+    return param.grad
 
 
 # -- torch's optimizer state for the kernels (also the remainder kernels' in ampinit._remainder_masters) ----------

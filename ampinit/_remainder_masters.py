@@ -30,8 +30,8 @@ from torch.optim.sgd import sgd as sgd_update
 from torch.utils.hooks import RemovableHandle
 
 from ampinit import _fused_master, _remainder
-from ampinit._fused_master import Masters, SgdSettings
-from ampinit._fused_step import adam_inputs, adam_state, sgd_batches
+from ampinit._fused_master import Masters
+from ampinit._fused_step import adam_state, step_adam, step_sgd
 from ampinit._master_weights import OptimizerGrads
 
 #: The largest number of elements joined into fp32 at once in a step (4 MiB of masters, as much of grads).
@@ -351,45 +351,17 @@ class RemainderGrads(OptimizerGrads):
 
     # -- the kernels ----------------------------------------------------------------------------------------
     def _kernels_step(self, group: dict[str, Any], params: list[torch.Tensor], found_inf: torch.Tensor | None) -> bool:
-        """Step ``group`` with the Triton remainder kernels if it qualifies (see the module docstring)."""
+        """Step ``group`` with the Triton kernels if it qualifies (see the module docstring)."""
         kernels = _kernels_for(group, params, self.kind)
         if kernels is None or (found_inf is not None and found_inf.device != params[0].device):
             return False
+        step = step_adam if self.kind == "adam" else step_sgd
         with_remainder = [p for p in params if id(p) in self._remainders]
         direct = [p for p in params if id(p) not in self._remainders]
-        if self.kind == "adam":
-            self._kernel_adam(kernels, group, with_remainder, direct, found_inf)
-        else:
-            self._kernel_sgd(kernels, group, with_remainder, direct, found_inf)
+        for batch in (with_remainder, direct):
+            if batch:
+                step(kernels, self.optimizer, group, batch, self._masters(batch), found_inf)
         return True
-
-    def _kernel_adam(
-        self,
-        kernels: ModuleType,
-        group: dict[str, Any],
-        with_remainder: list[torch.Tensor],
-        direct: list[torch.Tensor],
-        found_inf: torch.Tensor | None,
-    ) -> None:
-        for params in (with_remainder, direct):
-            if params:
-                inputs = adam_inputs(self.optimizer, group, params, found_inf)
-                kernels.adam_([_grad(p) for p in params], self._masters(params), *inputs, found_inf=found_inf)
-
-    def _kernel_sgd(
-        self,
-        kernels: ModuleType,
-        group: dict[str, Any],
-        with_remainder: list[torch.Tensor],
-        direct: list[torch.Tensor],
-        found_inf: torch.Tensor | None,
-    ) -> None:
-        settings = SgdSettings.of(group)
-        for params in (with_remainder, direct):
-            for first_step, chosen, buffers in sgd_batches(self.optimizer, group, params):
-                batch = [params[i] for i in chosen]
-                grads, masters = [_grad(p) for p in batch], self._masters(batch)
-                kernels.sgd_(grads, masters, buffers, settings, first_step=first_step, found_inf=found_inf)
 
     def _masters(self, params: list[torch.Tensor]) -> Masters:
         """The masters of ``params``, all with a remainder or all without (fp32 parameters are their own)."""
@@ -428,11 +400,6 @@ def _kernels_for(group: dict[str, Any], params: list[torch.Tensor], kind: Kind) 
     from ampinit import _triton_master
 
     return _triton_master
-
-
-def _grad(param: torch.Tensor) -> torch.Tensor:
-    assert param.grad is not None
-    return param.grad
 
 
 def _fp32(grad: torch.Tensor | None) -> torch.Tensor:
