@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from types import ModuleType
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 from torch.optim.adam import adam as adam_update
@@ -185,19 +185,18 @@ class RemainderGrads(OptimizerGrads):
             from ampinit.optimizers._base import group_step as make_group_step
 
             group_step = make_group_step(group, params[0].device)
-        for chunk in _chunks(params):
-            masters = [self._joined(p) for p in chunk]
-            grads = [_fp32(p.grad) for p in chunk]
+        for some in _chunks(params):
+            chunk = _Chunk(group, some, [self._joined(p) for p in some], [_fp32(p.grad) for p in some], flag)
             if self.kind == "adam":
-                self._adam(group, chunk, masters, grads, flag)
+                self._adam(chunk)
             elif self.kind == "sgd":
-                self._sgd(group, chunk, masters, grads, flag)
+                self._sgd(chunk)
             elif self.kind == "fused_adam":
                 assert group_step is not None
-                self._fused_adam(group, chunk, masters, grads, group_step + 1, flag)
+                self._fused_adam(chunk, group_step + 1)
             else:
-                self._fused_sgd(group, chunk, masters, grads, flag)
-            self._split_back(chunk, masters)
+                self._fused_sgd(chunk)
+            self._split_back(some, chunk.masters)
         if group_step is not None:
             group_step.add_(1 if flag is None else 1 - flag.to(group_step.device))
 
@@ -211,14 +210,8 @@ class RemainderGrads(OptimizerGrads):
             if entry is not None:
                 _remainder.split_(master, param.detach(), entry[1])
 
-    def _adam(
-        self,
-        group: dict[str, Any],
-        params: list[torch.Tensor],
-        masters: list[torch.Tensor],
-        grads: list[torch.Tensor],
-        flag: torch.Tensor | None,
-    ) -> None:
+    def _adam(self, chunk: _Chunk) -> None:
+        group, params, masters, grads, flag = chunk
         states = [adam_state(self.optimizer, group, p) for p in params]
         beta1, beta2 = group["betas"]
         adam_update(
@@ -245,14 +238,8 @@ class RemainderGrads(OptimizerGrads):
             maximize=group["maximize"],
         )
 
-    def _sgd(
-        self,
-        group: dict[str, Any],
-        params: list[torch.Tensor],
-        masters: list[torch.Tensor],
-        grads: list[torch.Tensor],
-        flag: torch.Tensor | None,
-    ) -> None:
+    def _sgd(self, chunk: _Chunk) -> None:
+        group, params, masters, grads, flag = chunk
         buffers: list[torch.Tensor | None] = [self.optimizer.state[p].get("momentum_buffer") for p in params]
         sgd_update(
             masters,
@@ -274,15 +261,8 @@ class RemainderGrads(OptimizerGrads):
             for param, buffer in zip(params, buffers):
                 self.optimizer.state[param]["momentum_buffer"] = buffer
 
-    def _fused_adam(
-        self,
-        group: dict[str, Any],
-        params: list[torch.Tensor],
-        masters: list[torch.Tensor],
-        grads: list[torch.Tensor],
-        step: torch.Tensor,
-        flag: torch.Tensor | None,
-    ) -> None:
+    def _fused_adam(self, chunk: _Chunk, step: torch.Tensor) -> None:
+        group, params, masters, grads, flag = chunk
         from ampinit.optimizers.fused_adam import adam_multi_tensor, adam_single_tensor
 
         opt: Any = self.optimizer
@@ -305,14 +285,8 @@ class RemainderGrads(OptimizerGrads):
             found_inf=flag,
         )
 
-    def _fused_sgd(
-        self,
-        group: dict[str, Any],
-        params: list[torch.Tensor],
-        masters: list[torch.Tensor],
-        grads: list[torch.Tensor],
-        flag: torch.Tensor | None,
-    ) -> None:
+    def _fused_sgd(self, chunk: _Chunk) -> None:
+        group, params, masters, grads, flag = chunk
         from ampinit.optimizers.fused_sgd import sgd_multi_tensor, sgd_single_tensor
 
         opt: Any = self.optimizer
@@ -407,6 +381,17 @@ def _fp32(grad: torch.Tensor | None) -> torch.Tensor:
     if grad.is_sparse:
         raise RuntimeError("master_weights='remainder' does not support sparse gradients")
     return grad if grad.dtype == torch.float32 else grad.float()
+
+
+class _Chunk(NamedTuple):
+    """What a step on torch's (or ampinit's optimizers') update works on: some of one group's parameters, with
+    their joined fp32 masters and fp32 grads, and the device flag that skips the update (or None)."""
+
+    group: dict[str, Any]
+    params: list[torch.Tensor]
+    masters: list[torch.Tensor]
+    grads: list[torch.Tensor]
+    flag: torch.Tensor | None
 
 
 def _chunks(params: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
