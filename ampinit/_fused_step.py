@@ -90,14 +90,13 @@ def try_step(
         return False
     kernels, plan = planned
     opt._opt_called = True  # type: ignore[attr-defined]  # what an lr scheduler's step wrapper records
-    step = step_adam if kind == "adam" else step_sgd
     for group, params in plan:
         # One launch per weight dtype; masters without a model weight (None) write nothing back.
         dtype_of = {id(p): model_of[id(p)].dtype if id(p) in model_of else None for p in params}
         for weight_dtype in set(dtype_of.values()):
             chosen = [p for p in params if dtype_of[id(p)] == weight_dtype]
             weights = [model_of[id(p)] for p in chosen] if weight_dtype is not None else []
-            step(kernels, opt, group, chosen, Masters.fp32(chosen, weights), found_inf)
+            kernel_step(kind, kernels, opt, group, chosen, Masters.fp32(chosen, weights), found_inf)
     return True
 
 
@@ -139,7 +138,8 @@ def _fits(master: torch.Tensor, weight: torch.Tensor | None) -> bool:
     )
 
 
-def step_adam(
+def kernel_step(
+    kind: str,
     kernels: ModuleType,
     opt: torch.optim.Optimizer,
     group: dict[str, Any],
@@ -147,21 +147,12 @@ def step_adam(
     masters: Masters,
     found_inf: torch.Tensor | None,
 ) -> None:
-    """Adam on ``masters`` in one launch of ``kernels``; ``params`` (the optimizer's own) hold the grads and key
-    the optimizer's state. :func:`step_sgd` takes the same arguments."""
-    inputs = adam_inputs(opt, group, params, found_inf)
-    kernels.adam_([_grad(p) for p in params], masters, *inputs, found_inf=found_inf)
-
-
-def step_sgd(
-    kernels: ModuleType,
-    opt: torch.optim.Optimizer,
-    group: dict[str, Any],
-    params: list[torch.Tensor],
-    masters: Masters,
-    found_inf: torch.Tensor | None,
-) -> None:
-    """SGD on ``masters``: one launch of ``kernels``, or two when some momentum buffers take their first step."""
+    """``kind`` ("adam" or "sgd") on ``masters`` through ``kernels``; ``params`` (the optimizer's own) hold the
+    grads and key the optimizer's state. Adam is one launch; SGD two when some momentum buffers start."""
+    if kind == "adam":
+        inputs = adam_inputs(opt, group, params, found_inf)
+        kernels.adam_([_grad(p) for p in params], masters, *inputs, found_inf=found_inf)
+        return
     settings = SgdSettings.of(group)
     for first_step, chosen, buffers in sgd_batches(opt, group, params):
         grads = [_grad(params[i]) for i in chosen]

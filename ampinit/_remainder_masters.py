@@ -31,7 +31,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ampinit import _fused_master, _remainder
 from ampinit._fused_master import Masters
-from ampinit._fused_step import adam_state, step_adam, step_sgd
+from ampinit._fused_step import adam_state, kernel_step
 from ampinit._master_weights import OptimizerGrads
 
 #: The largest number of elements joined into fp32 at once in a step (4 MiB of masters, as much of grads).
@@ -329,12 +329,11 @@ class RemainderGrads(OptimizerGrads):
         kernels = _kernels_for(group, params, self.kind)
         if kernels is None or (found_inf is not None and found_inf.device != params[0].device):
             return False
-        step = step_adam if self.kind == "adam" else step_sgd
         with_remainder = [p for p in params if id(p) in self._remainders]
         direct = [p for p in params if id(p) not in self._remainders]
         for batch in (with_remainder, direct):
             if batch:
-                step(kernels, self.optimizer, group, batch, self._masters(batch), found_inf)
+                kernel_step(self.kind, kernels, self.optimizer, group, batch, self._masters(batch), found_inf)
         return True
 
     def _masters(self, params: list[torch.Tensor]) -> Masters:

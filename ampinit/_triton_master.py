@@ -270,7 +270,7 @@ def check_finite_(grads: TensorList, found_inf: torch.Tensor) -> None:
 
 
 def _storage(masters: Masters) -> tuple[TensorList, TensorList, dict[str, Any]]:
-    """The kernels' two master lists, and their STORAGE constants (the weight dtype matters only when written)."""
+    """The kernels' last two lists, and their STORAGE constants (the weight dtype matters only when written)."""
     if masters.remainders:
         storage, lists, weight_dtype = _REMAINDER, (masters.weights, masters.remainders), torch.bfloat16
     elif masters.weights:
@@ -284,19 +284,23 @@ def _storage(masters: Masters) -> tuple[TensorList, TensorList, dict[str, Any]]:
 def _launch(
     kernel: Any,
     lists: Sequence[TensorList],
+    masters: Masters,
     scalars: Sequence[object],
     inv_scale: torch.Tensor | None,
     found_inf: torch.Tensor | None,
     maximize: bool,
     constants: dict[str, Any],
 ) -> None:
-    """One launch of ``kernel`` over ``lists`` (grads first), one program per block of each tensor."""
+    """One launch of ``kernel`` over ``lists`` (grads first) and ``masters``, one program per block of each tensor."""
     grads = lists[0]
+    if not grads:
+        return
+    first, second, storage = _storage(masters)
     device = grads[0].device
     sizes, block_tensor, block_start, n_blocks = _tables(device, tuple(g.numel() for g in grads))
     unread = grads[0]  # passed for an absent scale or flag: the kernel never reads it
     kernel[(n_blocks,)](
-        _pointers(device, *lists),
+        _pointers(device, *lists, first, second),
         sizes,
         block_tensor,
         block_start,
@@ -310,6 +314,7 @@ def _launch(
         MAXIMIZE=maximize,
         BLOCK=_BLOCK,
         enable_fp_fusion=False,
+        **storage,
         **constants,
     )
 
@@ -326,15 +331,12 @@ def adam_(
     found_inf: torch.Tensor | None = None,
 ) -> None:
     """See ``ampinit._fused_master.adam_`` (same arguments, same bits)."""
-    if not grads:
-        return
-    first, second, constants = _storage(masters)
     s = settings
     betas = (s.beta1, 1 - s.beta1, s.beta2, 1 - s.beta2)
     scalars = (step_scalars.contiguous(), *betas, s.eps, s.weight_decay, 1 - s.lr * s.weight_decay)
-    constants["DECAY"] = 0 if s.weight_decay == 0 else (2 if s.decoupled else 1)
-    lists = (grads, exp_avgs, exp_avg_sqs, first, second)
-    _launch(_adam_kernel, lists, scalars, inv_scale, found_inf, s.maximize, constants)
+    constants = {"DECAY": 0 if s.weight_decay == 0 else (2 if s.decoupled else 1)}
+    lists = (grads, exp_avgs, exp_avg_sqs)
+    _launch(_adam_kernel, lists, masters, scalars, inv_scale, found_inf, s.maximize, constants)
 
 
 def sgd_(
@@ -348,13 +350,10 @@ def sgd_(
     found_inf: torch.Tensor | None = None,
 ) -> None:
     """See ``ampinit._fused_master.sgd_`` (same arguments, same bits)."""
-    if not grads:
-        return
-    first, second, constants = _storage(masters)
     s = settings
-    flags = {"HAS_DECAY": s.weight_decay != 0, "HAS_MOMENTUM": s.momentum != 0, "NESTEROV": s.nesterov}
-    constants.update(flags, FIRST_STEP=first_step)
-    # Without momentum the buffers' list repeats the grads, unread.
-    lists = (grads, momentum_buffers or grads, first, second)
     scalars = (-s.lr, s.momentum, 1 - s.dampening, s.weight_decay)
-    _launch(_sgd_kernel, lists, scalars, inv_scale, found_inf, s.maximize, constants)
+    flags = {"HAS_DECAY": s.weight_decay != 0, "HAS_MOMENTUM": s.momentum != 0, "NESTEROV": s.nesterov}
+    constants = {**flags, "FIRST_STEP": first_step}
+    # Without momentum the buffers' list repeats the grads, unread.
+    lists = (grads, momentum_buffers or grads)
+    _launch(_sgd_kernel, lists, masters, scalars, inv_scale, found_inf, s.maximize, constants)
