@@ -13,7 +13,7 @@ from ampinit import _registry
 from ampinit._distributed import is_sharded
 from ampinit._loss_scale import DynamicLossScale
 from ampinit._opt_levels import Properties
-from ampinit._options import DEFAULT_MAX_LOSS_SCALE, resolve_options
+from ampinit._options import DEFAULT_MAX_LOSS_SCALE, AmpOptions, resolve_options
 from ampinit._remainder_masters import optimizer_kind
 from ampinit._session import AmpSession, AmpStats
 from ampinit._types import HALF_DTYPES, MODEL_DTYPES, CastPolicyName, Optimizers
@@ -29,6 +29,8 @@ _NOT_INITIALIZED = (
 )
 
 
+# The two overloads give the return type its input's shape; typing needs each to spell out the whole signature,
+# so the three signatures below repeat one another by necessity (and must change together).
 @overload
 def initialize(
     models: _Models,
@@ -172,20 +174,26 @@ def initialize(
         models, nn.Module, "models must be either a single model or a list of models."
     )
     optimizer_list, optimizers_were_list = _as_optimizer_list(optimizers)
-    _check_ownership(model_list, optimizer_list)
-    if options.enabled:
-        _check_models(model_list, options.allow_half_model)
-        _check_sharding(model_list, options.properties)
-        _check_optimizers(optimizer_list)
-        if options.properties.remainder_masters:  # refuse optimizers it has no update for, before any change
-            for opt in optimizer_list:
-                optimizer_kind(opt)
+    _check_objects(model_list, optimizer_list, options)
     session = AmpSession(model_list, optimizer_list, options)
     _registry.register(session, [*model_list, *optimizer_list])
     return _same_shape(models, optimizers, model_list, optimizer_list, models_were_list, optimizers_were_list)
 
 
 # -- argument checks --------------------------------------------------------------------------------------------
+def _check_objects(models: list[nn.Module], optimizers: list[torch.optim.Optimizer], options: AmpOptions) -> None:
+    """Refuse models and optimizers that the session could not take, before anything is changed."""
+    _check_ownership(models, optimizers)
+    if not options.enabled:
+        return
+    _check_models(models, options.allow_half_model)
+    _check_sharding(models, options.properties)
+    _check_optimizers(optimizers)
+    if options.properties.remainder_masters:  # optimizers it has no update for
+        for opt in optimizers:
+            optimizer_kind(opt)
+
+
 def _as_list(value: Any, kind: type, message: str) -> tuple[list[Any], bool]:
     if isinstance(value, kind):
         return [value], False

@@ -71,19 +71,15 @@ def resolve_options(
 ) -> AmpOptions:
     """Check every option once and resolve the level's properties; the first bad value raises."""
     floor, ceiling = _scale_bounds(min_loss_scale, max_loss_scale)
-    if not enabled:
-        # Apex ignores the level and its overrides when amp is off; so does ampinit.
-        properties = resolve(opt_level if opt_level in LEVELS else "O0", {"enabled": False})
-    else:
-        overrides = {
-            "cast_model_type": cast_model_type,
-            "patch_torch_functions": patch_torch_functions,
-            "patch_torch_functions_type": patch_torch_functions_type,
-            "keep_batchnorm_fp32": keep_batchnorm_fp32,
-            "master_weights": master_weights,
-            "loss_scale": loss_scale,
-        }
-        properties = resolve(opt_level, {"enabled": enabled, **overrides})
+    overrides = {
+        "cast_model_type": cast_model_type,
+        "patch_torch_functions": patch_torch_functions,
+        "patch_torch_functions_type": patch_torch_functions_type,
+        "keep_batchnorm_fp32": keep_batchnorm_fp32,
+        "master_weights": master_weights,
+        "loss_scale": loss_scale,
+    }
+    properties = _properties(enabled, opt_level, overrides)
     options = AmpOptions(
         properties=properties,
         loss_scale=_scale_setting(properties, floor, ceiling),
@@ -99,6 +95,13 @@ def resolve_options(
     if options.sync_free and isinstance(options.loss_scale, DynamicLossScale) and options.loss_scale.raise_at_min:
         raise ValueError("DynamicLossScale(raise_at_min=True) needs a host sync per step; it cannot be sync_free")
     return options
+
+
+def _properties(enabled: object, opt_level: object, overrides: dict[str, object]) -> Properties:
+    if not enabled:
+        # Apex ignores the level and its overrides when amp is off; so does ampinit.
+        return resolve(opt_level if opt_level in LEVELS else "O0", {"enabled": False})
+    return resolve(opt_level, {"enabled": enabled, **overrides})
 
 
 def _count(name: str, value: object, *, minimum: int) -> int:

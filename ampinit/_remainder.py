@@ -30,9 +30,8 @@ because rounding a NaN's upper half up can carry out of the exponent field (0x7F
 a NaN into a number. A pair that ``split`` did not produce (a weight written behind the optimizer's back, with
 a stale remainder) joins to a value within one bf16 ulp of the weight.
 
-The step functions here are the *reference* of the remainder kernels in ``ampinit._triton_master``
-(``adam_remainder_`` / ``sgd_remainder_``, same arguments, same bits): join, the master step of
-``ampinit._fused_master``, split.
+The master step on remainder masters (``ampinit._fused_master``'s reference, with ``Masters.remainder``, and
+its Triton kernels) joins each master, updates it, and splits it back.
 """
 
 from __future__ import annotations
@@ -40,9 +39,6 @@ from __future__ import annotations
 import math
 
 import torch
-
-from ampinit import _fused_master
-from ampinit._types import TensorList
 
 REMAINDER_DTYPE = torch.int16
 
@@ -91,96 +87,6 @@ def join(weight: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
     return join_(weight, remainder, torch.empty_like(weight, dtype=torch.float32))
 
 
-def _skipped(found_inf: torch.Tensor | None) -> bool:
-    return found_inf is not None and bool(found_inf.reshape(-1)[0].item() != 0)
-
-
 def _check_master(master: torch.Tensor) -> None:
     if master.dtype != torch.float32:
         raise ValueError(f"remainder masters split fp32 tensors, got {master.dtype}")
-
-
-# -- the reference step ---------------------------------------------------------------------------------------
-def adam_(
-    weights: TensorList,
-    remainders: TensorList,
-    grads: TensorList,
-    exp_avgs: TensorList,
-    exp_avg_sqs: TensorList,
-    step_scalars: torch.Tensor,
-    *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    decoupled: bool,
-    maximize: bool,
-    inv_scale: torch.Tensor | None,
-    found_inf: torch.Tensor | None,
-) -> None:
-    """``ampinit._fused_master.adam_`` on the masters that ``weights`` and ``remainders`` hold.
-
-    Each master is joined, stepped and split again; nothing changes when ``found_inf`` is nonzero.
-    """
-    if _skipped(found_inf):
-        return
-    for i, (weight, remainder) in enumerate(zip(weights, remainders)):
-        master = join(weight, remainder)
-        _fused_master.adam_(
-            [],
-            [grads[i]],
-            [master],
-            [exp_avgs[i]],
-            [exp_avg_sqs[i]],
-            step_scalars[i : i + 1],
-            lr=lr,
-            beta1=beta1,
-            beta2=beta2,
-            eps=eps,
-            weight_decay=weight_decay,
-            decoupled=decoupled,
-            maximize=maximize,
-            inv_scale=inv_scale,
-            found_inf=None,
-        )
-        split_(master, weight, remainder)
-
-
-def sgd_(
-    weights: TensorList,
-    remainders: TensorList,
-    grads: TensorList,
-    momentum_buffers: TensorList,
-    *,
-    lr: float,
-    momentum: float,
-    dampening: float,
-    nesterov: bool,
-    weight_decay: float,
-    maximize: bool,
-    first_step: bool,
-    inv_scale: torch.Tensor | None,
-    found_inf: torch.Tensor | None,
-) -> None:
-    """``ampinit._fused_master.sgd_`` on the masters that ``weights`` and ``remainders`` hold."""
-    if _skipped(found_inf):
-        return
-    for i, (weight, remainder) in enumerate(zip(weights, remainders)):
-        master = join(weight, remainder)
-        _fused_master.sgd_(
-            [],
-            [grads[i]],
-            [master],
-            [momentum_buffers[i]] if momentum != 0 else [],
-            lr=lr,
-            momentum=momentum,
-            dampening=dampening,
-            nesterov=nesterov,
-            weight_decay=weight_decay,
-            maximize=maximize,
-            first_step=first_step,
-            inv_scale=inv_scale,
-            found_inf=None,
-        )
-        split_(master, weight, remainder)

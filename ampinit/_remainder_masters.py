@@ -10,7 +10,7 @@ optimizer's update), split the masters back into weight and remainder. The resul
 same optimizer on fp32 masters, with the bf16 copy rounded ties-away (the remainder tie rule).
 
 On CUDA (or on CPU under Triton's interpreter, for the tests), ``torch.optim.Adam/AdamW/SGD(fused=True)`` take
-ampinit's remainder kernels instead (``_triton_master.adam_remainder_``/``sgd_remainder_``): one launch per
+ampinit's kernels instead (``_triton_master.adam_``/``sgd_`` on ``Masters.remainder``): one launch per
 list that reads the bf16 grad, weight and remainder, and writes weight, remainder and state.
 
 Checkpoints use the fp32-master format: ``model.state_dict()`` reports the joined masters (``master_for``), an
@@ -22,14 +22,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from types import ModuleType
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 from torch.optim.adam import adam as adam_update
 from torch.optim.sgd import sgd as sgd_update
 from torch.utils.hooks import RemovableHandle
 
-from ampinit import _fused_master, _kernels, _remainder
+from ampinit import _fused_master, _remainder
+from ampinit._fused_master import Masters
+from ampinit._fused_step import adam_state, kernel_step
 from ampinit._master_weights import OptimizerGrads
 
 #: The largest number of elements joined into fp32 at once in a step (4 MiB of masters, as much of grads).
@@ -183,19 +185,18 @@ class RemainderGrads(OptimizerGrads):
             from ampinit.optimizers._base import group_step as make_group_step
 
             group_step = make_group_step(group, params[0].device)
-        for chunk in _chunks(params):
-            masters = [self._joined(p) for p in chunk]
-            grads = [_fp32(p.grad) for p in chunk]
+        for some in _chunks(params):
+            chunk = _Chunk(group, some, [self._joined(p) for p in some], [_fp32(p.grad) for p in some], flag)
             if self.kind == "adam":
-                self._adam(group, chunk, masters, grads, flag)
+                self._adam(chunk)
             elif self.kind == "sgd":
-                self._sgd(group, chunk, masters, grads, flag)
+                self._sgd(chunk)
             elif self.kind == "fused_adam":
                 assert group_step is not None
-                self._fused_adam(group, chunk, masters, grads, group_step + 1, flag)
+                self._fused_adam(chunk, group_step + 1)
             else:
-                self._fused_sgd(group, chunk, masters, grads, flag)
-            self._split_back(chunk, masters)
+                self._fused_sgd(chunk)
+            self._split_back(some, chunk.masters)
         if group_step is not None:
             group_step.add_(1 if flag is None else 1 - flag.to(group_step.device))
 
@@ -209,15 +210,9 @@ class RemainderGrads(OptimizerGrads):
             if entry is not None:
                 _remainder.split_(master, param.detach(), entry[1])
 
-    def _adam(
-        self,
-        group: dict[str, Any],
-        params: list[torch.Tensor],
-        masters: list[torch.Tensor],
-        grads: list[torch.Tensor],
-        flag: torch.Tensor | None,
-    ) -> None:
-        states = [self._adam_state(group, p) for p in params]
+    def _adam(self, chunk: _Chunk) -> None:
+        group, params, masters, grads, flag = chunk
+        states = [adam_state(self.optimizer, group, p) for p in params]
         beta1, beta2 = group["betas"]
         adam_update(
             masters,
@@ -243,30 +238,8 @@ class RemainderGrads(OptimizerGrads):
             maximize=group["maximize"],
         )
 
-    def _adam_state(self, group: dict[str, Any], param: torch.Tensor) -> dict[str, Any]:
-        # torch's layout (Adam._init_group), with fp32 moments for the bf16 parameter's fp32 master.
-        state: dict[str, Any] = self.optimizer.state[param]
-        if not state:
-            on_device = group["capturable"] or group["fused"]
-            state["step"] = (
-                torch.zeros((), dtype=torch.float32, device=param.device)
-                if on_device
-                else torch.tensor(0.0, dtype=torch.get_default_dtype())
-            )
-            state["exp_avg"] = torch.zeros_like(param, dtype=torch.float32)
-            state["exp_avg_sq"] = torch.zeros_like(param, dtype=torch.float32)
-            if group["amsgrad"]:
-                state["max_exp_avg_sq"] = torch.zeros_like(param, dtype=torch.float32)
-        return state
-
-    def _sgd(
-        self,
-        group: dict[str, Any],
-        params: list[torch.Tensor],
-        masters: list[torch.Tensor],
-        grads: list[torch.Tensor],
-        flag: torch.Tensor | None,
-    ) -> None:
+    def _sgd(self, chunk: _Chunk) -> None:
+        group, params, masters, grads, flag = chunk
         buffers: list[torch.Tensor | None] = [self.optimizer.state[p].get("momentum_buffer") for p in params]
         sgd_update(
             masters,
@@ -288,15 +261,8 @@ class RemainderGrads(OptimizerGrads):
             for param, buffer in zip(params, buffers):
                 self.optimizer.state[param]["momentum_buffer"] = buffer
 
-    def _fused_adam(
-        self,
-        group: dict[str, Any],
-        params: list[torch.Tensor],
-        masters: list[torch.Tensor],
-        grads: list[torch.Tensor],
-        step: torch.Tensor,
-        flag: torch.Tensor | None,
-    ) -> None:
+    def _fused_adam(self, chunk: _Chunk, step: torch.Tensor) -> None:
+        group, params, masters, grads, flag = chunk
         from ampinit.optimizers.fused_adam import adam_multi_tensor, adam_single_tensor
 
         opt: Any = self.optimizer
@@ -319,14 +285,8 @@ class RemainderGrads(OptimizerGrads):
             found_inf=flag,
         )
 
-    def _fused_sgd(
-        self,
-        group: dict[str, Any],
-        params: list[torch.Tensor],
-        masters: list[torch.Tensor],
-        grads: list[torch.Tensor],
-        flag: torch.Tensor | None,
-    ) -> None:
+    def _fused_sgd(self, chunk: _Chunk) -> None:
+        group, params, masters, grads, flag = chunk
         from ampinit.optimizers.fused_sgd import sgd_multi_tensor, sgd_single_tensor
 
         opt: Any = self.optimizer
@@ -365,92 +325,23 @@ class RemainderGrads(OptimizerGrads):
 
     # -- the kernels ----------------------------------------------------------------------------------------
     def _kernels_step(self, group: dict[str, Any], params: list[torch.Tensor], found_inf: torch.Tensor | None) -> bool:
-        """Step ``group`` with the Triton remainder kernels if it qualifies (see the module docstring)."""
+        """Step ``group`` with the Triton kernels if it qualifies (see the module docstring)."""
         kernels = _kernels_for(group, params, self.kind)
         if kernels is None or (found_inf is not None and found_inf.device != params[0].device):
             return False
         with_remainder = [p for p in params if id(p) in self._remainders]
         direct = [p for p in params if id(p) not in self._remainders]
-        if self.kind == "adam":
-            self._kernel_adam(kernels, group, with_remainder, direct, found_inf)
-        else:
-            self._kernel_sgd(kernels, group, with_remainder, direct, found_inf)
+        for batch in (with_remainder, direct):
+            if batch:
+                kernel_step(self.kind, kernels, self.optimizer, group, batch, self._masters(batch), found_inf)
         return True
 
-    def _kernel_adam(
-        self,
-        kernels: ModuleType,
-        group: dict[str, Any],
-        with_remainder: list[torch.Tensor],
-        direct: list[torch.Tensor],
-        found_inf: torch.Tensor | None,
-    ) -> None:
-        beta1, beta2 = group["betas"]
-        options = dict(
-            lr=group["lr"],
-            beta1=beta1,
-            beta2=beta2,
-            eps=group["eps"],
-            weight_decay=group["weight_decay"],
-            decoupled=bool(group.get("decoupled_weight_decay", type(self.optimizer) is torch.optim.AdamW)),
-            maximize=group["maximize"],
-            inv_scale=None,
-            found_inf=found_inf,
-        )
-        for params in (with_remainder, direct):
-            if not params:
-                continue
-            states = [self._adam_state(group, p) for p in params]
-            steps = [s["step"] for s in states]
-            _kernels.advance_steps_(steps, found_inf)
-            scalars = _fused_master.adam_step_scalars(steps, beta1, beta2, group["lr"]).to(params[0].device)
-            exp_avgs = [s["exp_avg"] for s in states]
-            exp_avg_sqs = [s["exp_avg_sq"] for s in states]
-            grads = [_grad(p) for p in params]
-            if params is with_remainder:
-                remainders = [self._remainders[id(p)][1] for p in params]
-                weights = [p.detach() for p in params]
-                kernels.adam_remainder_(weights, remainders, grads, exp_avgs, exp_avg_sqs, scalars, **options)
-            else:
-                kernels.adam_([], grads, [p.detach() for p in params], exp_avgs, exp_avg_sqs, scalars, **options)
-
-    def _kernel_sgd(
-        self,
-        kernels: ModuleType,
-        group: dict[str, Any],
-        with_remainder: list[torch.Tensor],
-        direct: list[torch.Tensor],
-        found_inf: torch.Tensor | None,
-    ) -> None:
-        momentum = group["momentum"]
-        options = dict(
-            lr=group["lr"],
-            momentum=momentum,
-            dampening=group["dampening"],
-            nesterov=group["nesterov"],
-            weight_decay=group["weight_decay"],
-            maximize=group["maximize"],
-            inv_scale=None,
-            found_inf=found_inf,
-        )
-        for params in (with_remainder, direct):
-            first = [momentum != 0 and "momentum_buffer" not in self.optimizer.state[p] for p in params]
-            for param, is_first in zip(params, first):
-                if is_first:
-                    self.optimizer.state[param]["momentum_buffer"] = torch.zeros_like(param, dtype=torch.float32)
-            for first_step in (True, False):
-                chosen = [p for p, f in zip(params, first) if f == first_step]
-                if not chosen:
-                    continue
-                grads = [_grad(p) for p in chosen]
-                buffers = [self.optimizer.state[p]["momentum_buffer"] for p in chosen] if momentum != 0 else []
-                if params is with_remainder:
-                    remainders = [self._remainders[id(p)][1] for p in chosen]
-                    weights = [p.detach() for p in chosen]
-                    kernels.sgd_remainder_(weights, remainders, grads, buffers, first_step=first_step, **options)
-                else:
-                    masters = [p.detach() for p in chosen]
-                    kernels.sgd_([], grads, masters, buffers, first_step=first_step, **options)
+    def _masters(self, params: list[torch.Tensor]) -> Masters:
+        """The masters of ``params``, all with a remainder or all without (fp32 parameters are their own)."""
+        tensors = [p.detach() for p in params]
+        if params and id(params[0]) in self._remainders:
+            return Masters.remainder(tensors, [self._remainders[id(p)][1] for p in params])
+        return Masters.fp32(tensors)
 
 
 #: Tests set this to run the remainder kernels on CPU tensors through Triton's interpreter (TRITON_INTERPRET=1).
@@ -484,16 +375,22 @@ def _kernels_for(group: dict[str, Any], params: list[torch.Tensor], kind: Kind) 
     return _triton_master
 
 
-def _grad(param: torch.Tensor) -> torch.Tensor:
-    assert param.grad is not None
-    return param.grad
-
-
 def _fp32(grad: torch.Tensor | None) -> torch.Tensor:
     assert grad is not None
     if grad.is_sparse:
         raise RuntimeError("master_weights='remainder' does not support sparse gradients")
     return grad if grad.dtype == torch.float32 else grad.float()
+
+
+class _Chunk(NamedTuple):
+    """What a step on torch's (or ampinit's optimizers') update works on: some of one group's parameters, with
+    their joined fp32 masters and fp32 grads, and the device flag that skips the update (or None)."""
+
+    group: dict[str, Any]
+    params: list[torch.Tensor]
+    masters: list[torch.Tensor]
+    grads: list[torch.Tensor]
+    flag: torch.Tensor | None
 
 
 def _chunks(params: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:

@@ -1,8 +1,9 @@
 """``AmpSession``: everything one ``initialize()`` call set up, and the means to undo it.
 
-A session owns its options, loss scalers, model casts, cast policy and one :class:`OptimizerRecord` per
-optimizer. Every change it makes to a model or an optimizer is pushed on an undo stack as it is made, so that
-``close()`` (and a failure half-way through construction) restores models and optimizers exactly.
+A session owns its options, loss scalers, overflow decisions (:mod:`ampinit._overflow`), model casts, cast policy
+and one :class:`OptimizerRecord` per optimizer. Every change it makes to a model or an optimizer is pushed on an
+undo stack as it is made, so that ``close()`` (and a failure half-way through construction) restores models and
+optimizers exactly.
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ from torch import nn
 
 from ampinit import _registry, _setup, _skip
 from ampinit._casting import CastPolicy
-from ampinit._distributed import agree_on_overflow_
 from ampinit._opt_levels import LEVELS, describe
 from ampinit._optimizer_record import OptimizerRecord, StepCounts
 from ampinit._options import AmpOptions
+from ampinit._overflow import OverflowDecisions
 from ampinit._scaler import LossScaler, load_state_dict_into, state_dict_of
 from ampinit._types import CastPolicyName, Optimizers
 from ampinit._undo import UndoStack
@@ -73,9 +74,7 @@ class AmpSession:
         self._records: dict[int, OptimizerRecord] = {}
         self._cast_policy: CastPolicy | None = None
         self._undo = UndoStack()
-        # Unscale steps whose skip decision waits for a step (delay_overflow_check=True), by scaler.
-        self._deferred: dict[LossScaler, dict[OptimizerRecord, None]] = {}
-        self._overflow_log = _skip.OverflowLog()
+        self._overflow = OverflowDecisions(options)
         self._counts = StepCounts()
         if self.enabled:
             for opt in self.optimizers:
@@ -238,38 +237,10 @@ class AmpSession:
             for record in records:
                 record.keep_scaled()
             return
-        if scaler not in self._deferred:  # a deferred decision collects every block's overflow until the step
-            scaler.clear_overflow()
+        self._overflow.begin_unscale(scaler)
         for record in records:
             record.unscale(scaler)
-        if delay_overflow_check:
-            self._deferred.setdefault(scaler, {}).update(dict.fromkeys(records))
-        else:
-            self._decide(scaler, records)
-
-    def _decide(self, scaler: LossScaler, records: Sequence[OptimizerRecord]) -> None:
-        """Update the scale from this unscale step's overflow flag and mark the optimizers' next steps to skip.
-
-        By default the flag is read on the host here (the step's one sync), so the skip is a plain branch and
-        the overflow can be logged. In sync-free mode it stays on the device (see :mod:`ampinit._skip`).
-        """
-        if scaler.config is None and not self.options.skip_nonfinite:
-            scaler.clear_overflow()  # Apex: a static scale never skips, and counts every unscale step as clean
-        agree_on_overflow_(scaler.found_inf)
-        if self.options.sync_free:
-            scaler.update()
-            for record in records:
-                record.skip_next_step(scaler.found_inf)
-            return
-        if not bool(scaler.found_inf.item()):
-            scaler.update()
-            return
-        scaler.raise_if_stuck()
-        before = scaler.loss_scale()
-        scaler.update()
-        for record in records:
-            record.skip_next_step()
-        self._overflow_log.overflow(scaler, before, self.verbosity)
+        self._overflow.after_unscale(scaler, records, self.verbosity, defer=delay_overflow_check)
 
     # -- optimizer.step -------------------------------------------------------------------------------------
     def _step(
@@ -277,10 +248,7 @@ class AmpSession:
     ) -> Any:
         closure = kwargs.get("closure", args[0] if args else None)
         record.check_not_scaled()
-        for scaler, waiting in list(self._deferred.items()):
-            if record in waiting:
-                del self._deferred[scaler]
-                self._decide(scaler, list(waiting))
+        self._overflow.before_step(record, self.verbosity)
         skip, flag = record.take_skip(closure is not None)
         result, fused = None, False
         if not skip:

@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ampinit._fused_master import AdamSettings, Masters, SgdSettings
 from ampinit._types import TensorList
 
 _BLOCK = 1024
@@ -127,87 +128,101 @@ def _sgd_update(
     return p + g * neg_lr
 
 
+# -- where the masters live ------------------------------------------------------------------------------------
+# Each kernel's pointer table holds its own lists first, then two lists that hold the masters (STORAGE):
+_MASTER = 0  # fp32 masters, updated in place; nothing else is written
+_MASTER_AND_WEIGHT = 1  # fp32 masters, and the half model weights, written from them
+_REMAINDER = 2  # bf16 weights and int16 remainders (ampinit._remainder): joined, updated, split back
+
+
+@triton.jit
+def _join_master(weight_bits, remainder):
+    # (weight << 16) + remainder on the int16 bit patterns, read back as fp32: ampinit._remainder.join.
+    return (weight_bits.to(tl.int32) * 65536 + remainder.to(tl.int32)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _split_master(p):
+    # ampinit._remainder.split_: NaN made canonical, then the upper half rounded half up on the signed bits
+    # (ties away from zero on the magnitude) and what is left below it.
+    bits = tl.where(p != p, 0x7FC00000, p.to(tl.int32, bitcast=True))
+    upper = (bits + 0x8000) >> 16
+    return upper.to(tl.int16), (bits - upper * 65536).to(tl.int16)
+
+
+@triton.jit
+def _load_master(ptrs, n_tensors, first_list, t, offs, mask, STORAGE: tl.constexpr):
+    """The fp32 masters of tensor ``t``, from lists ``first_list`` (and the next) of ``ptrs``."""
+    if STORAGE == 2:
+        w_ptr = tl.load(ptrs + first_list * n_tensors + t).to(tl.pointer_type(tl.int16))
+        r_ptr = tl.load(ptrs + (first_list + 1) * n_tensors + t).to(tl.pointer_type(tl.int16))
+        p = _join_master(tl.load(w_ptr + offs, mask=mask, other=0), tl.load(r_ptr + offs, mask=mask, other=0))
+    else:
+        p_ptr = tl.load(ptrs + first_list * n_tensors + t).to(tl.pointer_type(tl.float32))
+        p = tl.load(p_ptr + offs, mask=mask, other=0.0)
+    return p
+
+
+@triton.jit
+def _store_master(
+    p, ptrs, n_tensors, first_list, t, offs, mask, STORAGE: tl.constexpr, WEIGHT_T: tl.constexpr,
+    WEIGHT_IS_BF16: tl.constexpr,
+):  # fmt: skip
+    """Store the updated masters ``p`` where :func:`_load_master` read them (and the half weights, if written)."""
+    if STORAGE == 2:
+        w_ptr = tl.load(ptrs + first_list * n_tensors + t).to(tl.pointer_type(tl.int16))
+        r_ptr = tl.load(ptrs + (first_list + 1) * n_tensors + t).to(tl.pointer_type(tl.int16))
+        weight_bits, remainder = _split_master(p)
+        tl.store(w_ptr + offs, weight_bits, mask=mask)
+        tl.store(r_ptr + offs, remainder, mask=mask)
+    else:
+        p_ptr = tl.load(ptrs + first_list * n_tensors + t).to(tl.pointer_type(tl.float32))
+        tl.store(p_ptr + offs, p, mask=mask)
+        if STORAGE == 1:
+            w_ptr = tl.load(ptrs + (first_list + 1) * n_tensors + t).to(tl.pointer_type(WEIGHT_T))
+            tl.store(w_ptr + offs, _to_weight(p, WEIGHT_IS_BF16, WEIGHT_T), mask=mask)
+
+
 @triton.jit
 def _adam_kernel(
-    ptrs,
-    numels,
-    block_tensor,
-    block_start,
-    n_tensors,
-    step_scalars,
-    inv_scale_ptr,
-    flag_ptr,
-    beta1,
-    one_minus_beta1,
-    beta2,
-    one_minus_beta2,
-    eps,
-    weight_decay,
-    decay_factor,
-    GRAD_T: tl.constexpr,
-    WEIGHT_T: tl.constexpr,
-    WEIGHT_IS_BF16: tl.constexpr,
-    WRITE_WEIGHT: tl.constexpr,
-    HAS_SCALE: tl.constexpr,
-    HAS_FLAG: tl.constexpr,
-    MAXIMIZE: tl.constexpr,
+    ptrs, numels, block_tensor, block_start, n_tensors, inv_scale_ptr, flag_ptr,
+    step_scalars, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, decay_factor,
+    GRAD_T: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_FLAG: tl.constexpr, MAXIMIZE: tl.constexpr,
+    STORAGE: tl.constexpr, WEIGHT_T: tl.constexpr, WEIGHT_IS_BF16: tl.constexpr,
     DECAY: tl.constexpr,  # 0: none, 1: L2 (Adam), 2: decoupled (AdamW)
     BLOCK: tl.constexpr,
-):
+):  # fmt: skip
+    # Lists: grads, exp_avgs, exp_avg_sqs, then the masters' two (STORAGE).
     t, offs, mask = _block(ptrs, numels, block_tensor, block_start, flag_ptr, HAS_FLAG, BLOCK)
-    p_ptr = tl.load(ptrs + n_tensors + t).to(tl.pointer_type(tl.float32))
-    m_ptr = tl.load(ptrs + 2 * n_tensors + t).to(tl.pointer_type(tl.float32))
-    v_ptr = tl.load(ptrs + 3 * n_tensors + t).to(tl.pointer_type(tl.float32))
+    m_ptr = tl.load(ptrs + n_tensors + t).to(tl.pointer_type(tl.float32))
+    v_ptr = tl.load(ptrs + 2 * n_tensors + t).to(tl.pointer_type(tl.float32))
     g = _load_grad(ptrs, t, offs, mask, inv_scale_ptr, GRAD_T, HAS_SCALE, MAXIMIZE)
-    p = tl.load(p_ptr + offs, mask=mask, other=0.0)
+    p = _load_master(ptrs, n_tensors, 3, t, offs, mask, STORAGE)
     p = _adam_update(
         g, p, m_ptr, v_ptr, offs, mask, t, step_scalars, beta1, one_minus_beta1, beta2, one_minus_beta2, eps,
         weight_decay, decay_factor, DECAY,
     )  # fmt: skip
-    tl.store(p_ptr + offs, p, mask=mask)
-    if WRITE_WEIGHT:
-        w_ptr = tl.load(ptrs + 4 * n_tensors + t).to(tl.pointer_type(WEIGHT_T))
-        tl.store(w_ptr + offs, _to_weight(p, WEIGHT_IS_BF16, WEIGHT_T), mask=mask)
+    _store_master(p, ptrs, n_tensors, 3, t, offs, mask, STORAGE, WEIGHT_T, WEIGHT_IS_BF16)
 
 
 @triton.jit
 def _sgd_kernel(
-    ptrs,
-    numels,
-    block_tensor,
-    block_start,
-    n_tensors,
-    inv_scale_ptr,
-    flag_ptr,
-    neg_lr,
-    momentum,
-    one_minus_dampening,
-    weight_decay,
-    GRAD_T: tl.constexpr,
-    WEIGHT_T: tl.constexpr,
-    WEIGHT_IS_BF16: tl.constexpr,
-    WRITE_WEIGHT: tl.constexpr,
-    HAS_SCALE: tl.constexpr,
-    HAS_FLAG: tl.constexpr,
-    MAXIMIZE: tl.constexpr,
-    HAS_DECAY: tl.constexpr,
-    HAS_MOMENTUM: tl.constexpr,
-    FIRST_STEP: tl.constexpr,
-    NESTEROV: tl.constexpr,
+    ptrs, numels, block_tensor, block_start, n_tensors, inv_scale_ptr, flag_ptr,
+    neg_lr, momentum, one_minus_dampening, weight_decay,
+    GRAD_T: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_FLAG: tl.constexpr, MAXIMIZE: tl.constexpr,
+    STORAGE: tl.constexpr, WEIGHT_T: tl.constexpr, WEIGHT_IS_BF16: tl.constexpr,
+    HAS_DECAY: tl.constexpr, HAS_MOMENTUM: tl.constexpr, FIRST_STEP: tl.constexpr, NESTEROV: tl.constexpr,
     BLOCK: tl.constexpr,
-):
+):  # fmt: skip
+    # Lists: grads, momentum buffers, then the masters' two (STORAGE).
     t, offs, mask = _block(ptrs, numels, block_tensor, block_start, flag_ptr, HAS_FLAG, BLOCK)
-    p_ptr = tl.load(ptrs + n_tensors + t).to(tl.pointer_type(tl.float32))
     g = _load_grad(ptrs, t, offs, mask, inv_scale_ptr, GRAD_T, HAS_SCALE, MAXIMIZE)
-    p = tl.load(p_ptr + offs, mask=mask, other=0.0)
+    p = _load_master(ptrs, n_tensors, 2, t, offs, mask, STORAGE)
     p = _sgd_update(
-        g, p, ptrs, 2, n_tensors, t, offs, mask, neg_lr, momentum, one_minus_dampening, weight_decay,
+        g, p, ptrs, 1, n_tensors, t, offs, mask, neg_lr, momentum, one_minus_dampening, weight_decay,
         HAS_DECAY, HAS_MOMENTUM, FIRST_STEP, NESTEROV,
     )  # fmt: skip
-    tl.store(p_ptr + offs, p, mask=mask)
-    if WRITE_WEIGHT:
-        w_ptr = tl.load(ptrs + 3 * n_tensors + t).to(tl.pointer_type(WEIGHT_T))
-        tl.store(w_ptr + offs, _to_weight(p, WEIGHT_IS_BF16, WEIGHT_T), mask=mask)
+    _store_master(p, ptrs, n_tensors, 2, t, offs, mask, STORAGE, WEIGHT_T, WEIGHT_IS_BF16)
 
 
 # -- launching ------------------------------------------------------------------------------------------------
@@ -243,12 +258,6 @@ def _pointers(device: torch.device, *lists: Sequence[torch.Tensor]) -> torch.Ten
     return torch.tensor(table, dtype=torch.int64).to(device, non_blocking=True)
 
 
-def _weight_args(weights: TensorList) -> tuple[Any, bool, bool]:
-    if not weights:
-        return tl.float16, False, False
-    return _TL_DTYPES[weights[0].dtype], weights[0].dtype == torch.bfloat16, True
-
-
 def check_finite_(grads: TensorList, found_inf: torch.Tensor) -> None:
     """See ``ampinit._fused_master.check_finite_``."""
     if not grads:
@@ -260,296 +269,91 @@ def check_finite_(grads: TensorList, found_inf: torch.Tensor) -> None:
     )
 
 
-def adam_(
-    weights: TensorList,
-    grads: TensorList,
-    masters: TensorList,
-    exp_avgs: TensorList,
-    exp_avg_sqs: TensorList,
-    step_scalars: torch.Tensor,
-    *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    decoupled: bool,
-    maximize: bool,
+def _storage(masters: Masters) -> tuple[TensorList, TensorList, dict[str, Any]]:
+    """The kernels' last two lists, and their STORAGE constants (the weight dtype matters only when written)."""
+    if masters.remainders:
+        storage, lists, weight_dtype = _REMAINDER, (masters.weights, masters.remainders), torch.bfloat16
+    elif masters.weights:
+        storage, lists, weight_dtype = _MASTER_AND_WEIGHT, (masters.masters, masters.weights), masters.weights[0].dtype
+    else:
+        storage, lists, weight_dtype = _MASTER, (masters.masters, []), torch.float16
+    weight_t, weight_is_bf16 = _TL_DTYPES[weight_dtype], weight_dtype == torch.bfloat16
+    return *lists, {"STORAGE": storage, "WEIGHT_T": weight_t, "WEIGHT_IS_BF16": weight_is_bf16}
+
+
+def _launch(
+    kernel: Any,
+    lists: Sequence[TensorList],
+    masters: Masters,
+    scalars: Sequence[object],
     inv_scale: torch.Tensor | None,
     found_inf: torch.Tensor | None,
+    maximize: bool,
+    constants: dict[str, Any],
 ) -> None:
-    """See ``ampinit._fused_master.adam_`` (same arguments, same bits)."""
-    if not masters:
+    """One launch of ``kernel`` over ``lists`` (grads first) and ``masters``, one program per block of each tensor."""
+    grads = lists[0]
+    if not grads:
         return
-    device = masters[0].device
-    sizes, block_tensor, block_start, n_blocks = _tables(device, tuple(m.numel() for m in masters))
-    weight_t, weight_is_bf16, write_weight = _weight_args(weights)
-    decay = 0 if weight_decay == 0 else (2 if decoupled else 1)
-    _adam_kernel[(n_blocks,)](
-        _pointers(device, grads, masters, exp_avgs, exp_avg_sqs, weights),
+    first, second, storage = _storage(masters)
+    device = grads[0].device
+    sizes, block_tensor, block_start, n_blocks = _tables(device, tuple(g.numel() for g in grads))
+    unread = grads[0]  # passed for an absent scale or flag: the kernel never reads it
+    kernel[(n_blocks,)](
+        _pointers(device, *lists, first, second),
         sizes,
         block_tensor,
         block_start,
-        len(masters),
-        step_scalars.contiguous(),
-        masters[0] if inv_scale is None else inv_scale,
-        masters[0] if found_inf is None else found_inf,
-        beta1,
-        1 - beta1,
-        beta2,
-        1 - beta2,
-        eps,
-        weight_decay,
-        1 - lr * weight_decay,
+        len(grads),
+        unread if inv_scale is None else inv_scale,
+        unread if found_inf is None else found_inf,
+        *scalars,
         GRAD_T=_TL_DTYPES[grads[0].dtype],
-        WEIGHT_T=weight_t,
-        WEIGHT_IS_BF16=weight_is_bf16,
-        WRITE_WEIGHT=write_weight,
         HAS_SCALE=inv_scale is not None,
         HAS_FLAG=found_inf is not None,
         MAXIMIZE=maximize,
-        DECAY=decay,
         BLOCK=_BLOCK,
         enable_fp_fusion=False,
+        **storage,
+        **constants,
     )
+
+
+def adam_(
+    grads: TensorList,
+    masters: Masters,
+    exp_avgs: TensorList,
+    exp_avg_sqs: TensorList,
+    step_scalars: torch.Tensor,
+    settings: AdamSettings,
+    *,
+    inv_scale: torch.Tensor | None = None,
+    found_inf: torch.Tensor | None = None,
+) -> None:
+    """See ``ampinit._fused_master.adam_`` (same arguments, same bits)."""
+    s = settings
+    betas = (s.beta1, 1 - s.beta1, s.beta2, 1 - s.beta2)
+    scalars = (step_scalars.contiguous(), *betas, s.eps, s.weight_decay, 1 - s.lr * s.weight_decay)
+    constants = {"DECAY": 0 if s.weight_decay == 0 else (2 if s.decoupled else 1)}
+    lists = (grads, exp_avgs, exp_avg_sqs)
+    _launch(_adam_kernel, lists, masters, scalars, inv_scale, found_inf, s.maximize, constants)
 
 
 def sgd_(
-    weights: TensorList,
     grads: TensorList,
-    masters: TensorList,
+    masters: Masters,
     momentum_buffers: TensorList,
+    settings: SgdSettings,
     *,
-    lr: float,
-    momentum: float,
-    dampening: float,
-    nesterov: bool,
-    weight_decay: float,
-    maximize: bool,
     first_step: bool,
-    inv_scale: torch.Tensor | None,
-    found_inf: torch.Tensor | None,
+    inv_scale: torch.Tensor | None = None,
+    found_inf: torch.Tensor | None = None,
 ) -> None:
     """See ``ampinit._fused_master.sgd_`` (same arguments, same bits)."""
-    if not masters:
-        return
-    device = masters[0].device
-    sizes, block_tensor, block_start, n_blocks = _tables(device, tuple(m.numel() for m in masters))
-    weight_t, weight_is_bf16, write_weight = _weight_args(weights)
-    _sgd_kernel[(n_blocks,)](
-        # Without momentum the buffer column holds the masters, unread, so the weights' column stays put.
-        _pointers(device, grads, masters, momentum_buffers or masters, weights),
-        sizes,
-        block_tensor,
-        block_start,
-        len(masters),
-        masters[0] if inv_scale is None else inv_scale,
-        masters[0] if found_inf is None else found_inf,
-        -lr,
-        momentum,
-        1 - dampening,
-        weight_decay,
-        GRAD_T=_TL_DTYPES[grads[0].dtype],
-        WEIGHT_T=weight_t,
-        WEIGHT_IS_BF16=weight_is_bf16,
-        WRITE_WEIGHT=write_weight,
-        HAS_SCALE=inv_scale is not None,
-        HAS_FLAG=found_inf is not None,
-        MAXIMIZE=maximize,
-        HAS_DECAY=weight_decay != 0,
-        HAS_MOMENTUM=momentum != 0,
-        FIRST_STEP=first_step,
-        NESTEROV=nesterov,
-        BLOCK=_BLOCK,
-        enable_fp_fusion=False,
-    )
-
-
-# -- remainder masters (ampinit._remainder): the master is the bf16 weight plus an int16 remainder -----------
-@triton.jit
-def _join_master(weight_bits, remainder):
-    # (weight << 16) + remainder on the int16 bit patterns, read back as fp32: ampinit._remainder.join.
-    return (weight_bits.to(tl.int32) * 65536 + remainder.to(tl.int32)).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _split_master(p):
-    # ampinit._remainder.split_: NaN made canonical, then the upper half rounded half up on the signed bits
-    # (ties away from zero on the magnitude) and what is left below it.
-    bits = tl.where(p != p, 0x7FC00000, p.to(tl.int32, bitcast=True))
-    upper = (bits + 0x8000) >> 16
-    return upper.to(tl.int16), (bits - upper * 65536).to(tl.int16)
-
-
-@triton.jit
-def _adam_remainder_kernel(
-    ptrs,
-    numels,
-    block_tensor,
-    block_start,
-    n_tensors,
-    step_scalars,
-    inv_scale_ptr,
-    flag_ptr,
-    beta1,
-    one_minus_beta1,
-    beta2,
-    one_minus_beta2,
-    eps,
-    weight_decay,
-    decay_factor,
-    GRAD_T: tl.constexpr,
-    HAS_SCALE: tl.constexpr,
-    HAS_FLAG: tl.constexpr,
-    MAXIMIZE: tl.constexpr,
-    DECAY: tl.constexpr,  # 0: none, 1: L2 (Adam), 2: decoupled (AdamW)
-    BLOCK: tl.constexpr,
-):
-    t, offs, mask = _block(ptrs, numels, block_tensor, block_start, flag_ptr, HAS_FLAG, BLOCK)
-    w_ptr = tl.load(ptrs + n_tensors + t).to(tl.pointer_type(tl.int16))
-    r_ptr = tl.load(ptrs + 2 * n_tensors + t).to(tl.pointer_type(tl.int16))
-    m_ptr = tl.load(ptrs + 3 * n_tensors + t).to(tl.pointer_type(tl.float32))
-    v_ptr = tl.load(ptrs + 4 * n_tensors + t).to(tl.pointer_type(tl.float32))
-    g = _load_grad(ptrs, t, offs, mask, inv_scale_ptr, GRAD_T, HAS_SCALE, MAXIMIZE)
-    p = _join_master(tl.load(w_ptr + offs, mask=mask, other=0), tl.load(r_ptr + offs, mask=mask, other=0))
-    p = _adam_update(
-        g, p, m_ptr, v_ptr, offs, mask, t, step_scalars, beta1, one_minus_beta1, beta2, one_minus_beta2, eps,
-        weight_decay, decay_factor, DECAY,
-    )  # fmt: skip
-    weight_bits, remainder = _split_master(p)
-    tl.store(w_ptr + offs, weight_bits, mask=mask)
-    tl.store(r_ptr + offs, remainder, mask=mask)
-
-
-@triton.jit
-def _sgd_remainder_kernel(
-    ptrs,
-    numels,
-    block_tensor,
-    block_start,
-    n_tensors,
-    inv_scale_ptr,
-    flag_ptr,
-    neg_lr,
-    momentum,
-    one_minus_dampening,
-    weight_decay,
-    GRAD_T: tl.constexpr,
-    HAS_SCALE: tl.constexpr,
-    HAS_FLAG: tl.constexpr,
-    MAXIMIZE: tl.constexpr,
-    HAS_DECAY: tl.constexpr,
-    HAS_MOMENTUM: tl.constexpr,
-    FIRST_STEP: tl.constexpr,
-    NESTEROV: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    t, offs, mask = _block(ptrs, numels, block_tensor, block_start, flag_ptr, HAS_FLAG, BLOCK)
-    w_ptr = tl.load(ptrs + n_tensors + t).to(tl.pointer_type(tl.int16))
-    r_ptr = tl.load(ptrs + 2 * n_tensors + t).to(tl.pointer_type(tl.int16))
-    g = _load_grad(ptrs, t, offs, mask, inv_scale_ptr, GRAD_T, HAS_SCALE, MAXIMIZE)
-    p = _join_master(tl.load(w_ptr + offs, mask=mask, other=0), tl.load(r_ptr + offs, mask=mask, other=0))
-    p = _sgd_update(
-        g, p, ptrs, 3, n_tensors, t, offs, mask, neg_lr, momentum, one_minus_dampening, weight_decay,
-        HAS_DECAY, HAS_MOMENTUM, FIRST_STEP, NESTEROV,
-    )  # fmt: skip
-    weight_bits, remainder = _split_master(p)
-    tl.store(w_ptr + offs, weight_bits, mask=mask)
-    tl.store(r_ptr + offs, remainder, mask=mask)
-
-
-def adam_remainder_(
-    weights: TensorList,
-    remainders: TensorList,
-    grads: TensorList,
-    exp_avgs: TensorList,
-    exp_avg_sqs: TensorList,
-    step_scalars: torch.Tensor,
-    *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    decoupled: bool,
-    maximize: bool,
-    inv_scale: torch.Tensor | None,
-    found_inf: torch.Tensor | None,
-) -> None:
-    """See ``ampinit._remainder.adam_`` (same arguments, same bits)."""
-    if not weights:
-        return
-    device = weights[0].device
-    sizes, block_tensor, block_start, n_blocks = _tables(device, tuple(w.numel() for w in weights))
-    decay = 0 if weight_decay == 0 else (2 if decoupled else 1)
-    _adam_remainder_kernel[(n_blocks,)](
-        _pointers(device, grads, weights, remainders, exp_avgs, exp_avg_sqs),
-        sizes,
-        block_tensor,
-        block_start,
-        len(weights),
-        step_scalars.contiguous(),
-        exp_avgs[0] if inv_scale is None else inv_scale,
-        exp_avgs[0] if found_inf is None else found_inf,
-        beta1,
-        1 - beta1,
-        beta2,
-        1 - beta2,
-        eps,
-        weight_decay,
-        1 - lr * weight_decay,
-        GRAD_T=_TL_DTYPES[grads[0].dtype],
-        HAS_SCALE=inv_scale is not None,
-        HAS_FLAG=found_inf is not None,
-        MAXIMIZE=maximize,
-        DECAY=decay,
-        BLOCK=_BLOCK,
-        enable_fp_fusion=False,
-    )
-
-
-def sgd_remainder_(
-    weights: TensorList,
-    remainders: TensorList,
-    grads: TensorList,
-    momentum_buffers: TensorList,
-    *,
-    lr: float,
-    momentum: float,
-    dampening: float,
-    nesterov: bool,
-    weight_decay: float,
-    maximize: bool,
-    first_step: bool,
-    inv_scale: torch.Tensor | None,
-    found_inf: torch.Tensor | None,
-) -> None:
-    """See ``ampinit._remainder.sgd_`` (same arguments, same bits)."""
-    if not weights:
-        return
-    device = weights[0].device
-    sizes, block_tensor, block_start, n_blocks = _tables(device, tuple(w.numel() for w in weights))
-    _sgd_remainder_kernel[(n_blocks,)](
-        # Without momentum the buffer column repeats the grads, unread.
-        _pointers(device, grads, weights, remainders, momentum_buffers or grads),
-        sizes,
-        block_tensor,
-        block_start,
-        len(weights),
-        grads[0] if inv_scale is None else inv_scale,
-        grads[0] if found_inf is None else found_inf,
-        -lr,
-        momentum,
-        1 - dampening,
-        weight_decay,
-        GRAD_T=_TL_DTYPES[grads[0].dtype],
-        HAS_SCALE=inv_scale is not None,
-        HAS_FLAG=found_inf is not None,
-        MAXIMIZE=maximize,
-        HAS_DECAY=weight_decay != 0,
-        HAS_MOMENTUM=momentum != 0,
-        FIRST_STEP=first_step,
-        NESTEROV=nesterov,
-        BLOCK=_BLOCK,
-        enable_fp_fusion=False,
-    )
+    s = settings
+    scalars = (-s.lr, s.momentum, 1 - s.dampening, s.weight_decay)
+    flags = {"HAS_DECAY": s.weight_decay != 0, "HAS_MOMENTUM": s.momentum != 0, "NESTEROV": s.nesterov}
+    constants = {**flags, "FIRST_STEP": first_step}
+    # Without momentum the buffers' list repeats the grads, unread.
+    lists = (grads, momentum_buffers or grads)
+    _launch(_sgd_kernel, lists, masters, scalars, inv_scale, found_inf, s.maximize, constants)

@@ -66,12 +66,18 @@ def make(seed: int, weight_dtype: torch.dtype, grad_dtype: torch.dtype, scale: f
     }
 
 
+def call(module: ModuleType, name: str, state: dict[str, list[torch.Tensor]], *args: Any, **kwargs: Any) -> None:
+    """``module``'s ``adam_`` or ``sgd_`` on ``state``: fp32 masters written into the weights, and the moments."""
+    moments = [state[key] for key in (("m", "v") if name == "adam_" else ("m",))]
+    masters = ref.Masters.fp32(state["masters"], state["weights"])
+    getattr(module, name)(state["grads"], masters, *moments, *args, **kwargs)
+
+
 def run_both(kernels: ModuleType, name: str, state: dict[str, list[torch.Tensor]], *args: Any, **kwargs: Any) -> None:
     """Run the reference on ``state`` and the kernel on a copy; every tensor must end up with the same bits."""
     copy = {key: clone(value) for key, value in state.items()}
-    lists = [state[key] for key in state]
-    getattr(ref, name)(*lists, *args, **kwargs)
-    getattr(kernels, name)(*[copy[key] for key in copy], *args, **kwargs)
+    call(ref, name, state, *args, **kwargs)
+    call(kernels, name, copy, *args, **kwargs)
     for key in state:
         assert_same(copy[key], state[key])
 
@@ -104,13 +110,15 @@ def test_adam_matches_reference(
             "adam_",
             state,
             scalars,
-            lr=1e-3,
-            beta1=0.9,
-            beta2=0.999,
-            eps=1e-8,
-            weight_decay=weight_decay,
-            decoupled=decoupled,
-            maximize=maximize,
+            ref.AdamSettings(
+                lr=1e-3,
+                beta1=0.9,
+                beta2=0.999,
+                eps=1e-8,
+                weight_decay=weight_decay,
+                decoupled=decoupled,
+                maximize=maximize,
+            ),
             inv_scale=inv_scale,
             found_inf=found_inf,
         )
@@ -125,13 +133,7 @@ def test_adam_without_weights_updates_only_masters(kernels: ModuleType) -> None:
         "adam_",
         state,
         scalars,
-        lr=1e-2,
-        beta1=0.9,
-        beta2=0.999,
-        eps=1e-8,
-        weight_decay=0.0,
-        decoupled=True,
-        maximize=False,
+        ref.AdamSettings(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True, maximize=False),
         inv_scale=None,
         found_inf=None,
     )
@@ -160,12 +162,14 @@ def test_sgd_matches_reference(
             kernels,
             "sgd_",
             state,
-            lr=0.1,
-            momentum=momentum,
-            dampening=dampening,
-            nesterov=nesterov,
-            weight_decay=weight_decay,
-            maximize=step == 2,
+            ref.SgdSettings(
+                lr=0.1,
+                momentum=momentum,
+                dampening=dampening,
+                nesterov=nesterov,
+                weight_decay=weight_decay,
+                maximize=step == 2,
+            ),
             first_step=step == 0,
             inv_scale=inv_scale,
             found_inf=torch.zeros(1),
@@ -176,30 +180,20 @@ def test_a_raised_flag_changes_nothing(kernels: ModuleType) -> None:
     state = make(3, torch.float16, torch.float16, 1.0)
     before = {key: clone(value) for key, value in state.items()}
     scalars = ref.adam_step_scalars([torch.tensor(1.0)] * len(SIZES), 0.9, 0.999, 1e-3)
-    kernels.adam_(
-        *state.values(),
+    call(
+        kernels,
+        "adam_",
+        state,
         scalars,
-        lr=1e-3,
-        beta1=0.9,
-        beta2=0.999,
-        eps=1e-8,
-        weight_decay=0.01,
-        decoupled=True,
-        maximize=False,
+        ref.AdamSettings(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True, maximize=False),
         inv_scale=torch.ones(1),
         found_inf=torch.ones(1),
     )
-    kernels.sgd_(
-        state["weights"],
-        state["grads"],
-        state["masters"],
-        state["m"],
-        lr=0.1,
-        momentum=0.9,
-        dampening=0.0,
-        nesterov=False,
-        weight_decay=0.0,
-        maximize=False,
+    call(
+        kernels,
+        "sgd_",
+        state,
+        ref.SgdSettings(lr=0.1, momentum=0.9, dampening=0.0, nesterov=False, weight_decay=0.0, maximize=False),
         first_step=False,
         inv_scale=None,
         found_inf=torch.ones(1),
@@ -220,16 +214,10 @@ def test_weights_round_to_nearest_even(kernels: ModuleType) -> None:
         weights = [torch.zeros(len(values), dtype=dtype), torch.zeros(5000, dtype=dtype)]
         # lr 0, no decay: the master stays exactly as it is and is only written out.
         kernels.sgd_(
-            weights,
             [torch.zeros_like(m) for m in masters],
-            masters,
+            ref.Masters.fp32(masters, weights),
             [],
-            lr=0.0,
-            momentum=0.0,
-            dampening=0.0,
-            nesterov=False,
-            weight_decay=0.0,
-            maximize=False,
+            ref.SgdSettings(lr=0.0, momentum=0.0, dampening=0.0, nesterov=False, weight_decay=0.0, maximize=False),
             first_step=False,
             inv_scale=None,
             found_inf=None,

@@ -559,11 +559,18 @@ def remainder_state(seed: int, grad_dtype: torch.dtype, scale: float) -> dict[st
     }
 
 
+def call(module: ModuleType, name: str, state: dict[str, list[torch.Tensor]], *args: Any, **kwargs: Any) -> None:
+    """``module``'s ``adam_`` or ``sgd_`` on the remainder masters of ``state``, and its moments."""
+    moments = [state[key] for key in (("m", "v") if name == "adam_" else ("m",))]
+    masters = _fused_master.Masters.remainder(state["weights"], state["remainders"])
+    getattr(module, name)(state["grads"], masters, *moments, *args, **kwargs)
+
+
 def run_both(kernels: ModuleType, name: str, state: dict[str, list[torch.Tensor]], *args: Any, **kwargs: Any) -> None:
     """The reference on ``state``, the kernel on a copy: every tensor must end with the same bits."""
     copy_ = {key: [t.clone() for t in value] for key, value in state.items()}
-    getattr(_remainder, name)(*state.values(), *args, **kwargs)
-    getattr(kernels, f"{name[:-1]}_remainder_")(*copy_.values(), *args, **kwargs)
+    call(_fused_master, name, state, *args, **kwargs)
+    call(kernels, name, copy_, *args, **kwargs)
     for key in state:
         for got, want in zip(copy_[key], state[key]):
             assert same_bits(got, want), key
@@ -585,13 +592,15 @@ def test_adam_remainder_kernel_matches_the_reference(
             "adam_",
             state,
             _fused_master.adam_step_scalars(steps, 0.9, 0.999, 1e-3),
-            lr=1e-3,
-            beta1=0.9,
-            beta2=0.999,
-            eps=1e-8,
-            weight_decay=weight_decay,
-            decoupled=decoupled,
-            maximize=maximize,
+            _fused_master.AdamSettings(
+                lr=1e-3,
+                beta1=0.9,
+                beta2=0.999,
+                eps=1e-8,
+                weight_decay=weight_decay,
+                decoupled=decoupled,
+                maximize=maximize,
+            ),
             inv_scale=torch.full((1,), 1 / 256.0),
             found_inf=torch.zeros(1),
         )
@@ -613,12 +622,14 @@ def test_sgd_remainder_kernel_matches_the_reference(
             kernels,
             "sgd_",
             state,
-            lr=0.1,
-            momentum=momentum,
-            dampening=dampening,
-            nesterov=nesterov,
-            weight_decay=weight_decay,
-            maximize=step == 2,
+            _fused_master.SgdSettings(
+                lr=0.1,
+                momentum=momentum,
+                dampening=dampening,
+                nesterov=nesterov,
+                weight_decay=weight_decay,
+                maximize=step == 2,
+            ),
             first_step=step == 0,
             inv_scale=None,
             found_inf=None,
@@ -636,12 +647,9 @@ def test_the_kernels_split_and_join_every_pattern_like_the_reference(kernels: Mo
         kernels,
         "sgd_",
         state,
-        lr=0.0,
-        momentum=0.0,
-        dampening=0.0,
-        nesterov=False,
-        weight_decay=0.0,
-        maximize=False,
+        _fused_master.SgdSettings(
+            lr=0.0, momentum=0.0, dampening=0.0, nesterov=False, weight_decay=0.0, maximize=False
+        ),
         first_step=True,
         inv_scale=None,
         found_inf=None,
@@ -652,16 +660,14 @@ def test_the_kernels_split_and_join_every_pattern_like_the_reference(kernels: Mo
 def test_a_raised_flag_changes_nothing_in_the_kernels(kernels: ModuleType) -> None:
     state = remainder_state(2, torch.bfloat16, 1.0)
     before = {key: [t.clone() for t in value] for key, value in state.items()}
-    kernels.adam_remainder_(
-        *state.values(),
+    call(
+        kernels,
+        "adam_",
+        state,
         _fused_master.adam_step_scalars([torch.tensor(1.0)] * len(SIZES), 0.9, 0.999, 1e-3),
-        lr=1e-3,
-        beta1=0.9,
-        beta2=0.999,
-        eps=1e-8,
-        weight_decay=0.01,
-        decoupled=True,
-        maximize=False,
+        _fused_master.AdamSettings(
+            lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True, maximize=False
+        ),
         inv_scale=None,
         found_inf=torch.ones(1),
     )
@@ -685,19 +691,20 @@ class ReferenceAdamW(torch.optim.Optimizer):
                     state.update(step=torch.zeros(()), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
                 state["step"] += 1
                 _fused_master.adam_(
-                    [],
                     [p.grad],
-                    [p],
+                    _fused_master.Masters.fp32([p]),
                     [state["exp_avg"]],
                     [state["exp_avg_sq"]],
                     _fused_master.adam_step_scalars([state["step"]], 0.9, 0.999, group["lr"]),
-                    lr=group["lr"],
-                    beta1=0.9,
-                    beta2=0.999,
-                    eps=1e-8,
-                    weight_decay=group["weight_decay"],
-                    decoupled=True,
-                    maximize=False,
+                    _fused_master.AdamSettings(
+                        lr=group["lr"],
+                        beta1=0.9,
+                        beta2=0.999,
+                        eps=1e-8,
+                        weight_decay=group["weight_decay"],
+                        decoupled=True,
+                        maximize=False,
+                    ),
                     inv_scale=None,
                     found_inf=None,
                 )

@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch._C import DispatchKey, DispatchKeySet
@@ -86,15 +86,36 @@ def make_kernel(op: torch._ops.OpOverload, policy: Policy, device_type: str) -> 
     """The autocast kernel of ``op`` on ``device_type``: cast by ``policy``, then run ``op`` below autocast.
 
     These run on every call of a listed op, so each does the least it can in Python: the schema is read here,
-    once, and a call only looks at its Tensor-typed arguments.
+    once, a call only looks at its Tensor-typed arguments, and everything a call needs is a closure variable.
     """
+    run = _runner(op, device_type)
+    if policy == "promote":
+        return _promote_kernel(run)
+    if policy == "banned":
+        return _banned_kernel(run)
+    return _fixed_dtype_kernel(run, lower=policy == "lower")
+
+
+class _Runner(NamedTuple):
+    """One op's two ways to run below the device's autocast key: as called, or with its Tensor arguments cast."""
+
+    op: torch._ops.OpOverload
+    device_type: str
+    below: Callable[[tuple[Any, ...], dict[str, Any]], Any]
+    cast: Callable[[torch.dtype, bool, tuple[Any, ...], dict[str, Any]], Any]
+
+
+def _runner(op: torch._ops.OpOverload, device_type: str) -> _Runner:
     excluded = DispatchKeySet(getattr(DispatchKey, AUTOCAST_KEYS[device_type]))
     guard = torch._C._ExcludeDispatchKeyGuard
-    explicit_dtype = _explicit_dtype(op)
     tensor_positions, tensor_names = _tensor_arguments(op)
     cast_all = arguments.cast_all
 
-    def cast_and_run(dtype: torch.dtype, lower: bool, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def below(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        with guard(excluded):
+            return op(*args, **kwargs)
+
+    def cast(dtype: torch.dtype, lower: bool, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         cast_args = list(args)
         count = len(cast_args)
         for position in tensor_positions:
@@ -107,43 +128,55 @@ def make_kernel(op: torch._ops.OpOverload, policy: Policy, device_type: str) -> 
         with guard(excluded):
             return op(*cast_args, **kwargs)
 
-    def lower_kernel(*args: Any, **kwargs: Any) -> Any:
-        if _apex_policy() is None or (explicit_dtype is not None and explicit_dtype(args, kwargs)):
-            with guard(excluded):
-                return op(*args, **kwargs)
-        return cast_and_run(torch.get_autocast_dtype(device_type), True, args, kwargs)
+    return _Runner(op, device_type, below, cast)
 
-    def fp32_kernel(*args: Any, **kwargs: Any) -> Any:
-        if _apex_policy() is None or (explicit_dtype is not None and explicit_dtype(args, kwargs)):
-            with guard(excluded):
-                return op(*args, **kwargs)
-        return cast_and_run(torch.float32, False, args, kwargs)
 
-    def promote_kernel(*args: Any, **kwargs: Any) -> Any:
+def _fixed_dtype_kernel(run: _Runner, *, lower: bool) -> Callable[..., Any]:
+    """``lower`` (to the autocast dtype) or fp32; calls that pass the op's own ``dtype`` are left alone."""
+    explicit_dtype = _explicit_dtype(run.op)
+    below, cast, device_type = run.below, run.cast, run.device_type
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        if _apex_policy() is None or (explicit_dtype is not None and explicit_dtype(args, kwargs)):
+            return below(args, kwargs)
+        return cast(torch.get_autocast_dtype(device_type) if lower else torch.float32, lower, args, kwargs)
+
+    return kernel
+
+
+def _promote_kernel(run: _Runner) -> Callable[..., Any]:
+    """Mixed floating inputs are cast to the widest of them."""
+    below, cast, device_type = run.below, run.cast, run.device_type
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
         if _apex_policy() is not None:
             dtypes = arguments.floating_dtypes((*args, *kwargs.values()), device_type)
             if len(dtypes) > 1:
-                return cast_and_run(arguments.widest(dtypes), False, args, kwargs)
-        with guard(excluded):
-            return op(*args, **kwargs)
+                return cast(arguments.widest(dtypes), False, args, kwargs)
+        return below(args, kwargs)
 
-    def banned_kernel(*args: Any, **kwargs: Any) -> Any:
+    return kernel
+
+
+def _banned_kernel(run: _Runner) -> Callable[..., Any]:
+    """Apex's banned ops (``binary_cross_entropy``): refused on half inputs unless ``allow_banned``, then fp32."""
+    below, cast, device_type = run.below, run.cast, run.device_type
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
         policy = _apex_policy()
         if policy is None:  # what the device's own autocast kernel does
             if device_type != "cpu":
                 raise RuntimeError(NATIVE_BCE_MESSAGE)
-            return cast_and_run(torch.float32, False, args, kwargs)
+            return cast(torch.float32, False, args, kwargs)
         dtypes = arguments.floating_dtypes((*args, *kwargs.values()), device_type)
         if any(dtype in HALF_DTYPES for dtype in dtypes):
             if not policy.allow_banned:
                 # A deliberate refusal, with Apex's exception type and message (code may catch either).
                 raise NotImplementedError(BANNED_BCE_MESSAGE)
-            return cast_and_run(torch.float32, False, args, kwargs)
-        with guard(excluded):
-            return op(*args, **kwargs)
+            return cast(torch.float32, False, args, kwargs)
+        return below(args, kwargs)
 
-    kernels = {"lower": lower_kernel, "fp32": fp32_kernel, "promote": promote_kernel, "banned": banned_kernel}
-    return kernels[policy]
+    return kernel
 
 
 class _Kernels:
