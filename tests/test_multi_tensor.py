@@ -191,12 +191,12 @@ def adam_reference(g: Tensor, p: Tensor, m: Tensor, v: Tensor, step: int, mode: 
     m.mul_(0.9).add_(0.1 * g)
     v.mul_(0.999).add_(0.001 * g * g)
     update = (m / (1 - 0.9**step)) / ((v / (1 - 0.999**step)).sqrt() + 1e-8)
-    if mode == 1:
+    if mode != 0:  # Apex's kernel: mode 0 is L2, every other value decoupled (AdamW)
         update = update + wd * p.float()
     return p.float() - 1e-2 * update
 
 
-@pytest.mark.parametrize("mode", [0, 1])
+@pytest.mark.parametrize("mode", [0, 1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_adam_op(mode: int, dtype: torch.dtype) -> None:
     g, p = tensors(dtype, sizes=(0, 40), seed=1), tensors(dtype, sizes=(0, 40), seed=2)

@@ -229,7 +229,7 @@ def multi_tensor_adam(
         return
     g, p, m, v = tensor_lists
     hyper = _adam_arguments(p[0].device, step, lr, (beta1, beta2), epsilon, weight_decay, bias_correction)
-    adam_multi_tensor(p, g, m, v, adam_w_mode=mode == 1, **hyper)
+    adam_multi_tensor(p, g, m, v, adam_w_mode=mode != 0, **hyper)
 
 
 def multi_tensor_sgd(
@@ -284,7 +284,7 @@ def multi_tensor_adagrad(
     if not _check_lists("multi_tensor_adagrad", tensor_lists, (3,)):
         return
     g, p, h = tensor_lists
-    adagrad_multi_tensor(p, g, h, lr=lr, eps=epsilon, weight_decay=weight_decay, adagrad_w_mode=mode == 1)
+    adagrad_multi_tensor(p, g, h, lr=lr, eps=epsilon, weight_decay=weight_decay, adagrad_w_mode=mode != 0)
 
 
 def multi_tensor_lamb(
@@ -317,7 +317,7 @@ def multi_tensor_lamb(
         v,
         **_adam_arguments(p[0].device, step, lr, (beta1, beta2), epsilon, weight_decay, bias_correction),
         grad_averaging=grad_averaging == 1,
-        adam_w_mode=mode == 1,
+        adam_w_mode=mode != 0,
         global_grad_norm=global_grad_norm,
         max_grad_norm=max_grad_norm,
         use_nvlamb=bool(use_nvlamb),
@@ -443,7 +443,7 @@ def _adam_capturable(
     """Apex's capturable Adam kernels: every input that changes per step is a device tensor, so one
     captured graph replays correctly; nothing is read on the host."""
     masters = len(tensor_lists) == 5
-    decoupled = mode == 1
+    decoupled = mode != 0  # Apex tests mode == 0 (L2) and takes any other value as decoupled
     for (device, _), indices in group_indices(tensor_lists).items():
         g, p, m, v = (pick(t, indices) for t in tensor_lists[:4])
         skip = ~_not_flagged(noop_flag, device)
@@ -568,7 +568,7 @@ def multi_tensor_lamb_mp(
             betas=(beta1, beta2, 1 - beta1 if grad_averaging == 1 else 1.0),
             eps=epsilon,
             weight_decay=weight_decay,
-            decoupled=mode == 1,
+            decoupled=mode != 0,
             corrections=_float64_corrections(step, beta1, beta2, bias_correction, device),
         )
         write_back(
