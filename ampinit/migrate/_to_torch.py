@@ -269,8 +269,18 @@ def _analyse(wrapper: MetadataWrapper, amp_local: str) -> tuple[_Plan, _Analysis
     _check_initialize(analysis, inits[0])
     plan.init_function = analysis.function_of(inits[0])
     scopes = Scopes(analysis.parents, analysis.assignments)
-    plan.home = home_of(scopes, inits[0], plan.model, plan.optimizer)
+    plan.home = home = home_of(scopes, inits[0], plan.model, plan.optimizer)
     _check_init_guard(analysis, inits[0])
+    _check_imports(analysis)
+    elsewhere = _check_uses(analysis, scopes, home)  # amp uses and steps in other functions than initialize's
+    steps = _check_steps(analysis, scopes, home, elsewhere)
+    if elsewhere:
+        _check_elsewhere(analysis, scopes, inits[0], elsewhere)
+    _check_paths(analysis, inits[0], steps)
+    return plan, analysis
+
+
+def _check_imports(analysis: _Analysis) -> None:
     for statement in analysis.imports:
         guard = analysis.guard(statement)
         if guard is not None and not _in_guard_if(analysis, statement) and not _in_enabled_body(analysis, statement):
@@ -280,12 +290,17 @@ def _analyse(wrapper: MetadataWrapper, amp_local: str) -> tuple[_Plan, _Analysis
                 "import could not fail or be skipped any more, so the code's other path would change; rewrite the "
                 "guard by hand, or use --to ampinit",
             )
-    elsewhere: list[cst.CSTNode] = []  # amp uses in other functions than amp.initialize's
+
+
+def _check_uses(analysis: _Analysis, scopes: Scopes, home: Home) -> list[cst.CSTNode]:
+    """Check every amp use but ``initialize``; return those outside ``initialize``'s function that need the scaler."""
+    plan = analysis.plan
+    elsewhere: list[cst.CSTNode] = []
     for name, node in analysis.uses:
         if name == "initialize":
             continue
         if name in _NEED_THE_SCALER:
-            reason = unreachable(scopes, plan.home, node, plan.model, plan.optimizer)
+            reason = unreachable(scopes, home, node, plan.model, plan.optimizer)
             if reason is not None:
                 analysis.refuse(node, f"amp.{name}: {reason}")
             elif analysis.function_of(node) is not plan.init_function:
@@ -295,11 +310,17 @@ def _analyse(wrapper: MetadataWrapper, amp_local: str) -> tuple[_Plan, _Analysis
             analysis.refuse(node, f"amp.{name} has no native torch.amp equivalent")
         else:
             handler(analysis, node)
+    return elsewhere
+
+
+def _check_steps(analysis: _Analysis, scopes: Scopes, home: Home, elsewhere: list[cst.CSTNode]) -> list[cst.Call]:
+    """The optimizer's ``step()`` calls, checked; those outside ``initialize``'s function join ``elsewhere``."""
+    plan = analysis.plan
     steps = [s for s in analysis.steps if isinstance(s.func, cst.Attribute) and dotted(s.func.value) == plan.optimizer]
     if not steps and plan.optimizer:
         plan.refusals.append(Site(1, f"no {plan.optimizer}.step() found to route through scaler.step()", True))
     for step in steps:
-        reason = unreachable(scopes, plan.home, step, plan.model, plan.optimizer)
+        reason = unreachable(scopes, home, step, plan.model, plan.optimizer)
         if step.args:
             analysis.refuse(step, "optimizer.step(closure): GradScaler.step with a closure is not supported")
         elif not isinstance(analysis.parent(step), (cst.Expr, cst.Assign)):
@@ -308,10 +329,7 @@ def _analyse(wrapper: MetadataWrapper, amp_local: str) -> tuple[_Plan, _Analysis
             analysis.refuse(step, f"optimizer.step(): {reason}")
         elif analysis.function_of(step) is not plan.init_function:
             elsewhere.append(step)
-    if elsewhere:
-        _check_elsewhere(analysis, scopes, inits[0], elsewhere)
-    _check_paths(analysis, inits[0], steps)
-    return plan, analysis
+    return steps
 
 
 def _check_elsewhere(analysis: _Analysis, scopes: Scopes, init: cst.Attribute, uses: list[cst.CSTNode]) -> None:
@@ -961,13 +979,13 @@ def migrate_module_to_torch(source: str) -> tuple[str, list[Site], bool]:
     bindings = apex_bindings(module)
     amp_locals = [local for local, q in bindings.items() if q == "apex.amp"]
     packages = [local for local, q in bindings.items() if q == "apex"]
-    wrapper = MetadataWrapper(module)
     if not amp_locals:
         if packages and "apex.amp" in source:
             return source, [Site(1, "apex.amp is used through `import apex`: use --to ampinit", True)], True
         return source, [], False
     if len(amp_locals) > 1:
         return source, [Site(1, "apex.amp is imported under several names: use --to ampinit", True)], True
+    wrapper = MetadataWrapper(module)
     plan, analysis = _analyse(wrapper, amp_locals[0])
     uses = {name for name, _ in analysis.uses}
     if uses and uses <= HELPER_USES and analysis.references == len(analysis.uses):
@@ -982,6 +1000,13 @@ def migrate_module_to_torch(source: str) -> tuple[str, list[Site], bool]:
         return unused.code, [Site(lines[0], "amp is imported but never used here: the import is removed")], False
     if plan.refusals:
         return source, sorted(plan.refusals, key=lambda s: s.line), True
+    return _rewrite_to_torch(module, wrapper, plan, analysis)
+
+
+def _rewrite_to_torch(
+    module: cst.Module, wrapper: MetadataWrapper, plan: _Plan, analysis: _Analysis
+) -> tuple[str, list[Site], bool]:
+    """The accepted plan, written: autocast around the forward, the GradScaler, its state helper if needed."""
     assert plan.home is not None
     # an attribute only where other methods need it; a distinctive name there, as base classes may hold `scaler`
     attribute = plan.shared and plan.home.kind == "attribute"
@@ -1001,10 +1026,15 @@ def migrate_module_to_torch(source: str) -> tuple[str, list[Site], bool]:
     )
     state_helper = _fresh(["grad_scaler_state", "_grad_scaler_state"], plan.names)
     rewritten = wrapped.visit(_Rewrite(plan, scaler, device, has_torch, state_helper))
+    if plan.loads_state:
+        rewritten = add_definitions(rewritten, [], [GRAD_SCALER_STATE.format(name=state_helper)])
+    return rewritten.code, _rewrite_sites(plan, analysis, scaler, state_helper), False
+
+
+def _rewrite_sites(plan: _Plan, analysis: _Analysis, scaler: str, state_helper: str) -> list[Site]:
     level = plan.level if plan.level_switch is None else f"O0 or O1: {plan.level_switch}"
     sites = [Site(1, f"amp ({level}) -> torch.autocast + torch.amp.GradScaler ({scaler})")]
     if plan.loads_state:
-        rewritten = add_definitions(rewritten, [], [GRAD_SCALER_STATE.format(name=state_helper)])
         sites.append(
             Site(
                 plan.loads_state,
@@ -1020,4 +1050,4 @@ def migrate_module_to_torch(source: str) -> tuple[str, list[Site], bool]:
         if isinstance(s.func, cst.Attribute) and dotted(s.func.value) == plan.optimizer
     ]
     sites += plan.notes
-    return rewritten.code, sorted(sites, key=lambda s: s.line), False
+    return sorted(sites, key=lambda s: s.line)
