@@ -632,6 +632,14 @@ def _check_scale_loss(analysis: _Analysis, attribute: cst.Attribute) -> None:
     if args is None or "loss" not in args:
         analysis.refuse(call, "amp.scale_loss(*args/**kwargs): the arguments cannot be read statically")
         return
+    _check_scale_loss_arguments(analysis, call, args)
+    analysis.scale_blocks.append(block)
+    if plan.level != "O0":
+        _wrap_forward_before(analysis, block, args["loss"])
+
+
+def _check_scale_loss_arguments(analysis: _Analysis, call: cst.Call, args: dict[str, cst.BaseExpression]) -> None:
+    plan = analysis.plan
     optimizers = args.get("optimizers")
     if optimizers is None or _code(optimizers) != plan.optimizer:
         analysis.refuse(
@@ -647,10 +655,11 @@ def _check_scale_loss(analysis: _Analysis, attribute: cst.Attribute) -> None:
         )
     if _literal(args.get("delay_overflow_check")) not in (None, False):
         analysis.refuse(call, "delay_overflow_check has no native equivalent")
-    analysis.scale_blocks.append(block)
-    loss = args["loss"]
-    if plan.level == "O0":
-        return
+
+
+def _wrap_forward_before(analysis: _Analysis, block: cst.With, loss: cst.BaseExpression) -> None:
+    """Plan autocast around the statements that compute ``loss`` before the ``scale_loss`` block, or note why not."""
+    plan = analysis.plan
     anchor: cst.CSTNode = block
     container = analysis.parent(block)
     while id(container) in plan.enabled_bodies and isinstance(container, cst.IndentedBlock):
