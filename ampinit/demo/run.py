@@ -644,6 +644,42 @@ def environment(device: torch.device) -> dict[str, Any]:
     }
 
 
+def _run_task(
+    config: DemoConfig,
+    name: str,
+    device: torch.device,
+    budget_end: float | None,
+    tasks_left: int,
+    progress_stream: TextIO,
+) -> TaskReport:
+    """One task at every level, interleaved (in its share of the time left, if there is a budget), then each
+    level's peak memory."""
+    task = _make_task(name, config.quick, device)
+    warm_up(task, config.seed, device)
+    seconds = None if budget_end is None else max(1.0, (budget_end - time.perf_counter()) / tasks_left)
+    bar = make_progress(config.progress, f"{name} {','.join(config.levels)}", config.steps, progress_stream)
+    runs = train_interleaved(
+        task,
+        config.levels,
+        steps=config.steps,
+        block=config.block,
+        seconds=seconds,
+        seed=config.seed,
+        device=device,
+        progress=bar,
+    )
+    try:
+        results = [run.finish(config.steps) for run in runs]
+    finally:
+        for run in runs:
+            run.shutdown()
+    del runs  # free every level's model before measuring memory one level at a time
+    for result in results:
+        result.peak_memory_mib = measure_memory(task, result.level, config.seed, device)
+    _fill_speedups(results)
+    return TaskReport(name, task.description, task.accuracy_name, results, task.target_image())
+
+
 def run_demo(config: DemoConfig, stream: TextIO | None = None, progress_stream: TextIO | None = None) -> DemoReport:
     """Run every task at every level, print the tables and the verdict to ``stream`` (stdout) and the progress
     bars to ``progress_stream`` (stderr), and write JSON, Markdown and PNG into ``config.out``."""
@@ -663,32 +699,8 @@ def run_demo(config: DemoConfig, stream: TextIO | None = None, progress_stream: 
         stream.write(_header(report) + "\n\n")
         budget_end = None if config.time_budget_s is None else time.perf_counter() + config.time_budget_s
         for index, name in enumerate(config.tasks):
-            task = _make_task(name, config.quick, device)
-            warm_up(task, config.seed, device)
-            seconds = None
-            if budget_end is not None:
-                seconds = max(1.0, (budget_end - time.perf_counter()) / (len(config.tasks) - index))
-            bar = make_progress(config.progress, f"{name} {','.join(config.levels)}", config.steps, progress_stream)
-            runs = train_interleaved(
-                task,
-                config.levels,
-                steps=config.steps,
-                block=config.block,
-                seconds=seconds,
-                seed=config.seed,
-                device=device,
-                progress=bar,
-            )
-            try:
-                results = [run.finish(config.steps) for run in runs]
-            finally:
-                for run in runs:
-                    run.shutdown()
-            del runs  # free every level's model before measuring memory one level at a time
-            for result in results:
-                result.peak_memory_mib = measure_memory(task, result.level, config.seed, device)
-            _fill_speedups(results)
-            report.tasks.append(TaskReport(name, task.description, task.accuracy_name, results, task.target_image()))
+            tasks_left = len(config.tasks) - index
+            report.tasks.append(_run_task(config, name, device, budget_end, tasks_left, progress_stream))
             stream.write(format_table(report.tasks[-1]) + "\n\n")
             stream.flush()
         report.load_average["after"] = load_average()
