@@ -226,6 +226,18 @@ class LossScaler:
             raise RuntimeError(f"loss scaler {self.loss_id} has a static scale ({self._host_scale!r}): it has no rules")
         self.config = config
 
+    def set_loss_scale(self, value: float) -> None:
+        """Make ``value`` the current loss scale, keeping the counts (Apex's scalers let legacy code assign it)."""
+        state = self.state_dict()
+        state["loss_scale"] = float(value)
+        self.load_state_dict(state)
+
+    def set_unskipped(self, value: int) -> None:
+        """Make ``value`` the count of clean steps, keeping the scale (Apex's ``_unskipped`` is assignable)."""
+        state = self.state_dict()
+        state["unskipped"] = int(value)
+        self.load_state_dict(state)
+
     def at_minimum(self) -> bool:
         """Whether the scale sits at its floor (host sync)."""
         return (

@@ -132,3 +132,15 @@ def test_unscale_uses_reciprocal_and_flags_non_finite() -> None:
     assert scaler.found_inf.item() == 0.0
     scaler.unscale_([torch.tensor([float("nan")])])
     assert scaler.found_inf.item() == 1.0
+
+
+def test_apex_field_assignments_change_one_field_and_keep_the_rest() -> None:
+    scaler = LossScaler(DynamicLossScale(init_scale=2.0**10, hysteresis=3))
+    scaler.materialize(torch.device("cpu"))
+    scaler.found_inf.fill_(1.0)
+    scaler.update()  # one overflow: hysteresis 3 -> 2, the scale kept
+    assert (scaler.loss_scale(), scaler.hysteresis_left()) == (2.0**10, 2)
+    scaler.set_unskipped(7)
+    scaler.set_loss_scale(96.0)
+    assert (scaler.loss_scale(), scaler.unskipped(), scaler.hysteresis_left()) == (96.0, 7, 2)
+    assert scaler.inv_scale.item() == torch.tensor(1 / 96.0, dtype=torch.float32).item()

@@ -23,7 +23,6 @@ import torch
 
 from ampinit._loss_scale import DynamicLossScale
 from ampinit._scaler import LossScaler as EngineScaler
-from ampinit.compat.apex._engine_fields import set_loss_scale, set_unskipped
 from ampinit.compat.apex.amp_C import multi_tensor_axpby, multi_tensor_scale
 
 __all__ = ["LossScaler"]
@@ -147,7 +146,7 @@ class LossScaler:
     @_loss_scale.setter
     def _loss_scale(self, value: float) -> None:
         # Legacy code sets the starting scale this way (e.g. ``loss_scalers[0]._loss_scale = 2.**10``).
-        set_loss_scale(self._engine, value)
+        self._engine.set_loss_scale(value)
 
     @property
     def _unskipped(self) -> int:
@@ -155,7 +154,7 @@ class LossScaler:
 
     @_unskipped.setter
     def _unskipped(self, value: int) -> None:
-        set_unskipped(self._engine, value)
+        self._engine.set_unskipped(value)
 
     @property
     def _scale_seq_len(self) -> int:

@@ -16,7 +16,6 @@ import torch
 
 from ampinit._loss_scale import DynamicLossScale
 from ampinit._scaler import LossScaler as EngineScaler
-from ampinit.compat.apex._engine_fields import set_loss_scale
 
 __all__ = ["DynamicLossScaler", "LossScaler"]
 
@@ -43,7 +42,7 @@ class LossScaler:
 
     @cur_scale.setter
     def cur_scale(self, value: float) -> None:
-        set_loss_scale(self._scaler, value)
+        self._scaler.set_loss_scale(value)
 
     def has_overflow(self, params: Iterable[torch.Tensor]) -> bool:
         return False
