@@ -134,7 +134,8 @@ class OptimizerGrads:
         direct = [p.grad for p in self.direct_params() if p.grad is not None]
         if all(scaler.unscales_before_widening(g) for g in (*copy_src, *acc_src)):
             # Unscale and check the half grads before widening them: half the bytes, the same result (a scale of
-            # 1, or a power of two on bf16). The model's half grads are left unscaled in this case.
+            # 1, or a power of two on bf16 off CPU: see unscales_before_widening). The model's half grads are
+            # left unscaled in this case.
             scaler.unscale_([*copy_src, *acc_src, *direct])
             _kernels.copy_(copy_dst, copy_src)
             _kernels.add_(acc_dst, acc_src)
