@@ -142,10 +142,11 @@ def unscale_and_check_(grads: Sequence[Tensor], found_inf: Tensor, inv_scale: Te
 _SUM_CHECK_MIN_NUMEL = 1 << 15
 
 
-def check_finite_(grads: Sequence[Tensor], found_inf: Tensor) -> None:
+def check_finite_(grads: Sequence[Tensor], found_inf: Tensor, one: Tensor) -> None:
     """Set ``found_inf`` to 1.0 if any grad is inf or NaN, leaving every grad's value as it is (no scale).
 
-    Mostly the unscale kernel with a multiplier of 1. The exception is bf16 on CPU: torch's CPU unscale kernel
+    Mostly the unscale kernel with ``one`` (a persistent one-element 1.0, so the step allocates nothing) as its
+    multiplier. The exception is bf16 on CPU: torch's CPU unscale kernel
     converts bf16 element by element, and on the Intel Xeon with AMX-BF16 it costs 1.07x an fp32 fused AdamW
     step over as many elements (fp16: 0.37x, fp32: 0.36x; ``benchmarks/README.md``). A plain ``sum()`` reads
     the same bf16 grads once, vectorised, in 0.22x, and is non-finite exactly when a term is: an inf or NaN term
@@ -163,7 +164,7 @@ def check_finite_(grads: Sequence[Tensor], found_inf: Tensor) -> None:
                 sums = torch.stack([g.sum() for g in large])
                 flag.add_(sums.isfinite().logical_not().any()).clamp_(max=1.0)
         if group:
-            _unscale_kernel(group, flag, torch.ones(1, dtype=torch.float32, device=device))
+            _unscale_kernel(group, flag, to_device(one, device).reshape(1))
         _fold_flag(found_inf, flag)
 
 

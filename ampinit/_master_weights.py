@@ -132,7 +132,8 @@ class OptimizerGrads:
                 acc_dst.append(master.grad)
                 acc_src.append(model_param.grad)
         direct = [p.grad for p in self.direct_params() if p.grad is not None]
-        if all(scaler.unscales_before_widening(g) for g in (*copy_src, *acc_src)):
+        kinds = {(g.dtype, g.device.type) for g in (*copy_src, *acc_src)}
+        if all(scaler.unscales_before_widening(dtype, device_type) for dtype, device_type in kinds):
             # Unscale and check the half grads before widening them: half the bytes, the same result (a scale of
             # 1, or a power of two on bf16 off CPU: see unscales_before_widening). The model's half grads are
             # left unscaled in this case.

@@ -49,6 +49,7 @@ class LossScaler:
         self._hysteresis_left: torch.Tensor | None = None
         self._found_inf: torch.Tensor | None = None
         self._inv_scale: torch.Tensor | None = None
+        self._one: torch.Tensor | None = None  # the multiplier of a check that has nothing to unscale
 
     # -- state ---------------------------------------------------------------------------------------------
     @property
@@ -66,8 +67,9 @@ class LossScaler:
             return True
         return dtype == torch.bfloat16 and self._powers_of_two
 
-    def unscales_before_widening(self, grad: torch.Tensor) -> bool:
-        """Whether a master step should unscale and check ``grad`` in its half dtype, before widening it.
+    def unscales_before_widening(self, dtype: torch.dtype, device_type: str) -> bool:
+        """Whether a master step should unscale and check half grads of ``dtype`` on ``device_type`` before
+        widening them (asked once per kind of grad, not once per grad).
 
         Only where that is exact (:meth:`unscales_exactly_in`), and not for a bf16 grad on CPU that needs a
         multiply: torch's CPU unscale kernel takes bf16 element by element, so there the fp32 kernel on the
@@ -75,9 +77,9 @@ class LossScaler:
         Xeon with AMX-BF16). With nothing to multiply (a static scale of 1) the bf16 check is a fast sum
         (see :func:`ampinit._kernels.check_finite_`) and stays before widening.
         """
-        if not self.unscales_exactly_in(grad.dtype):
+        if not self.unscales_exactly_in(dtype):
             return False
-        return self.unit or grad.dtype != torch.bfloat16 or grad.device.type != "cpu"
+        return self.unit or dtype != torch.bfloat16 or device_type != "cpu"
 
     @property
     def unit(self) -> bool:
@@ -106,6 +108,7 @@ class LossScaler:
         self._unskipped = torch.tensor(self._host_unskipped, dtype=torch.int32, device=device)
         self._hysteresis_left = torch.tensor(self._host_hysteresis, dtype=torch.int32, device=device)
         self._found_inf = torch.zeros(1, dtype=torch.float32, device=device)
+        self._one = torch.ones(1, dtype=torch.float32, device=device)
         self._refresh_inv_scale()
 
     def _refresh_inv_scale(self) -> None:
@@ -158,14 +161,15 @@ class LossScaler:
     def unscale_(self, grads: list[torch.Tensor]) -> None:
         """Unscale ``grads`` in place and raise the overflow flag if any is inf/NaN."""
         if grads and self.unit:
-            _kernels.check_finite_(grads, self.found_inf)
+            self.check_(grads)
         elif grads:
             _kernels.unscale_and_check_(grads, self.found_inf, self.inv_scale)
 
     def check_(self, grads: list[torch.Tensor]) -> None:
         """Raise the overflow flag if any of ``grads`` is inf/NaN, leaving their values as they are (times 1)."""
         if grads:
-            _kernels.check_finite_(grads, self.found_inf)
+            assert self._one is not None, "materialize() first"
+            _kernels.check_finite_(grads, self.found_inf, self._one)
 
     def unscale_unchecked_(self, grads: list[torch.Tensor]) -> None:
         """Unscale ``grads`` in place without touching the overflow flag (values already checked elsewhere)."""

@@ -35,7 +35,7 @@ def test_flag_matches_isfinite_and_values_are_untouched(dtype: torch.dtype, size
             grad[where] = bad
     before = [g.clone() for g in grads]
     found_inf = torch.zeros(1)
-    _kernels.check_finite_(grads, found_inf)
+    _kernels.check_finite_(grads, found_inf, torch.ones(1))
     assert found_inf.item() == _reference_flag(grads)
     for got, want in zip(grads, before):
         # Values unchanged (a NaN stays a NaN; torch's unscale kernel, used below the sum size, may rewrite its
@@ -47,16 +47,16 @@ def test_one_bad_value_among_many_tensors_of_mixed_sizes_and_dtypes() -> None:
     gen = torch.Generator().manual_seed(0)
     grads = [torch.randn(n, generator=gen).to(d) for n in _SIZES for d in (torch.bfloat16, torch.float32)]
     found_inf = torch.zeros(1)
-    _kernels.check_finite_(grads, found_inf)
+    _kernels.check_finite_(grads, found_inf, torch.ones(1))
     assert found_inf.item() == 0.0
     grads[5][3] = float("nan")  # a large bf16 tensor: the summed path
-    _kernels.check_finite_(grads, found_inf)
+    _kernels.check_finite_(grads, found_inf, torch.ones(1))
     assert found_inf.item() == 1.0
 
 
 def test_flag_is_only_ever_raised() -> None:
     found_inf = torch.ones(1)
-    _kernels.check_finite_([torch.zeros(1 << 16, dtype=torch.bfloat16)], found_inf)
+    _kernels.check_finite_([torch.zeros(1 << 16, dtype=torch.bfloat16)], found_inf, torch.ones(1))
     assert found_inf.item() == 1.0
 
 
@@ -64,10 +64,10 @@ def test_largest_finite_bf16_values_do_not_alarm_until_their_sum_overflows() -> 
     big = torch.finfo(torch.bfloat16).max
     found_inf = torch.zeros(1)
     # 65536 terms of 2**100 sum to 2**116: finite, no alarm.
-    _kernels.check_finite_([torch.full((1 << 16,), 2.0**100, dtype=torch.bfloat16)], found_inf)
+    _kernels.check_finite_([torch.full((1 << 16,), 2.0**100, dtype=torch.bfloat16)], found_inf, torch.ones(1))
     assert found_inf.item() == 0.0
     # The documented false alarm: finite terms whose sum passes bf16's (= fp32's) largest value.
-    _kernels.check_finite_([torch.full((1 << 16,), big, dtype=torch.bfloat16)], found_inf)
+    _kernels.check_finite_([torch.full((1 << 16,), big, dtype=torch.bfloat16)], found_inf, torch.ones(1))
     assert found_inf.item() == 1.0
 
 
@@ -86,8 +86,7 @@ def test_largest_finite_bf16_values_do_not_alarm_until_their_sum_overflows() -> 
 def test_where_a_master_step_unscales(
     setting: float | DynamicLossScale, dtype: torch.dtype, device: str, before: bool
 ) -> None:
-    grad = torch.empty(4, dtype=dtype, device=device)
-    assert LossScaler(setting).unscales_before_widening(grad) is before
+    assert LossScaler(setting).unscales_before_widening(dtype, device) is before
 
 
 def _train(level: str, loss_scale: float | str, steps: int = 6) -> tuple[list[torch.Tensor], int]:
