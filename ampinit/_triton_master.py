@@ -264,8 +264,17 @@ def check_finite_(grads: TensorList, found_inf: torch.Tensor) -> None:
         return
     device = grads[0].device
     sizes, block_tensor, block_start, n_blocks = _tables(device, tuple(g.numel() for g in grads))
+    # No arithmetic to fuse here; said anyway, as every launch does, so that Triton 3.9 (whose default is
+    # changing) does not warn that the option was left unset.
     _check_kernel[(n_blocks,)](
-        _pointers(device, grads), sizes, block_tensor, block_start, found_inf, _TL_DTYPES[grads[0].dtype], _BLOCK
+        _pointers(device, grads),
+        sizes,
+        block_tensor,
+        block_start,
+        found_inf,
+        _TL_DTYPES[grads[0].dtype],
+        _BLOCK,
+        enable_fp_fusion=False,
     )
 
 
