@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 import libcst as cst
 from libcst.metadata import MetadataWrapper, ParentNodeProvider, PositionProvider
@@ -31,7 +31,7 @@ from ampinit.migrate._report import Site
 from ampinit.migrate._rules import Target
 
 COMMENT_PREFIX = "# ampinit: "
-Statement = Union[cst.SimpleStatementLine, cst.BaseCompoundStatement]
+Statement = cst.SimpleStatementLine | cst.BaseCompoundStatement
 
 
 def dotted(node: cst.BaseExpression) -> str | None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 import libcst as cst
 from libcst.metadata import MetadataWrapper, ParentNodeProvider, PositionProvider
@@ -46,7 +46,7 @@ from ampinit.migrate._reach import (
 from ampinit.migrate._report import Site
 from ampinit.migrate._to_ampinit import add_comments, apex_bindings, dotted
 
-Block = Union[cst.Module, cst.IndentedBlock]
+Block = cst.Module | cst.IndentedBlock
 CLIP_FUNCTIONS = ("clip_grad_norm_", "clip_grad_norm", "clip_grad_value_")
 # Apex's parameter names, in order, read from the Apex layer that reproduces its signatures (one source of truth).
 APEX_SIGNATURE = tuple(inspect.signature(apex_frontend.initialize).parameters)

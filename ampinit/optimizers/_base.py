@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Literal, TypedDict, Union, get_args
+from typing import Any, Literal, TypedDict, get_args
 
 import torch
 from torch import Tensor
@@ -18,7 +18,7 @@ IMPLEMENTATIONS: tuple[str, ...] = get_args(Implementation)
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 # A module-level alias is evaluated at import time, so it spells the union without ``|`` (Python 3.9).
-ParamsT = Union[Iterable[Tensor], Iterable[dict[str, Any]]]
+ParamsT = Iterable[Tensor] | Iterable[dict[str, Any]]
 
 
 @dataclass(frozen=True)

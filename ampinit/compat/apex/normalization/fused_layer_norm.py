@@ -5,12 +5,12 @@ from __future__ import annotations
 import numbers
 import warnings
 from collections.abc import Sequence
-from typing import Any, Union
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-Shape = Union[int, Sequence[int], torch.Size]
+Shape = int | Sequence[int] | torch.Size
 
 __all__ = [
     "FusedLayerNorm",
