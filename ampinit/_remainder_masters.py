@@ -287,41 +287,10 @@ class RemainderGrads(OptimizerGrads):
 
     def _fused_sgd(self, chunk: _Chunk) -> None:
         group, params, masters, grads, flag = chunk
-        from ampinit.optimizers.fused_sgd import sgd_multi_tensor, sgd_single_tensor
+        from ampinit.optimizers.fused_sgd import FusedSGD
 
-        opt: Any = self.optimizer
-        momentum, dampening = group["momentum"], group["dampening"]
-        fresh = [momentum != 0 and "momentum_buffer" not in opt.state[p] for p in params]
-        # FusedSGD's rules (see FusedSGD._step_group): zero buffers; with dampening a first run is its own launch,
-        # and a first run that may be skipped is decided on the host.
-        if dampening != 0 and any(fresh) and flag is not None and bool(flag):
-            return
-        for param, new in zip(params, fresh):
-            if new:
-                opt.state[param]["momentum_buffer"] = torch.zeros_like(param, dtype=torch.float32)
-        update = sgd_multi_tensor if opt.implementation == "multi_tensor" else sgd_single_tensor
-        batches = [(False, list(range(len(params))))]
-        if dampening != 0 and any(fresh):
-            batches = [
-                (True, [i for i, new in enumerate(fresh) if new]),
-                (False, [i for i, new in enumerate(fresh) if not new]),
-            ]
-        for first_run, indices in batches:
-            if not indices:
-                continue
-            update(
-                [masters[i] for i in indices],
-                [grads[i] for i in indices],
-                [opt.state[params[i]]["momentum_buffer"] for i in indices] if momentum != 0 else [],
-                lr=group["lr"],
-                momentum=momentum,
-                dampening=dampening,
-                weight_decay=group["weight_decay"],
-                nesterov=group["nesterov"],
-                wd_after_momentum=opt.wd_after_momentum,
-                first_run=first_run,
-                found_inf=flag,
-            )
+        assert isinstance(self.optimizer, FusedSGD)  # what optimizer_kind calls "fused_sgd"
+        self.optimizer._update_group(group, params, masters, grads, None, flag)
 
     # -- the kernels ----------------------------------------------------------------------------------------
     def _kernels_step(self, group: dict[str, Any], params: list[torch.Tensor], found_inf: torch.Tensor | None) -> bool:

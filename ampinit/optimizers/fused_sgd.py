@@ -194,30 +194,45 @@ class FusedSGD(FusedOptimizer):
 
     def _step_group(self, group: dict[str, Any], params: list[Tensor]) -> None:
         scaling = self._amp_scaling(params[0].device)
+        grads = [p.grad for p in params]
+        self._update_group(group, params, params, grads, scaling.grad_scale, scaling.found_inf)  # type: ignore[arg-type]
+
+    def _update_group(
+        self,
+        group: dict[str, Any],
+        params: list[Tensor],
+        targets: list[Tensor],
+        grads: list[Tensor],
+        grad_scale: Tensor | None,
+        found_inf: Tensor | None,
+    ) -> None:
+        """SGD on ``targets`` with ``grads``, ``params`` keying the momentum buffers: the parameters themselves
+        (``step``), or their fp32 masters (``master_weights="remainder"``). ``found_inf``: 0-d float32, 1.0 to skip.
+        """
         momentum, dampening = group["momentum"], group["dampening"]
         fresh = [momentum != 0 and "momentum_buffer" not in self.state[p] for p in params]
         # With zero dampening a zero buffer gives exactly the first-run result (0*momentum + 1*grad), so new
         # and old buffers share one launch and a skipped first step keeps them at zero. With dampening the
         # first run differs; knowing whether it really happened then costs one host sync, once per buffer.
-        if dampening != 0 and any(fresh) and scaling.skip is not None and bool(scaling.skip):
+        if dampening != 0 and any(fresh) and found_inf is not None and bool(found_inf):
             return
         for p, new in zip(params, fresh):
             if new:
                 self.state[p]["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
         update = sgd_multi_tensor if self.implementation == "multi_tensor" else sgd_single_tensor
-        batches = [(False, list(params))]
+        batches = [(False, list(range(len(params))))]
         if dampening != 0 and any(fresh):
             batches = [
-                (True, [p for p, n in zip(params, fresh) if n]),
-                (False, [p for p, n in zip(params, fresh) if not n]),
+                (True, [i for i, new in enumerate(fresh) if new]),
+                (False, [i for i, new in enumerate(fresh) if not new]),
             ]
-        for first_run, batch in batches:
-            if not batch:
+        for first_run, indices in batches:
+            if not indices:
                 continue
             update(
-                batch,
-                [p.grad for p in batch],  # type: ignore[misc]
-                [self.state[p]["momentum_buffer"] for p in batch] if momentum != 0 else [],
+                [targets[i] for i in indices],
+                [grads[i] for i in indices],
+                [self.state[params[i]]["momentum_buffer"] for i in indices] if momentum != 0 else [],
                 lr=group["lr"],
                 momentum=momentum,
                 dampening=dampening,
@@ -225,6 +240,6 @@ class FusedSGD(FusedOptimizer):
                 nesterov=group["nesterov"],
                 wd_after_momentum=self.wd_after_momentum,
                 first_run=first_run,
-                grad_scale=scaling.grad_scale,
-                found_inf=scaling.found_inf,
+                grad_scale=grad_scale,
+                found_inf=found_inf,
             )
