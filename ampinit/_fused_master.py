@@ -221,5 +221,5 @@ def sgd_(
                 buf = momentum_buffers[i]
                 buf.copy_(g if first_step else buf * s.momentum + g * (1 - s.dampening))
                 g = g + buf * s.momentum if s.nesterov else buf
-            master.copy_(master + g * -s.lr)
+            master.copy_(master - g * s.lr)  # bitwise torch's p + (-lr)*g
             masters.store(i, master)

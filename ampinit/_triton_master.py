@@ -107,7 +107,7 @@ def _adam_update(
 
 @triton.jit
 def _sgd_update(
-    g, p, ptrs, buf_list, n_tensors, t, offs, mask, neg_lr, momentum, one_minus_dampening, weight_decay,
+    g, p, ptrs, buf_list, n_tensors, t, offs, mask, lr, momentum, one_minus_dampening, weight_decay,
     HAS_DECAY: tl.constexpr, HAS_MOMENTUM: tl.constexpr, FIRST_STEP: tl.constexpr, NESTEROV: tl.constexpr,
 ):  # fmt: skip
     """SGD on fp32 master values ``p`` (``ampinit._fused_master.sgd_``); the momentum buffers are list
@@ -125,7 +125,9 @@ def _sgd_update(
             g = g + buf * momentum
         else:
             g = buf
-    return p + g * neg_lr
+    # p - g*lr is bitwise p + g*(-lr), torch's form (IEEE defines x - y as x + -y, and negation is exact), and
+    # never hands the kernel a -0.0: Triton 3.8's interpreter reads a -0.0 argument as +0.0 (lr=0 warm-up steps).
+    return p - g * lr
 
 
 # -- where the masters live ------------------------------------------------------------------------------------
@@ -208,7 +210,7 @@ def _adam_kernel(
 @triton.jit
 def _sgd_kernel(
     ptrs, numels, block_tensor, block_start, n_tensors, inv_scale_ptr, flag_ptr,
-    neg_lr, momentum, one_minus_dampening, weight_decay,
+    lr, momentum, one_minus_dampening, weight_decay,
     GRAD_T: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_FLAG: tl.constexpr, MAXIMIZE: tl.constexpr,
     STORAGE: tl.constexpr, WEIGHT_T: tl.constexpr, WEIGHT_IS_BF16: tl.constexpr,
     HAS_DECAY: tl.constexpr, HAS_MOMENTUM: tl.constexpr, FIRST_STEP: tl.constexpr, NESTEROV: tl.constexpr,
@@ -219,7 +221,7 @@ def _sgd_kernel(
     g = _load_grad(ptrs, t, offs, mask, inv_scale_ptr, GRAD_T, HAS_SCALE, MAXIMIZE)
     p = _load_master(ptrs, n_tensors, 2, t, offs, mask, STORAGE)
     p = _sgd_update(
-        g, p, ptrs, 1, n_tensors, t, offs, mask, neg_lr, momentum, one_minus_dampening, weight_decay,
+        g, p, ptrs, 1, n_tensors, t, offs, mask, lr, momentum, one_minus_dampening, weight_decay,
         HAS_DECAY, HAS_MOMENTUM, FIRST_STEP, NESTEROV,
     )  # fmt: skip
     _store_master(p, ptrs, n_tensors, 2, t, offs, mask, STORAGE, WEIGHT_T, WEIGHT_IS_BF16)
@@ -360,7 +362,7 @@ def sgd_(
 ) -> None:
     """See ``ampinit._fused_master.sgd_`` (same arguments, same bits)."""
     s = settings
-    scalars = (-s.lr, s.momentum, 1 - s.dampening, s.weight_decay)
+    scalars = (s.lr, s.momentum, 1 - s.dampening, s.weight_decay)
     flags = {"HAS_DECAY": s.weight_decay != 0, "HAS_MOMENTUM": s.momentum != 0, "NESTEROV": s.nesterov}
     constants = {**flags, "FIRST_STEP": first_step}
     # Without momentum the buffers' list repeats the grads, unread.
