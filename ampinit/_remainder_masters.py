@@ -168,6 +168,9 @@ class RemainderGrads(OptimizerGrads):
     # -- the step -------------------------------------------------------------------------------------------
     def fused_step(self, original: Callable[..., Any], found_inf: torch.Tensor | None) -> bool:
         """Step every group on the joined masters and split them back; always True (the step is taken here)."""
+        # ``original`` is not called, so an lr scheduler's wrapper beneath amp's step (one created before
+        # initialize) cannot record the step: record it as that wrapper does (and as ``_fused_step`` does).
+        self.optimizer._opt_called = True  # type: ignore[attr-defined]
         with torch.no_grad():
             for group in self.optimizer.param_groups:
                 params = [p for p in group["params"] if p.grad is not None]
