@@ -71,7 +71,11 @@ class OptimizerRecord:
         @functools.wraps(original_add)
         def add_param_group(param_group: dict[str, Any]) -> None:
             original_add(param_group)
-            grads.add_param_group(opt.param_groups[-1])
+            try:
+                grads.add_param_group(opt.param_groups[-1])
+            except BaseException:
+                opt.param_groups.pop()  # refused: the optimizer is left as it was
+                raise
 
         undo.rebind(opt, "add_param_group", add_param_group)
 

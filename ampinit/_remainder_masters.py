@@ -121,6 +121,11 @@ class RemainderGrads(OptimizerGrads):
     def add_param_group(self, group: dict[str, Any]) -> None:
         self._add_group(group, {})
 
+    def adopt_trainable(self) -> None:
+        """Remainders for bf16 parameters frozen at initialize that have started training since (see the base)."""
+        for group in self.optimizer.param_groups:
+            self._add_group(group, {})
+
     def master_for(self, param: torch.Tensor) -> torch.Tensor | None:
         """The fp32 master of ``param``, joined (a new tensor: writing into it changes nothing)."""
         entry = self._remainders.get(id(param))

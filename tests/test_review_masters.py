@@ -15,7 +15,8 @@ from torch import nn
 from ampinit import amp
 from tests.conftest import make_problem
 
-MASTER_SETUPS: list[tuple[str, bool | str]] = [("O2", True), ("O5", True), ("O5", "remainder")]
+FP32_MASTER_SETUPS: list[tuple[str, bool | str]] = [("O2", True), ("O5", True)]
+MASTER_SETUPS: list[tuple[str, bool | str]] = [*FP32_MASTER_SETUPS, ("O5", "remainder")]
 
 
 def mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -134,3 +135,63 @@ def test_a_remainder_step_is_seen_by_a_scheduler_created_before_initialize() -> 
         scheduler.step()
     amp.deinitialize()
     assert [str(w.message) for w in caught] == []
+
+
+# -- parameters frozen at initialize and trained later -----------------------------------------------------------
+def _pre_rounded_problem(dtype: torch.dtype) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """The test problem with fc1.weight already a ``dtype`` value, so a master made from the cast weight is exact."""
+    model, x, y = make_problem(seed=4)
+    with torch.no_grad():
+        model.fc1.weight.copy_(model.fc1.weight.to(dtype).float())
+    return model, x, y
+
+
+@pytest.mark.parametrize("unfreeze_after", [0, 2])
+@pytest.mark.parametrize(("level", "master_weights"), MASTER_SETUPS)
+def test_a_parameter_frozen_at_initialize_gets_a_master_once_it_trains(
+    level: str, master_weights: bool | str, unfreeze_after: int
+) -> None:
+    """A half parameter that is frozen when ``initialize`` runs and unfrozen later must train on an fp32 master
+    like every other trainable half parameter of O2/O5 (``amp.master_params`` are fp32 masters).
+
+    Apex creates masters lazily, at the first ``zero_grad``/``scale_loss``, for every param that requires grad
+    *then* (shared/reference/apex-amp.md §4.2), so unfreezing between ``initialize`` and the first iteration gives
+    the param a master in Apex. The old code decided at ``initialize``: the unfrozen weight was stepped directly
+    in bf16/fp16, and small updates were rounded away. Reference: the same run with the parameter trainable from
+    the start and frozen for the first ``unfreeze_after`` steps; fc1.weight is pre-rounded to the half dtype so
+    that both runs' masters start from the same value.
+    """
+    dtype = torch.float16 if level == "O2" else torch.bfloat16
+    finals = []
+    for frozen_at_initialize in (True, False):
+        model, x, y = _pre_rounded_problem(dtype)
+        opt = torch.optim.SGD(model.parameters(), 1e-3, momentum=0.9)
+        model.fc1.weight.requires_grad_(not frozen_at_initialize)
+        amp.initialize(model, opt, opt_level=level, master_weights=master_weights, verbosity=0)
+        model.fc1.weight.requires_grad_(False)
+        for step in range(6):
+            if step == unfreeze_after:
+                model.fc1.weight.requires_grad_(True)
+            amp_iteration(model, opt, x, y)
+        finals.append([t.detach().float() for t in (*model.parameters(), *opt.state_dict()["state"][0].values())])
+        amp.deinitialize()
+    for a, b in zip(*finals):
+        assert torch.equal(a, b)
+
+
+# -- add_param_group --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("level", "master_weights"), FP32_MASTER_SETUPS)
+def test_add_param_group_refuses_a_parameter_the_optimizer_already_has(level: str, master_weights: bool | str) -> None:
+    """torch's ``add_param_group`` raises ``ValueError("some parameters appear in more than one parameter group")``.
+    With fp32 masters the groups hold the masters, so torch's check did not see the model parameter again: the
+    half weight was added as a second, master-less entry (stepped in half precision beside its master, and left in
+    two groups after ``deinitialize()``). It must be refused as torch refuses it, with the optimizer unchanged."""
+    model, _, _ = make_problem()
+    opt = torch.optim.SGD(model.parameters(), 0.1)
+    amp.initialize(model, opt, opt_level=level, master_weights=master_weights, verbosity=0)
+    groups_before = [list(g["params"]) for g in opt.param_groups]
+    with pytest.raises(ValueError, match="some parameters appear in more than one parameter group"):
+        opt.add_param_group({"params": [model.fc1.weight], "lr": 0.5})
+    assert [list(g["params"]) for g in opt.param_groups] == groups_before
+    amp.deinitialize()
+    assert sum(len(g["params"]) for g in opt.param_groups) == len(list(model.parameters()))
