@@ -117,6 +117,10 @@ class OptimizerGrads:
                 params[index] = model_param
                 if master in self.optimizer.state:
                     self.optimizer.state[model_param] = self.optimizer.state.pop(master)
+                if master.grad is not None:
+                    # Closed between scale_loss and step: the model's own grad is still scaled (as in Apex); the
+                    # step would have used the master's, unscaled.
+                    model_param.grad = master.grad.detach().to(model_param.dtype)
         self._master_of.clear()
         self._model_of.clear()
         self._grad_buffers.clear()

@@ -195,3 +195,25 @@ def test_add_param_group_refuses_a_parameter_the_optimizer_already_has(level: st
     assert [list(g["params"]) for g in opt.param_groups] == groups_before
     amp.deinitialize()
     assert sum(len(g["params"]) for g in opt.param_groups) == len(list(model.parameters()))
+
+
+# -- teardown -------------------------------------------------------------------------------------------------------
+def test_closing_between_backward_and_step_hands_the_unscaled_grads_to_the_model() -> None:
+    """``deinitialize()`` hands the masters back to the model (docs/api.md: weights get the masters' exact
+    values). Closing after ``scale_loss`` and before ``step()`` must likewise leave the model the gradients the
+    step would have used: the unscaled master grads, as O1 (grads unscaled in place) does. The old code dropped
+    the master grads and left the model its fp16 grads, still multiplied by the loss scale (65536): a plain fp32
+    ``step()`` after closing moved the weights 65536 times too far. Reference: fp32 backward on a copy."""
+    model, x, y = make_problem(seed=6)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), 0.1)
+    amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    opt.zero_grad()
+    with amp.scale_loss(mse(model(x), y), opt) as scaled:
+        scaled.backward()
+    amp.deinitialize()
+    mse(ref(x), y).backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert p.grad is not None and q.grad is not None
+        assert p.grad.dtype == torch.float32, name
+        torch.testing.assert_close(p.grad, q.grad, rtol=2e-2, atol=2e-3, msg=name)
