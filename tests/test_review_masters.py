@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+import ampinit
 from ampinit import amp
 from tests.conftest import make_problem
 
@@ -217,3 +218,43 @@ def test_closing_between_backward_and_step_hands_the_unscaled_grads_to_the_model
         assert p.grad is not None and q.grad is not None
         assert p.grad.dtype == torch.float32, name
         torch.testing.assert_close(p.grad, q.grad, rtol=2e-2, atol=2e-3, msg=name)
+
+
+class TiedNet(nn.Module):
+    """An embedding whose weight is also the output layer's (tied embeddings, as in GPT-2)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 8)
+        self.mid = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 10, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.mid(self.emb(tokens))))
+
+
+def test_deinitialize_restores_tied_weights_to_their_masters() -> None:
+    """A weight shared by two modules is one parameter with one master; ``deinitialize()`` must give it the
+    master's exact value, once, and keep it tied. With remainder masters (fp32 masters were fine) the old code
+    restored it once per module: the second time it joined the already-restored fp32 weight with its remainder,
+    and ``deinitialize()`` raised ``ValueError: join needs a bfloat16 weight``."""
+    torch.manual_seed(0)
+    model = TiedNet()
+    tokens, y = torch.randint(0, 10, (32,)), torch.randn(32, 10)
+    opt = torch.optim.AdamW(model.parameters(), 1e-2)
+    amp.initialize(model, opt, opt_level="O5", master_weights="remainder", verbosity=0)
+    for _ in range(3):
+        opt.zero_grad()
+        with amp.scale_loss(mse(model(tokens), y), opt) as scaled:
+            scaled.backward()
+        opt.step()
+    live = ampinit.current_session()
+    assert live is not None
+    master = live.master_for(model.emb.weight)
+    assert master is not None
+    expected = master.detach().clone()
+    amp.deinitialize()
+    assert model.head.weight is model.emb.weight
+    assert model.emb.weight.dtype == torch.float32
+    assert torch.equal(model.emb.weight, expected)
