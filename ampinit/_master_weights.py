@@ -73,9 +73,15 @@ class OptimizerGrads:
         """
         if not self.master_weights:
             return
+        model_of, master_of = self._model_of, self._master_of
         moved_state = False
         for group in self.optimizer.param_groups:
-            moved_state = self._replace_in_group(group, {}) or moved_state
+            # A cheap scan first (masters and known parameters are skipped): this runs on every backward.
+            if any(
+                id(p) not in model_of and id(p) not in master_of and p.requires_grad and p.dtype in HALF_DTYPES
+                for p in group["params"]
+            ):
+                moved_state = self._replace_in_group(group, {}) or moved_state
         if moved_state:
             self._recast_state()
 
