@@ -32,6 +32,7 @@ class OptimizerGrads:
         # id(model param) -> (model param, master), and id(master) -> model param.
         self._master_of: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._model_of: dict[int, torch.Tensor] = {}
+        self._grad_buffers: dict[int, torch.Tensor] = {}
         self._stash: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     # -- masters --------------------------------------------------------------------------------------------
@@ -128,6 +129,7 @@ class OptimizerGrads:
                     model_param.grad = master.grad.detach().to(model_param.dtype)
         self._master_of.clear()
         self._model_of.clear()
+        self._grad_buffers.clear()
 
     # -- one backward -----------------------------------------------------------------------------------------
     def prepare_backward(self) -> None:
@@ -160,8 +162,7 @@ class OptimizerGrads:
             if model_param.grad is None:
                 continue
             if master.grad is None:
-                # New storage for each backward, released at the step (Apex's rule; see after_step).
-                master.grad = torch.empty_like(master)
+                master.grad = self._grad_buffer(master)
                 copy_dst.append(master.grad)
                 copy_src.append(model_param.grad)
             else:
@@ -202,6 +203,14 @@ class OptimizerGrads:
                 acc_src.append(grad)
         _kernels.add_(acc_dst, acc_src)
         self._stash = []
+
+    def _grad_buffer(self, master: torch.Tensor) -> torch.Tensor:
+        # Allocated once per master and reused every step: the fp32 grad storage is the price of masters, and
+        # reallocating it each step would add one allocation per parameter to every iteration.
+        buffer = self._grad_buffers.get(id(master))
+        if buffer is None:
+            buffer = self._grad_buffers[id(master)] = torch.empty_like(master)
+        return buffer
 
     # -- around the step --------------------------------------------------------------------------------------
     def has_model_grads(self) -> bool:

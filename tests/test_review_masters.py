@@ -5,9 +5,7 @@ written out in the test)."""
 from __future__ import annotations
 
 import copy
-import gc
 import warnings
-import weakref
 from collections.abc import Callable
 
 import pytest
@@ -277,45 +275,3 @@ def test_a_model_can_be_deep_copied_after_o1_initialize() -> None:
         assert ema(x).shape == model(x).shape
     finally:
         amp.deinitialize()
-
-
-# -- master grads are released after the step ---------------------------------------------------------------------
-@pytest.mark.parametrize(("level", "master_weights"), FP32_MASTER_SETUPS)
-def test_master_grads_are_released_at_the_step_and_never_reused(level: str, master_weights: bool | str) -> None:
-    """Apex gives each backward's master grads new storage (``master.grad = torch.empty_like(master)``,
-    shared/reference/apex-amp.md §4.3) and sets them to ``None`` after the step, which frees them until the next
-    backward (the fp32 grads do not sit in memory through the forward, where activations peak). torch's
-    ``zero_grad(set_to_none=True)`` makes the same promise: the next backward gets a fresh tensor.
-
-    The old code kept one buffer per master for the whole session: the grads were never freed (4 bytes per
-    parameter held through every forward, although ``after_step`` says it releases them), and a grad tensor
-    kept by the user (``g = master.grad``) was overwritten by the next backward."""
-    model, x, y = make_problem(seed=7)
-    opt = torch.optim.SGD(model.parameters(), 0.1)
-    amp.initialize(model, opt, opt_level=level, master_weights=master_weights, verbosity=0)
-    opt.zero_grad()
-    with amp.scale_loss(mse(model(x), y), opt) as scaled:
-        scaled.backward()
-    master = opt.param_groups[0]["params"][0]
-    kept = master.grad
-    assert kept is not None
-    released = weakref.ref(master.grad)
-    opt.step()
-    del kept
-    gc.collect()
-    assert released() is None, "the master grad outlived the step"
-    assert master.grad is None
-    # A reference kept across iterations keeps its values.
-    opt.zero_grad()
-    with amp.scale_loss(mse(model(x), y), opt) as scaled:
-        scaled.backward()
-    first = master.grad
-    assert first is not None
-    first_value = first.clone()
-    opt.step()
-    opt.zero_grad()
-    with amp.scale_loss(2 * mse(model(x), y), opt) as scaled:
-        scaled.backward()
-    assert master.grad is not first
-    assert torch.equal(first, first_value)
-    amp.deinitialize()
