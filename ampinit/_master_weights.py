@@ -49,7 +49,9 @@ class OptimizerGrads:
             self._replace_in_group(group, fp32_values or {})
         self._recast_state()
 
-    def _replace_in_group(self, group: dict[str, Any], fp32_values: dict[int, torch.Tensor]) -> None:
+    def _replace_in_group(self, group: dict[str, Any], fp32_values: dict[int, torch.Tensor]) -> bool:
+        """Masters for the group's trainable half parameters that have none; whether any brought state along."""
+        moved_state = False
         params = group["params"]
         for index, param in enumerate(params):
             if id(param) in self._master_of or not param.requires_grad or param.dtype not in HALF_DTYPES:
@@ -61,6 +63,30 @@ class OptimizerGrads:
             self._model_of[id(master)] = param
             if param in self.optimizer.state:
                 self.optimizer.state[master] = self.optimizer.state.pop(param)
+                moved_state = True
+        return moved_state
+
+    def adopt_trainable(self) -> None:
+        """Masters for half parameters that were frozen at initialize and have started training since.
+
+        Apex made masters lazily, at the first ``zero_grad``/``scale_loss``, for the parameters that required grad
+        then; masters made at ``initialize`` must not leave a parameter unfrozen afterwards to train in half
+        precision. Called on entering ``scale_loss``; frozen parameters still get no master (no fp32 copies of a
+        frozen backbone).
+        """
+        if not self.master_weights:
+            return
+        model_of, master_of = self._model_of, self._master_of
+        moved_state = False
+        for group in self.optimizer.param_groups:
+            # A cheap scan first (masters and known parameters are skipped): this runs on every backward.
+            if any(
+                id(p) not in model_of and id(p) not in master_of and p.requires_grad and p.dtype in HALF_DTYPES
+                for p in group["params"]
+            ):
+                moved_state = self._replace_in_group(group, {}) or moved_state
+        if moved_state:
+            self._recast_state()
 
     def _recast_state(self) -> None:
         # torch's load_state_dict casts floating state to each parameter's dtype: fp32 for the masters.
@@ -68,7 +94,13 @@ class OptimizerGrads:
             self.optimizer.load_state_dict(self.optimizer.state_dict())
 
     def add_param_group(self, group: dict[str, Any]) -> None:
-        """Give a param group added after initialize its masters (the group is already in ``param_groups``)."""
+        """Give a param group added after initialize its masters (the group is already in ``param_groups``).
+
+        torch's own check for a parameter in two groups compares the new group with the groups, which hold
+        masters: a model parameter that already has one is refused here, with torch's message.
+        """
+        if any(id(p) in self._master_of for p in group["params"]):
+            raise ValueError("some parameters appear in more than one parameter group")
         if self.master_weights:
             self._replace_in_group(group, {})
 
@@ -94,12 +126,17 @@ class OptimizerGrads:
                 params[index] = model_param
                 if master in self.optimizer.state:
                     self.optimizer.state[model_param] = self.optimizer.state.pop(master)
+                if master.grad is not None:
+                    # Closed between scale_loss and step: the model's own grad is still scaled (as in Apex); the
+                    # step would have used the master's, unscaled.
+                    model_param.grad = master.grad.detach().to(model_param.dtype)
         self._master_of.clear()
         self._model_of.clear()
         self._grad_buffers.clear()
 
     # -- one backward -----------------------------------------------------------------------------------------
     def prepare_backward(self) -> None:
+        self.adopt_trainable()
         for model_param, _ in self.pairs():
             model_param.grad = None
         self._stash = []

@@ -115,12 +115,16 @@ class ModelCast:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        restored: set[int] = set()
         with torch.no_grad():
             for module, originals in self._original.values():
                 for name, (is_param, dtype) in originals.items():
                     if is_param:
                         param = module._parameters[name]
                         assert param is not None
+                        if id(param) in restored:  # a tied weight, already given its master's value
+                            continue
+                        restored.add(id(param))
                         master = master_values(param)
                         param.data = master.detach().to(dtype) if master is not None else param.data.to(dtype)
                         if param.grad is not None:

@@ -71,7 +71,11 @@ class OptimizerRecord:
         @functools.wraps(original_add)
         def add_param_group(param_group: dict[str, Any]) -> None:
             original_add(param_group)
-            grads.add_param_group(opt.param_groups[-1])
+            try:
+                grads.add_param_group(opt.param_groups[-1])
+            except BaseException:
+                opt.param_groups.pop()  # refused: the optimizer is left as it was
+                raise
 
         undo.rebind(opt, "add_param_group", add_param_group)
 
@@ -109,11 +113,13 @@ class OptimizerRecord:
         """Consume the decision for this step: ``(skip on the host, device flag for the optimizer's kernel)``."""
         host_skip, flag = _skip.settle_on_host(self.optimizer, self.skip_flag, closure_given)
         skip = self.skip_pending or host_skip
-        self.skip_pending, self.skip_flag = False, None
+        # A refused step leaves the decision in place (Apex's skip_step raises before it unpatches itself), so
+        # that the step retried without a closure still skips.
         if (skip or self.grads.master_weights) and closure_given:
             raise RuntimeError(CLOSURE_MESSAGE)
         if not skip and self.grads.master_weights and self.stage is not Stage.UNSCALED and self.grads.has_model_grads():
             raise RuntimeError(_NOT_TRANSFERRED)
+        self.skip_pending, self.skip_flag = False, None
         return skip, flag
 
     def finish_step(self, skip: bool, flag: torch.Tensor | None, weights_written: bool) -> None:

@@ -121,6 +121,11 @@ class RemainderGrads(OptimizerGrads):
     def add_param_group(self, group: dict[str, Any]) -> None:
         self._add_group(group, {})
 
+    def adopt_trainable(self) -> None:
+        """Remainders for bf16 parameters frozen at initialize that have started training since (see the base)."""
+        for group in self.optimizer.param_groups:
+            self._add_group(group, {})
+
     def master_for(self, param: torch.Tensor) -> torch.Tensor | None:
         """The fp32 master of ``param``, joined (a new tensor: writing into it changes nothing)."""
         entry = self._remainders.get(id(param))
@@ -168,6 +173,9 @@ class RemainderGrads(OptimizerGrads):
     # -- the step -------------------------------------------------------------------------------------------
     def fused_step(self, original: Callable[..., Any], found_inf: torch.Tensor | None) -> bool:
         """Step every group on the joined masters and split them back; always True (the step is taken here)."""
+        # ``original`` is not called, so an lr scheduler's wrapper beneath amp's step (one created before
+        # initialize) cannot record the step: record it as that wrapper does (and as ``_fused_step`` does).
+        self.optimizer._opt_called = True  # type: ignore[attr-defined]
         with torch.no_grad():
             for group in self.optimizer.param_groups:
                 params = [p for p in group["params"] if p.grad is not None]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import types
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -113,14 +114,23 @@ class AmpSession:
 
     # -- construction ---------------------------------------------------------------------------------------
     def _wrapped_step(self, record: OptimizerRecord) -> Callable[..., Any]:
-        """The ``step`` that replaces ``record.optimizer.step``: amp's bookkeeping around the original."""
+        """The ``step`` that replaces ``record.optimizer.step``: amp's bookkeeping around the original.
+
+        It is a method bound to the optimizer, as Apex's patched step was: torch's lr schedulers wrap
+        ``optimizer.step`` through its ``__func__`` and call that on the optimizer. Such a wrapper, installed
+        after ``initialize``, stays on the optimizer when the session closes (it is not ours to remove), so once
+        closed this step is the original one.
+        """
         original_step = record.optimizer.step
+        session = self
 
         @functools.wraps(original_step)
-        def step(*args: Any, **kwargs: Any) -> Any:
-            return self._step(record, original_step, args, kwargs)
+        def step(optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+            if session.closed:
+                return original_step(*args, **kwargs)
+            return session._step(record, original_step, args, kwargs)
 
-        return step
+        return types.MethodType(step, record.optimizer)
 
     def _log_properties(self) -> None:
         if self.verbosity < 1 or not self.enabled:
