@@ -134,8 +134,9 @@ def master_params_to_model_params(
             model.copy_(master)
 
 
-def to_python_float(t: Any) -> float:
-    """``t.item()`` (Apex kept ``t[0]`` for objects without ``item``)."""
+def to_python_float(t: Any) -> Any:
+    """``t.item()``, or ``t[0]`` for objects without ``item``, as Apex: the value keeps its Python type (an
+    integer tensor gives an ``int``, which scripts format with ``{:d}``)."""
     if hasattr(t, "item"):
-        return float(t.item())
-    return float(t[0])
+        return t.item()
+    return t[0]

@@ -1,0 +1,47 @@
+"""Review of the Apex compatibility layer: behaviours that differ from Apex in ways legacy code hits.
+
+Each test states the Apex rule it checks; the expected values come from that rule, not from ampinit's code.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import ampinit
+from ampinit.compat.apex import amp
+from ampinit.compat.apex.fp16_utils import to_python_float
+
+
+def test_to_python_float_returns_item_unchanged() -> None:
+    """Apex's ``fp16util.to_python_float(t)`` is ``return t.item()`` (``t[0]`` without ``item``): an integer
+    tensor gives a Python int and a bool tensor a bool, as ``Tensor.item()`` does. ImageNet-style scripts pass
+    counts through it (``correct = to_python_float(pred.eq(target).sum())``) and format them with ``{:d}``,
+    which raises ``ValueError`` for a float. ampinit wrapped the result in ``float()``."""
+    count = to_python_float(torch.tensor(5))
+    assert type(count) is int and count == 5
+    assert f"{count:d}" == "5"
+    assert type(to_python_float(torch.tensor(True))) is bool
+    assert type(to_python_float(torch.tensor(2.5))) is float and to_python_float(torch.tensor(2.5)) == 2.5
+
+
+def test_disabled_initialize_is_a_passthrough_every_time() -> None:
+    """Apex's ``amp.initialize(..., enabled=False)`` returns its arguments at once (``if not enabled: return
+    models, optimizers``), with nothing recorded on the model. A script that calls it again for the same model
+    (a second training phase with a new optimizer, with ``enabled=args.fp16`` false) therefore runs under Apex.
+    ampinit records the disabled session as the model's owner and refuses the second call ("already belongs to
+    a live amp session")."""
+    model = nn.Linear(4, 2)
+    first = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        assert amp.initialize(model, first, enabled=False) == (model, first)
+        second = torch.optim.Adam(model.parameters(), lr=0.1)
+        assert amp.initialize(model, second, enabled=False) == (model, second)
+        loss = model(torch.randn(3, 4)).sum()
+        with amp.scale_loss(loss, second) as scaled:
+            assert scaled is loss
+            scaled.backward()
+        second.step()
+    finally:
+        while ampinit.current_session() is not None:
+            ampinit.deinitialize()
