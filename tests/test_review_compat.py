@@ -11,6 +11,7 @@ from torch import nn
 import ampinit
 from ampinit.compat.apex import amp
 from ampinit.compat.apex.fp16_utils import to_python_float
+from ampinit.compat.apex.parallel import convert_syncbn_model
 
 
 def test_to_python_float_returns_item_unchanged() -> None:
@@ -45,3 +46,21 @@ def test_disabled_initialize_is_a_passthrough_every_time() -> None:
     finally:
         while ampinit.current_session() is not None:
             ampinit.deinitialize()
+
+
+def test_convert_syncbn_model_keeps_the_dtype_of_a_half_batchnorm() -> None:
+    """Apex's ``convert_syncbn_model`` sets ``mod.weight.data = module.weight.data.clone().detach()`` (and the
+    same for the bias) and hands over the running statistics: the SyncBatchNorm has the BatchNorm's dtype. ampinit
+    copied a half BatchNorm's weights into new float32 parameters while keeping its half running statistics, so
+    the converted layer of a ``.half()`` model failed in its forward ("mixed dtype")."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4)).half().eval()
+    with torch.no_grad():
+        model[1].running_mean.uniform_(-1, 1)
+        model[1].weight.uniform_(0.5, 1.5)
+    x = torch.randn(2, 3, 5, 5).half()
+    expected = model(x)
+    converted = convert_syncbn_model(model).eval()
+    bn = converted[1]
+    assert bn.weight.dtype == bn.bias.dtype == bn.running_mean.dtype == torch.float16
+    assert torch.equal(converted(x), expected)
