@@ -5,13 +5,18 @@ Each test states the Apex rule it checks; the expected values come from that rul
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import ampinit
 from ampinit.compat.apex import amp
 from ampinit.compat.apex.fp16_utils import to_python_float
-from ampinit.compat.apex.parallel import convert_syncbn_model
+from ampinit.compat.apex.parallel import DistributedDataParallel, convert_syncbn_model
 
 
 def test_to_python_float_returns_item_unchanged() -> None:
@@ -64,3 +69,38 @@ def test_convert_syncbn_model_keeps_the_dtype_of_a_half_batchnorm() -> None:
     bn = converted[1]
     assert bn.weight.dtype == bn.bias.dtype == bn.running_mean.dtype == torch.float16
     assert torch.equal(converted(x), expected)
+
+
+@pytest.fixture
+def process_group(tmp_path: Path) -> Iterator[None]:
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)  # type: ignore[operator]
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_disable_and_enable_allreduce(process_group: None) -> None:
+    """Apex's ``DistributedDataParallel`` has ``disable_allreduce()`` and ``enable_allreduce()`` (they set
+    ``self._disable_allreduce``, which its forward and its backward hooks check): gradient-accumulation loops
+    call ``disable_allreduce()`` on the micro-batches that must not communicate. ampinit's class had neither
+    method (AttributeError).
+
+    One process shows the difference through Apex's reduction rule: with ``gradient_average=False`` and
+    ``gradient_predivide_factor=2`` a reduced gradient is the local one divided by 2; a gradient that is not
+    reduced is the local one."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    ddp = DistributedDataParallel(model, gradient_average=False, gradient_predivide_factor=2.0)
+    x = torch.randn(4, 3)
+    local = torch.autograd.grad(model(x).sum(), model.weight)[0]
+
+    ddp.disable_allreduce()
+    ddp(x).sum().backward()
+    assert model.weight.grad is not None
+    torch.testing.assert_close(model.weight.grad, local)
+
+    model.weight.grad = None
+    ddp.enable_allreduce()
+    ddp(x).sum().backward()
+    torch.testing.assert_close(model.weight.grad, local / 2)
