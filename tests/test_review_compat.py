@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 import ampinit
-from ampinit.compat.apex import amp
+from ampinit.compat.apex import amp, apex_C
 from ampinit.compat.apex.fp16_utils import to_python_float
 from ampinit.compat.apex.parallel import DistributedDataParallel, convert_syncbn_model
 
@@ -104,3 +104,19 @@ def test_ddp_disable_and_enable_allreduce(process_group: None) -> None:
     ddp.enable_allreduce()
     ddp(x).sum().backward()
     torch.testing.assert_close(model.weight.grad, local / 2)
+
+
+def test_apex_c_unflatten_accepts_a_padded_buffer() -> None:
+    """Apex's ``apex_C.unflatten(flat, tensors)`` is ``torch::utils::unflatten_dense_tensors`` (csrc/
+    flatten_unflatten.cpp), which narrows ``flat`` tensor by tensor: a flat buffer longer than the tensors (padded
+    to an alignment, as contiguous gradient buffers are) gives views of its leading elements. ampinit raised
+    ValueError unless the sizes were equal. Expected values: torch's own C++ function."""
+    tensors = [torch.zeros(2, 3), torch.zeros(4)]
+    padded = torch.arange(16.0)
+    views = apex_C.unflatten(padded, tensors)
+    expected = torch._C._nn.unflatten_dense_tensors(padded, tensors)
+    assert [v.shape for v in views] == [t.shape for t in tensors]
+    for view, want in zip(views, expected):
+        assert torch.equal(view, want)
+    views[1].fill_(-1.0)  # views, not copies
+    assert torch.equal(padded[6:10], torch.full((4,), -1.0))
