@@ -15,7 +15,13 @@ from torch import nn
 
 import ampinit
 from ampinit.compat.apex import amp, apex_C
-from ampinit.compat.apex.fp16_utils import to_python_float
+from ampinit.compat.apex.fp16_utils import (
+    master_params_to_model_params,
+    model_grads_to_master_grads,
+    network_to_half,
+    prep_param_lists,
+    to_python_float,
+)
 from ampinit.compat.apex.parallel import DistributedDataParallel, convert_syncbn_model
 
 
@@ -120,3 +126,28 @@ def test_apex_c_unflatten_accepts_a_padded_buffer() -> None:
         assert torch.equal(view, want)
     views[1].fill_(-1.0)  # views, not copies
     assert torch.equal(padded[6:10], torch.full((4,), -1.0))
+
+
+def test_flat_master_of_a_network_to_half_model_with_batchnorm() -> None:
+    """Apex's ``prep_param_lists(model, flat_master=True)`` is ``_flatten_dense_tensors([p.data for p in
+    model_params]).float()``; it re-raises only if the flattening fails, and on torch >= 1.5 ``torch.cat`` promotes
+    mixed dtypes, so a ``network_to_half`` model (half Linear, fp32 BatchNorm) gets one float32 flat master, and
+    ``model_grads_to_master_grads`` / ``master_params_to_model_params`` work on it. ampinit raised TypeError."""
+    torch.manual_seed(0)
+    model = network_to_half(nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)))
+    model_params, (flat,) = prep_param_lists(model, flat_master=True)
+    assert {p.dtype for p in model_params} == {torch.float16, torch.float32}
+    assert flat.dtype == torch.float32 and flat.numel() == 12 + 4 + 4 + 4 and flat.grad is not None
+    torch.testing.assert_close(flat.detach(), torch.cat([p.detach().float().reshape(-1) for p in model_params]))
+    model(torch.randn(5, 3)).float().sum().backward()
+    model_grads_to_master_grads(model_params, [flat], flat_master=True)
+    assert flat.grad is not None
+    torch.testing.assert_close(flat.grad, torch.cat([p.grad.float().reshape(-1) for p in model_params]))  # type: ignore[union-attr]
+    with torch.no_grad():
+        flat.add_(1.0)
+    master_params_to_model_params(model_params, [flat], flat_master=True)
+    offset = 0
+    for p in model_params:
+        n = p.numel()
+        assert torch.equal(p, flat[offset : offset + n].view_as(p).to(p.dtype))
+        offset += n
