@@ -268,7 +268,9 @@ def _check_optimizers(optimizers: list[torch.optim.Optimizer]) -> None:
 def _check_ownership(models: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> None:
     for obj in (*models, *optimizers):
         owner = _owner(obj)
-        if owner is not None and not owner.closed:
+        # A disabled session changed nothing (Apex's enabled=False returns its arguments at once), so it does not
+        # hold its objects: initialize may take them again, and the new session becomes their owner.
+        if owner is not None and not owner.closed and owner.enabled:
             kind = "model" if isinstance(obj, nn.Module) else "optimizer"
             raise RuntimeError(
                 f"This {kind} ({type(obj).__name__}) already belongs to a live amp session ({owner!r}). "

@@ -23,8 +23,12 @@ def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def unflatten(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    """Views of ``flat`` with the shapes of ``tensors`` (the inverse of :func:`flatten`)."""
+    """Views of ``flat`` with the shapes of ``tensors`` (the inverse of :func:`flatten`).
+
+    As torch's C++ function that Apex binds, a longer ``flat`` (a buffer padded for alignment) is accepted: the
+    views cover its leading elements. A shorter one is an error.
+    """
     total = sum(t.numel() for t in tensors)
-    if flat.numel() != total:
+    if flat.numel() < total:
         raise ValueError(f"flat has {flat.numel()} elements but the tensors hold {total}")
     return tuple(_kernels.unflatten_dense_tensors(flat, list(tensors)))

@@ -87,12 +87,8 @@ def prep_param_lists(model: nn.Module, flat_master: bool = False) -> tuple[list[
     """``(model_params, master_params)``: the trainable params and fp32 copies of them (one flat copy if asked)."""
     model_params = [p for p in model.parameters() if p.requires_grad]
     if flat_master:
-        dtypes = {p.dtype for p in model_params}
-        if len(dtypes) > 1:
-            raise TypeError(
-                f"prep_param_lists(flat_master=True) needs parameters of a single dtype, got {sorted(map(str, dtypes))}"
-                "; use flat_master=False"
-            )
+        # Mixed dtypes (a network_to_half model keeps BatchNorm in fp32) are promoted by the flattening, as in
+        # Apex on torch >= 1.5: the master is float32 either way.
         flat_data = _kernels.flatten_dense_tensors([p.data for p in model_params])
         flat = nn.Parameter(flat_data.float())
         flat.grad = torch.empty_like(flat)
@@ -134,8 +130,9 @@ def master_params_to_model_params(
             model.copy_(master)
 
 
-def to_python_float(t: Any) -> float:
-    """``t.item()`` (Apex kept ``t[0]`` for objects without ``item``)."""
+def to_python_float(t: Any) -> Any:
+    """``t.item()``, or ``t[0]`` for objects without ``item``, as Apex: the value keeps its Python type (an
+    integer tensor gives an ``int``, which scripts format with ``{:d}``)."""
     if hasattr(t, "item"):
-        return float(t.item())
-    return float(t[0])
+        return t.item()
+    return t[0]

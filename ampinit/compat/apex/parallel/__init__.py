@@ -44,8 +44,9 @@ def convert_syncbn_model(module: nn.Module, process_group: Any = None, channel_l
         )
         with torch.no_grad():
             if module.affine:
-                converted.weight.copy_(module.weight)
-                converted.bias.copy_(module.bias)
+                # Apex assigns clones of the data: the affine parameters keep their dtype (a half model stays half).
+                converted.weight.data = module.weight.detach().clone()
+                converted.bias.data = module.bias.detach().clone()
             if module.track_running_stats:
                 converted.running_mean = module.running_mean
                 converted.running_var = module.running_var

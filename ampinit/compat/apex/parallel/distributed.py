@@ -104,6 +104,15 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             )
             self.register_comm_hook(state, _apex_allreduce_hook)
 
+    def disable_allreduce(self) -> None:
+        """Apex's switch for gradient accumulation: the following backward passes keep their gradients local
+        (torch's ``no_sync()``, left on until :meth:`enable_allreduce`)."""
+        self.require_backward_grad_sync = False
+
+    def enable_allreduce(self) -> None:
+        """Reduce the gradients again from the next forward on (undoes :meth:`disable_allreduce`)."""
+        self.require_backward_grad_sync = True
+
 
 def _explain_ignored(given: dict[str, Any]) -> None:
     """One warning per process for each Apex-only argument set to a non-default value."""
