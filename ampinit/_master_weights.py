@@ -105,6 +105,12 @@ class OptimizerGrads:
                 self._stash.append((param, param.grad))
                 param.grad = None
 
+    def rescale_kept(self, factor: torch.Tensor) -> None:
+        """Multiply the grads kept scaled by delay_unscale (model grads, direct grads; not the stash) by ``factor``."""
+        kept = [p.grad for p, _ in self.pairs() if p.grad is not None]
+        kept += [p.grad for p in self.direct_params() if p.grad is not None]
+        _kernels.mul_(kept, factor)
+
     def abort_backward(self) -> None:
         """Forget a backward that raised: grads are as they were before ``prepare_backward``."""
         for model_param, _ in self.pairs():
