@@ -165,3 +165,42 @@ def test_delay_unscale_grads_kept_across_a_back_off_of_their_own_scaler() -> Non
 
     for g, r in zip(grads(delay=True), grads(delay=False)):
         _assert_close_to_fp16_rounding(g, r)
+
+
+# -- step() without scale_loss after zero_grad(set_to_none=False) ----------------------------------------------
+@pytest.mark.parametrize("level", ["O2", "O5"])
+def test_step_after_zero_grad_keeping_zero_tensors_is_not_refused(level: str) -> None:
+    """``zero_grad(set_to_none=False)`` then ``step()`` with no backward in between must not raise.
+
+    Plain torch and Apex both allow it (Apex's patched ``zero_grad`` zeroes the fp16 model grads in place and
+    its ``step`` then finds no master grads: nothing moves). The current code takes the zero-filled model grads
+    for "gradients that never reached the fp32 master weights" and raises RuntimeError.
+    """
+    model, x, y = make_problem()
+    model.eval()
+    opt = torch.optim.SGD(model.parameters(), 0.1)
+    amp.initialize(model, opt, opt_level=level, verbosity=0)
+    opt.zero_grad(set_to_none=False)
+    with amp.scale_loss(_mse(model(x), y), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=False)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.step()  # no backward since zero_grad: a step with zero (or no) grads
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    amp.deinitialize()
+
+
+def test_backward_outside_scale_loss_after_zero_grad_keeping_tensors_is_still_refused() -> None:
+    """The guard the previous test narrows must still catch a real misuse (passes before and after the fix)."""
+    model, x, y = make_problem()
+    opt = torch.optim.SGD(model.parameters(), 0.1)
+    amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    with amp.scale_loss(_mse(model(x), y), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=False)
+    _mse(model(x), y).backward()
+    with pytest.raises(RuntimeError, match="never reached the fp32 master weights"):
+        opt.step()
+    amp.deinitialize()
