@@ -127,11 +127,12 @@ class OptimizerRecord:
         """Consume the decision for this step: ``(skip on the host, device flag for the optimizer's kernel)``."""
         host_skip, flag = _skip.settle_on_host(self.optimizer, self.skip_flag, closure_given)
         skip = self.skip_pending or host_skip
-        self.skip_pending, self.skip_flag = False, None
+        # A refused step leaves the decision pending (Apex's skip_step raises before it unpatches the step).
         if (skip or self.grads.master_weights) and closure_given:
             raise RuntimeError(CLOSURE_MESSAGE)
         if not skip and self.grads.master_weights and self.stage is not Stage.UNSCALED and self.grads.has_model_grads():
             raise RuntimeError(_NOT_TRANSFERRED)
+        self.skip_pending, self.skip_flag = False, None
         return skip, flag
 
     def finish_step(self, skip: bool, flag: torch.Tensor | None, weights_written: bool) -> None:

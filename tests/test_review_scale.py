@@ -204,3 +204,29 @@ def test_backward_outside_scale_loss_after_zero_grad_keeping_tensors_is_still_re
     with pytest.raises(RuntimeError, match="never reached the fp32 master weights"):
         opt.step()
     amp.deinitialize()
+
+
+# -- a refused closure must not consume the pending skip ---------------------------------------------------------
+@pytest.mark.parametrize("sync_free", [False, True])
+def test_pending_skip_survives_a_step_refused_for_its_closure(sync_free: bool) -> None:
+    """After an overflow, ``step(closure)`` is refused; the skip must still be pending for the next ``step()``.
+
+    Apex (§1.2: ``skip_step`` raises "Currently, Amp does not support closure use with optimizers." before it
+    restores ``opt.step``) keeps the one-shot skip in place when the closure is refused, so the following
+    ``step()`` is still skipped. The current code consumes the skip decision and then raises: at O1 the next
+    ``step()`` applies the inf grads, and the weights become non-finite.
+    """
+    model, x, y = make_problem()
+    model.eval()
+    opt = torch.optim.SGD(model.parameters(), 0.1)
+    amp.initialize(model, opt, opt_level="O1", verbosity=0, sync_free=sync_free)
+    with amp.scale_loss(_mse(model(x), y), opt) as scaled:
+        scaled.backward()
+        _plant_inf(model)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="does not support closure"):
+        opt.step(lambda: _mse(model(x), y))
+    opt.step()
+    assert amp.step_was_skipped(opt)
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    amp.deinitialize()
