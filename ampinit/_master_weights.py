@@ -110,6 +110,10 @@ class OptimizerGrads:
                 self._stash.append((param, param.grad))
                 param.grad = None
 
+    def drop_stash(self) -> None:
+        """Forget the grads stashed by :meth:`prepare_backward` (``zero_grad`` cleared them)."""
+        self._stash = []
+
     def rescale_kept(self, factor: torch.Tensor) -> None:
         """Multiply the grads kept scaled by delay_unscale (model grads, direct grads; not the stash) by ``factor``."""
         kept = [p.grad for p, _ in self.pairs() if p.grad is not None]

@@ -55,18 +55,20 @@ class OptimizerRecord:
 
     # -- rebinding --------------------------------------------------------------------------------------------
     def rebind_grad_methods(self, undo: UndoStack) -> None:
-        """Make ``zero_grad`` clear the half model grads too (master weights), and ``add_param_group`` add masters."""
+        """Make ``zero_grad`` clear the half model grads too (master weights) and end an unfinished delay_unscale
+        accumulation, and ``add_param_group`` add masters."""
         opt, grads = self.optimizer, self.grads
-        if grads.master_weights:
-            original_zero_grad = opt.zero_grad
+        original_zero_grad = opt.zero_grad
 
-            @functools.wraps(original_zero_grad)
-            def zero_grad(*args: Any, **kwargs: Any) -> None:
-                original_zero_grad(*args, **kwargs)
+        @functools.wraps(original_zero_grad)
+        def zero_grad(*args: Any, **kwargs: Any) -> None:
+            original_zero_grad(*args, **kwargs)
+            if grads.master_weights:
                 set_to_none = kwargs.get("set_to_none", args[0] if args else True)
                 grads.zero_model_grads(bool(set_to_none))
+            self._drop_kept_scaled()
 
-            undo.rebind(opt, "zero_grad", zero_grad)
+        undo.rebind(opt, "zero_grad", zero_grad)
 
         original_add = opt.add_param_group
 
@@ -98,6 +100,13 @@ class OptimizerRecord:
         """The block raised: its gradients are dropped, and scaled ones kept by delay_unscale with them."""
         self.grads.abort_backward()
         if self.stage is Stage.SCALED:
+            self.stage = Stage.READY
+            self._kept_scale = None
+
+    def _drop_kept_scaled(self) -> None:
+        """``zero_grad`` amid a delay_unscale accumulation: nothing scaled is left, nor the grads stashed before it."""
+        if self.stage is Stage.SCALED:
+            self.grads.drop_stash()
             self.stage = Stage.READY
             self._kept_scale = None
 

@@ -230,3 +230,43 @@ def test_pending_skip_survives_a_step_refused_for_its_closure(sync_free: bool) -
     assert amp.step_was_skipped(opt)
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
     amp.deinitialize()
+
+
+# -- zero_grad() abandoning a delay_unscale accumulation ---------------------------------------------------------
+def _grads_of_one_block(level: str, abandon_first: bool) -> list[torch.Tensor]:
+    """The grads the optimizer reads after one plain block, optionally preceded by an abandoned accumulation."""
+    model, x, y = make_problem()
+    model.eval()
+    opt = torch.optim.SGD(model.parameters(), 0.0)
+    amp.initialize(model, opt, opt_level=level, verbosity=0)
+    if abandon_first:
+        opt.zero_grad()
+        with amp.scale_loss(_mse(model(x[:16]), y[:16]), opt) as scaled:
+            scaled.backward()
+        with amp.scale_loss(_mse(model(x[16:32]), y[16:32]), opt, delay_unscale=True) as scaled:
+            scaled.backward()
+        opt.zero_grad()  # drop this accumulation: a bad batch, say
+        opt.step()  # nothing left to step on: must not be refused as "still scaled"
+    opt.zero_grad()
+    with amp.scale_loss(_mse(model(x[32:]), y[32:]), opt) as scaled:
+        scaled.backward()
+    grads = [p.grad.clone() for g in opt.param_groups for p in g["params"] if p.grad is not None]
+    amp.deinitialize()
+    return grads
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_zero_grad_drops_an_unfinished_delay_unscale_accumulation(level: str) -> None:
+    """``optimizer.zero_grad()`` in the middle of a ``delay_unscale`` accumulation must discard all of it.
+
+    Expected (plain torch's meaning of ``zero_grad``): ``step()`` right after it is allowed (there is nothing
+    scaled left), and the next iteration's grads are those of its own block only, bitwise as in a fresh run.
+    The current code keeps the optimizer marked "still scaled" (``step()`` raises) and keeps the grads stashed
+    when the delayed block began (here the first micro-batch's, on every fp32 parameter: all of them at O1,
+    BatchNorm's at O2), which the next unscale adds back into the next iteration's grads.
+    """
+    fresh = _grads_of_one_block(level, abandon_first=False)
+    after_abandon = _grads_of_one_block(level, abandon_first=True)
+    assert len(fresh) == len(after_abandon)
+    for got, expected in zip(after_abandon, fresh):
+        assert torch.equal(got, expected)
