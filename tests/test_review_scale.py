@@ -233,7 +233,7 @@ def test_pending_skip_survives_a_step_refused_for_its_closure(sync_free: bool) -
 
 
 # -- zero_grad() abandoning a delay_unscale accumulation ---------------------------------------------------------
-def _grads_of_one_block(level: str, abandon_first: bool) -> list[torch.Tensor]:
+def _grads_of_one_block(level: str, abandon_first: bool, step_after: bool = False) -> list[torch.Tensor]:
     """The grads the optimizer reads after one plain block, optionally preceded by an abandoned accumulation."""
     model, x, y = make_problem()
     model.eval()
@@ -246,7 +246,8 @@ def _grads_of_one_block(level: str, abandon_first: bool) -> list[torch.Tensor]:
         with amp.scale_loss(_mse(model(x[16:32]), y[16:32]), opt, delay_unscale=True) as scaled:
             scaled.backward()
         opt.zero_grad()  # drop this accumulation: a bad batch, say
-        opt.step()  # nothing left to step on: must not be refused as "still scaled"
+        if step_after:
+            opt.step()  # nothing left to step on: must not be refused as "still scaled"
     opt.zero_grad()
     with amp.scale_loss(_mse(model(x[32:]), y[32:]), opt) as scaled:
         scaled.backward()
@@ -259,14 +260,22 @@ def _grads_of_one_block(level: str, abandon_first: bool) -> list[torch.Tensor]:
 def test_zero_grad_drops_an_unfinished_delay_unscale_accumulation(level: str) -> None:
     """``optimizer.zero_grad()`` in the middle of a ``delay_unscale`` accumulation must discard all of it.
 
-    Expected (plain torch's meaning of ``zero_grad``): ``step()`` right after it is allowed (there is nothing
-    scaled left), and the next iteration's grads are those of its own block only, bitwise as in a fresh run.
-    The current code keeps the optimizer marked "still scaled" (``step()`` raises) and keeps the grads stashed
-    when the delayed block began (here the first micro-batch's, on every fp32 parameter: all of them at O1,
-    BatchNorm's at O2), which the next unscale adds back into the next iteration's grads.
+    Expected (plain torch's meaning of ``zero_grad``): the next iteration's grads are those of its own block
+    only, bitwise as in a fresh run. The current code keeps the grads stashed when the delayed block began (here
+    the first micro-batch's, on every fp32 parameter: all of them at O1, BatchNorm's at O2), and the next
+    unscale adds them back into the next iteration's grads.
     """
     fresh = _grads_of_one_block(level, abandon_first=False)
     after_abandon = _grads_of_one_block(level, abandon_first=True)
     assert len(fresh) == len(after_abandon)
     for got, expected in zip(after_abandon, fresh):
         assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_step_after_zero_grad_amid_delay_unscale_is_not_refused(level: str) -> None:
+    """After ``zero_grad()`` nothing scaled is left: ``step()`` must not raise "gradients are still scaled".
+
+    The current code keeps the optimizer in its scaled stage through ``zero_grad`` and refuses the step.
+    """
+    _grads_of_one_block(level, abandon_first=True, step_after=True)
