@@ -37,6 +37,9 @@ class OptimizerGrads:
         self._model_of: dict[int, torch.Tensor] = {}
         self._grad_buffers: dict[int, torch.Tensor] = {}
         self._stash: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # zero_grad(set_to_none=False): each zeroed half model grad and its version counter then, by param id.
+        # Untouched since (same tensor, same version), it holds no gradient that a step could miss.
+        self._zeroed: dict[int, tuple[torch.Tensor, int]] = {}
 
     # -- masters --------------------------------------------------------------------------------------------
     def create_masters(self, fp32_values: dict[int, torch.Tensor] | None = None) -> None:
@@ -133,10 +136,12 @@ class OptimizerGrads:
         self._master_of.clear()
         self._model_of.clear()
         self._grad_buffers.clear()
+        self._zeroed = {}
 
     # -- one backward -----------------------------------------------------------------------------------------
     def prepare_backward(self) -> None:
         self.adopt_trainable()
+        self._zeroed = {}
         for model_param, _ in self.pairs():
             model_param.grad = None
         self._stash = []
@@ -144,6 +149,16 @@ class OptimizerGrads:
             if param.grad is not None:
                 self._stash.append((param, param.grad))
                 param.grad = None
+
+    def drop_stash(self) -> None:
+        """Forget the grads stashed by :meth:`prepare_backward` (``zero_grad`` cleared them)."""
+        self._stash = []
+
+    def rescale_kept(self, factor: torch.Tensor) -> None:
+        """Multiply the grads kept scaled by delay_unscale (model grads, direct grads; not the stash) by ``factor``."""
+        kept = [p.grad for p, _ in self.pairs() if p.grad is not None]
+        kept += [p.grad for p in self.direct_params() if p.grad is not None]
+        _kernels.mul_(kept, factor)
 
     def abort_backward(self) -> None:
         """Forget a backward that raised: grads are as they were before ``prepare_backward``."""
@@ -226,7 +241,11 @@ class OptimizerGrads:
     # -- around the step --------------------------------------------------------------------------------------
     def has_model_grads(self) -> bool:
         """Whether any half model parameter holds a grad (which only ``scale_loss`` carries to its master)."""
-        return any(p.grad is not None for p, _ in self.pairs())
+        return any(p.grad is not None and not self._still_zeroed(p) for p, _ in self.pairs())
+
+    def _still_zeroed(self, param: torch.Tensor) -> bool:
+        entry = self._zeroed.get(id(param))
+        return entry is not None and entry[0] is param.grad and entry[0]._version == entry[1]
 
     def fused_step(self, original: Callable[..., Any], found_inf: torch.Tensor | None) -> bool:
         """Step the optimizer and write the half weights in one kernel per list, if it can (see ``_fused_step``)."""
@@ -246,8 +265,10 @@ class OptimizerGrads:
     def zero_model_grads(self, set_to_none: bool) -> None:
         """The half model grads, which the optimizer's own ``zero_grad`` cannot see."""
         grads = [p.grad for p, _ in self.pairs() if p.grad is not None]
+        self._zeroed = {}
         if set_to_none:
             for model_param, _ in self.pairs():
                 model_param.grad = None
         elif grads:
             _kernels.foreach_zero_(grads)
+            self._zeroed = {id(p): (p.grad, p.grad._version) for p, _ in self.pairs() if p.grad is not None}

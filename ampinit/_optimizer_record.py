@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ampinit import _skip
+from ampinit import _kernels, _skip
 from ampinit._master_weights import OptimizerGrads
 from ampinit._remainder_masters import RemainderGrads
 from ampinit._scaler import LossScaler
@@ -50,21 +50,25 @@ class OptimizerRecord:
         self.skip_pending = False  # an overflow read on the host: skip the next step
         self.skip_flag: torch.Tensor | None = None  # sync-free: the overflow flag, on the device, for the next step
         self.last_skipped: bool | torch.Tensor = False  # the last step's fate (a device flag in sync-free mode)
+        # delay_unscale: the scaler, its version and the scale that the kept grads are multiplied by.
+        self._kept_scale: tuple[LossScaler, int, torch.Tensor] | None = None
 
     # -- rebinding --------------------------------------------------------------------------------------------
     def rebind_grad_methods(self, undo: UndoStack) -> None:
-        """Make ``zero_grad`` clear the half model grads too (master weights), and ``add_param_group`` add masters."""
+        """Make ``zero_grad`` clear the half model grads too (master weights) and end an unfinished delay_unscale
+        accumulation, and ``add_param_group`` add masters."""
         opt, grads = self.optimizer, self.grads
-        if grads.master_weights:
-            original_zero_grad = opt.zero_grad
+        original_zero_grad = opt.zero_grad
 
-            @functools.wraps(original_zero_grad)
-            def zero_grad(*args: Any, **kwargs: Any) -> None:
-                original_zero_grad(*args, **kwargs)
+        @functools.wraps(original_zero_grad)
+        def zero_grad(*args: Any, **kwargs: Any) -> None:
+            original_zero_grad(*args, **kwargs)
+            if grads.master_weights:
                 set_to_none = kwargs.get("set_to_none", args[0] if args else True)
                 grads.zero_model_grads(bool(set_to_none))
+            self._drop_kept_scaled()
 
-            undo.rebind(opt, "zero_grad", zero_grad)
+        undo.rebind(opt, "zero_grad", zero_grad)
 
         original_add = opt.add_param_group
 
@@ -80,22 +84,45 @@ class OptimizerRecord:
         undo.rebind(opt, "add_param_group", add_param_group)
 
     # -- one scale_loss block ---------------------------------------------------------------------------------
-    def begin_backward(self) -> None:
-        if self.stage is not Stage.SCALED:  # grads kept scaled by delay_unscale are accumulated into, as they are
+    def begin_backward(self, scaler: LossScaler) -> None:
+        """Before a backward scaled by ``scaler`` (materialized): make room for its grads.
+
+        Grads kept scaled by delay_unscale are accumulated into; if they carry another scale than ``scaler``'s
+        (another loss, or a scale changed since), they are first brought to ``scaler``'s scale, so that the
+        unscale at the end divides every contribution by the scale it was multiplied by.
+        """
+        if self.stage is not Stage.SCALED:
             self.grads.prepare_backward()
+            return
+        kept = self._kept_scale
+        assert kept is not None
+        kept_by, version, scale = kept
+        if kept_by is not scaler or version != scaler.version:
+            self.grads.rescale_kept(scaler.scale_tensor / _kernels.to_device(scale, scaler.scale_tensor.device))
 
     def abort_backward(self) -> None:
         """The block raised: its gradients are dropped, and scaled ones kept by delay_unscale with them."""
         self.grads.abort_backward()
         if self.stage is Stage.SCALED:
             self.stage = Stage.READY
+            self._kept_scale = None
 
-    def keep_scaled(self) -> None:
+    def _drop_kept_scaled(self) -> None:
+        """``zero_grad`` amid a delay_unscale accumulation: nothing scaled is left, nor the grads stashed before it."""
+        if self.stage is Stage.SCALED:
+            self.grads.drop_stash()
+            self.stage = Stage.READY
+            self._kept_scale = None
+
+    def keep_scaled(self, scaler: LossScaler) -> None:
+        """The grads stay multiplied by ``scaler``'s current scale (remembered, a device copy: no sync)."""
         self.stage = Stage.SCALED
+        self._kept_scale = (scaler, scaler.version, scaler.scale_tensor.clone())
 
     def unscale(self, scaler: LossScaler) -> None:
         self.grads.post_backward(scaler)
         self.stage = Stage.UNSCALED
+        self._kept_scale = None
 
     def skip_next_step(self, found_inf: torch.Tensor | None = None) -> None:
         """An unscale step overflowed (decided on the host), or may have (``found_inf``, on the device)."""

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
+
 from ampinit import _skip
 from ampinit._distributed import agree_on_overflow_
 from ampinit._optimizer_record import OptimizerRecord
@@ -22,29 +24,36 @@ class OverflowDecisions:
 
     def __init__(self, options: AmpOptions) -> None:
         self._options = options
-        # Unscale steps whose decision waits for a step, by scaler: the records they fed, in order.
-        self._deferred: dict[LossScaler, dict[OptimizerRecord, None]] = {}
+        # Unscale steps whose decision waits for a step, by scaler: their overflow flags folded into one held
+        # flag (the scaler's own flag is cleared for every unscale step, so that a plain block in between is
+        # decided on its own grads only), and the records they fed, in order.
+        self._deferred: dict[LossScaler, tuple[torch.Tensor, dict[OptimizerRecord, None]]] = {}
         self._log = _skip.OverflowLog()
 
     def begin_unscale(self, scaler: LossScaler) -> None:
-        """Clear ``scaler``'s flag before an unscale step, unless a deferred decision is still collecting it."""
-        if scaler not in self._deferred:
-            scaler.clear_overflow()
+        """Clear ``scaler``'s flag before an unscale step: each step checks only the grads of its own backward."""
+        scaler.clear_overflow()
 
     def after_unscale(
         self, scaler: LossScaler, records: Sequence[OptimizerRecord], verbosity: int, *, defer: bool
     ) -> None:
         """Decide now from ``scaler``'s flag, or (``defer``) when one of ``records`` steps."""
-        if defer:
-            self._deferred.setdefault(scaler, {}).update(dict.fromkeys(records))
-        else:
+        if not defer:
             self._decide(scaler, records, verbosity)
+            return
+        held = self._deferred.get(scaler)
+        if held is None:
+            self._deferred[scaler] = (scaler.found_inf.clone(), dict.fromkeys(records))
+        else:
+            torch.maximum(held[0], scaler.found_inf, out=held[0])
+            held[1].update(dict.fromkeys(records))
 
     def before_step(self, record: OptimizerRecord, verbosity: int) -> None:
         """Take every deferred decision that ``record``'s step waits for."""
-        for scaler, waiting in list(self._deferred.items()):
+        for scaler, (flag, waiting) in list(self._deferred.items()):
             if record in waiting:
                 del self._deferred[scaler]
+                scaler.found_inf.copy_(flag)  # the flag the deferred unscale steps raised, decided now
                 self._decide(scaler, list(waiting), verbosity)
 
     def _decide(self, scaler: LossScaler, records: Sequence[OptimizerRecord], verbosity: int) -> None:

@@ -50,6 +50,9 @@ class LossScaler:
         self._found_inf: torch.Tensor | None = None
         self._inv_scale: torch.Tensor | None = None
         self._one: torch.Tensor | None = None  # the multiplier of a check that has nothing to unscale
+        # Counts the events that may have changed the scale (a dynamic update, a load): grads kept scaled by
+        # delay_unscale know from it, on the host, whether the scale they carry is still the current one.
+        self.version = 0
 
     # -- state ---------------------------------------------------------------------------------------------
     @property
@@ -180,6 +183,8 @@ class LossScaler:
         """Fold this step's overflow flag into the scale, on device (no host sync)."""
         assert self._scale is not None and self._unskipped is not None and self._hysteresis_left is not None
         cfg = self.config
+        if cfg is not None:
+            self.version += 1
         if cfg is None:
             # A static scale only counts clean steps (Apex's ``_unskipped``): factors of 1, no growth ever.
             _kernels.update_scale_(self._scale, self._unskipped, self.found_inf, 1.0, 1.0, _NEVER)
@@ -265,6 +270,7 @@ class LossScaler:
                 f"A loss-scaler entry needs 'loss_scale' (a number) and 'unskipped' (an int), got {state!r}"
             ) from err
         self._host_scale, self._host_unskipped = scale, unskipped
+        self.version += 1
         self._host_hysteresis = int(state.get("hysteresis_left", self.config.hysteresis if self.config else 1))
         if self._scale is not None:
             self._scale.fill_(scale)

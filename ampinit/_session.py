@@ -220,9 +220,9 @@ class AmpSession:
             with self._casts_off():
                 yield loss.float()
             return
+        scaled = scaler.scale(loss)  # materializes the scaler, whose scale begin_backward may need
         for record in records:
-            record.begin_backward()
-        scaled = scaler.scale(loss)
+            record.begin_backward(scaler)
         try:
             with self._casts_off():
                 yield scaled
@@ -245,7 +245,7 @@ class AmpSession:
     ) -> None:
         if delay_unscale:
             for record in records:
-                record.keep_scaled()
+                record.keep_scaled(scaler)
             return
         self._overflow.begin_unscale(scaler)
         for record in records:
