@@ -90,6 +90,16 @@ class ModelCast:
         # was moved after initialize(), leaving the fp32 masters (and the optimizer's state) on the old device.
         self._probe: tuple[nn.Module, str, torch.device] | None = None
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> ModelCast:
+        """The cast itself, not a copy: a deep copy of the model (an EMA helper's, say) shares its hooks.
+
+        Its hooks find what they act on through their ``module`` argument and the parameters' identities, so on a
+        copy they cast the inputs and outputs, as the copy's half weights need, and leave its state dict, whose
+        tensors have no masters, as they are. Copying the cast instead would copy the session behind it, whose
+        thread-local state cannot be copied.
+        """
+        return self
+
     # -- apply / undo -------------------------------------------------------------------------------------
     def apply(self) -> None:
         if self.guard_device:

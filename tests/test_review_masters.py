@@ -260,18 +260,32 @@ def test_deinitialize_restores_tied_weights_to_their_masters() -> None:
     assert torch.equal(model.emb.weight, expected)
 
 
-# -- known, not fixed here -----------------------------------------------------------------------------------------
-@pytest.mark.xfail(strict=True, raises=TypeError, reason="O1's forward hooks deep-copy the cast policy (not fixed)")
-def test_a_model_can_be_deep_copied_after_o1_initialize() -> None:
+# -- deep copies (EMA helpers) --------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("level", "master_weights"), [("O1", None), ("O4", None), *MASTER_SETUPS])
+def test_a_model_can_be_deep_copied_after_initialize(level: str, master_weights: bool | str | None) -> None:
     """``copy.deepcopy(model)`` after ``initialize`` is how EMA helpers (timm's ``ModelEmaV2``, created after
-    ``amp.initialize`` in timm's train.py) build their copy. Apex's O1 patches torch functions and leaves the model
-    alone, so the copy works; ampinit's O1 forward hooks are bound methods of the session's ``CastPolicy``, which
-    holds a ``threading.local``: the deep copy raises ``TypeError: cannot pickle '_thread._local' object``."""
-    model, x, _ = make_problem()
+    ``amp.initialize`` in timm's train.py) build their copy; Apex's O1 leaves the model alone, so it works there.
+    It raised ``TypeError: cannot pickle '_thread._local' object`` at every level: the model's hooks were bound
+    methods of its ``ModelCast``, and copying that copied the session. The copy must run like the original,
+    give its own weights in its state dict, and stay put while the original trains on."""
+    model, x, y = make_problem()
     opt = torch.optim.SGD(model.parameters(), 0.1)
-    amp.initialize(model, opt, opt_level="O1", verbosity=0)
+    options = {} if master_weights is None else {"master_weights": master_weights}
+    amp.initialize(model, opt, opt_level=level, verbosity=0, **options)
     try:
         ema = copy.deepcopy(model)
-        assert ema(x).shape == model(x).shape
+        assert all(p is not q for p, q in zip(ema.parameters(), model.parameters()))
+        # The copy shares the original's cast (its hooks' owner) instead of copying it and the session behind it.
+        owners = [h.__self__ for h in model._forward_pre_hooks.values() if hasattr(h, "__self__")]
+        copied = [h.__self__ for h in ema._forward_pre_hooks.values() if hasattr(h, "__self__")]
+        assert owners and [id(o) for o in copied] == [id(o) for o in owners]
+        out, ema_out = model(x), ema(x)
+        assert ema_out.dtype == out.dtype
+        assert torch.equal(ema_out, out)
+        frozen = {k: v.clone() for k, v in ema.state_dict().items()}
+        for _ in range(2):
+            amp_iteration(model, opt, x, y)
+        assert all(torch.equal(v, frozen[k]) for k, v in ema.state_dict().items())
+        assert not torch.equal(model(x), ema(x))
     finally:
         amp.deinitialize()
