@@ -96,7 +96,7 @@ def cast_lower(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """
     if tensor.dtype == dtype:
         return tensor
-    if not _cacheable(tensor):
+    if not _cacheable(tensor) or not torch.is_autocast_cache_enabled():  # off outside model forwards (``policy``)
         return cast(tensor, dtype)
     cache = _cache()
     key = (id(tensor), dtype)

@@ -34,6 +34,9 @@ from ampinit._casting.kernels import AUTOCAST_KEYS, KERNELS
 from ampinit._casting.lists import Policy
 from ampinit._types import CAST_POLICIES, HALF_DTYPES, CastPolicyName
 
+# What a model forward restores on exit: (device, autocast enabled, autocast dtype) per device, and the cache flag.
+_Saved = tuple[list[tuple[str, bool, torch.dtype]], bool]
+
 
 class CastPolicy:
     """Autocast to ``dtype`` on ``device_types`` while active, with Apex's lists on top for ``policy="apex"``."""
@@ -62,6 +65,7 @@ class CastPolicy:
         self.policy = policy
         self.allow_banned = allow_banned
         self._saved: list[tuple[str, bool, torch.dtype]] = []
+        self._saved_cache_enabled = True
         self._thread: int | None = None
         self._local = threading.local()
         self._acquired: list[str] = []
@@ -91,6 +95,12 @@ class CastPolicy:
             self._saved.append((device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)))
             torch.set_autocast_enabled(device, True)
             torch.set_autocast_dtype(device, self.dtype)
+        # The thread stays one open autocast region for the session's life, but torch's weight-cast cache checks
+        # neither versions nor ``.data`` swaps: outside a model forward nothing clears it between a weight's uses
+        # (a head or loss weight updated in place, ``load_state_dict`` of a module not passed to initialize), so
+        # casts are not cached there. Model forwards switch it back on (``install_forward_hooks``).
+        self._saved_cache_enabled = torch.is_autocast_cache_enabled()
+        torch.set_autocast_cache_enabled(False)
         # Counts as an open autocast region, so that a user's nested ``with torch.autocast`` does not clear
         # the weight-cast cache on its exit.
         torch.autocast_increment_nesting()
@@ -138,6 +148,11 @@ class CastPolicy:
         index = next(i for i, policy in enumerate(activated) if policy is self)
         later = activated[index + 1 :]
         del activated[index]
+        # The cache flag is one per thread: the next policy activated after this one saved the value this one set.
+        if later:
+            later[0]._saved_cache_enabled = self._saved_cache_enabled
+        else:
+            torch.set_autocast_cache_enabled(self._saved_cache_enabled)
         for device, enabled, dtype in reversed(self._saved):
             heir = next((p for p in later if any(d == device for d, _, _ in p._saved)), None)
             if heir is None:
@@ -188,25 +203,30 @@ class CastPolicy:
             for device, _, _ in saved:
                 torch.set_autocast_enabled(device, True)
                 torch.set_autocast_dtype(device, self.dtype)
+            # Weights are cast once per forward (the cache is cleared at the outermost entry, see above).
+            saved_cache = torch.is_autocast_cache_enabled()
+            torch.set_autocast_cache_enabled(True)
             # An open autocast region, as ``torch.autocast`` would count it: the weight-cast cache lives until
             # the outermost one closes.
             torch.autocast_increment_nesting()
             scopes.thread_scopes().append(self)
-            stack.append(saved)
+            stack.append((saved, saved_cache))
 
         def leave(module: torch.nn.Module, args: Any, output: Any) -> None:
             stack = self._thread_stack()
             if not stack:
                 return
-            saved = stack.pop()
-            if saved is None:
+            entry = stack.pop()
+            if entry is None:
                 return
+            saved, saved_cache = entry
             scopes.thread_scopes().pop()
             if torch.autocast_decrement_nesting() == 0:
                 torch.clear_autocast_cache()
             for device, enabled, dtype in saved:
                 torch.set_autocast_enabled(device, enabled)
                 torch.set_autocast_dtype(device, dtype)
+            torch.set_autocast_cache_enabled(saved_cache)
 
         # torch.compile runs the hooks eagerly (a region opened in one hook and closed in another cannot be
         # traced) and compiles the forward under the autocast state they set, on which it guards.
@@ -215,9 +235,9 @@ class CastPolicy:
             model.register_forward_hook(torch.compiler.disable(leave), always_call=True),  # type: ignore[no-untyped-call]
         ]
 
-    def _thread_stack(self) -> list[list[tuple[str, bool, torch.dtype]] | None]:
-        """Per thread, per open model forward: the autocast state to restore (None: the forward was uncast)."""
-        stack: list[list[tuple[str, bool, torch.dtype]] | None] | None = getattr(self._local, "stack", None)
+    def _thread_stack(self) -> list[_Saved | None]:
+        """Per thread, per open model forward: the autocast state and cache flag to restore (None: uncast)."""
+        stack: list[_Saved | None] | None = getattr(self._local, "stack", None)
         if stack is None:
             stack = self._local.stack = []
         return stack
