@@ -151,6 +151,9 @@ class AmpSession:
         """
         if self.closed:
             return
+        if self._cast_policy is not None:
+            # Refused before anything is undone: the session stays open, to be closed from the right thread.
+            self._cast_policy.check_thread()
         self.closed = True
         try:
             self._undo.run()

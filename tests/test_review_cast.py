@@ -6,6 +6,8 @@ from the library's own formulas.
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -105,3 +107,41 @@ def test_weights_are_still_cast_once_per_model_forward(level: str, dtype: torch.
     finally:
         amp.deinitialize()
     assert torch.is_autocast_cache_enabled() == cache_before
+
+
+def test_close_refused_in_another_thread_can_be_retried_from_the_initializing_thread() -> None:
+    """``close()`` from a thread other than the one that called ``initialize`` raises, and its message says to
+    close from the initializing thread. Doing so must then restore everything (docs/api.md: ``close()`` undoes
+    everything, autocast state restored).
+
+    Got: the refused ``close()`` had already marked the session closed and undone the rest (hooks, optimizer
+    methods), so the retry was a no-op; the initializing thread stayed in autocast with the policy in force and
+    the extra autocast kernels stayed registered in the process for good.
+    """
+    from ampinit._casting import kernels, scopes
+
+    autocast_before = torch.is_autocast_enabled("cpu")
+    kernels_before = kernels.KERNELS.registered()
+    model = nn.Linear(4, 4)
+    amp.initialize(model, torch.optim.SGD(model.parameters(), 0.1), opt_level="O1", verbosity=0)
+    session = amp.current_session()
+    assert session is not None
+    errors: list[BaseException] = []
+
+    def close_elsewhere() -> None:
+        try:
+            session.close()
+        except RuntimeError as err:
+            errors.append(err)
+
+    try:
+        thread = threading.Thread(target=close_elsewhere)
+        thread.start()
+        thread.join()
+        assert len(errors) == 1 and "thread that called initialize()" in str(errors[0])
+    finally:
+        session.close()  # the retry the message asks for
+    assert torch.is_autocast_enabled("cpu") == autocast_before
+    assert not scopes.thread_scopes()
+    assert kernels.KERNELS.registered() == kernels_before
+    assert torch.mm(g(2, 2), g(2, 2)).dtype == torch.float32

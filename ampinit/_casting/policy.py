@@ -113,11 +113,7 @@ class CastPolicy:
         """Restore the autocast state found at :meth:`activate` (must run in the same thread)."""
         if not self.active:
             return
-        if threading.get_ident() != self._thread:
-            raise RuntimeError(
-                "The cast policy was activated in another thread: close() the session from the thread that "
-                "called initialize(), because autocast state is per thread."
-            )
+        self.check_thread()
         try:
             stack = scopes.thread_scopes()
             for index in range(len(stack) - 1, -1, -1):
@@ -137,6 +133,18 @@ class CastPolicy:
                     self._restore_user_functions = None
             finally:
                 self._release_kernels()
+
+    def check_thread(self) -> None:
+        """Raise unless :meth:`deactivate` can run in the calling thread (the one that activated the policy).
+
+        The session asks before it undoes anything, so that a ``close()`` refused here can be made again from
+        the right thread.
+        """
+        if self.active and threading.get_ident() != self._thread:
+            raise RuntimeError(
+                "The cast policy was activated in another thread: close() the session from the thread that "
+                "called initialize(), because autocast state is per thread."
+            )
 
     def _restore_autocast_state(self) -> None:
         """Put back the state found at activation, or hand it to a policy activated later in this thread.
