@@ -145,3 +145,45 @@ def test_close_refused_in_another_thread_can_be_retried_from_the_initializing_th
     assert not scopes.thread_scopes()
     assert kernels.KERNELS.registered() == kernels_before
     assert torch.mm(g(2, 2), g(2, 2)).dtype == torch.float32
+
+
+@pytest.mark.parametrize("how", ["apex list edit", "register_float_function"])
+def test_function_patches_survive_sessions_closing_out_of_order(how: str) -> None:
+    """Two O1 sessions open at once (supported: "Sessions may close in any order", CastPolicy), both patching
+    ``torch.sigmoid`` to fp32, through an edit of Apex's lists (read by every ``initialize``) or a
+    ``register_float_function`` before each ``initialize``. Apex's rule for such a name: while casts are on, its
+    floating inputs are cast to fp32 (docs/cast-policy.md, "Editing Apex's lists" / "User functions").
+
+    Got: closing the first session put back the ``torch.sigmoid`` it had found, dropping the open second session's
+    patch (``torch.sigmoid`` of a half tensor gave float16 under the open session); closing the second then
+    reinstalled the first session's wrapper, which outlived every session (``torch.sigmoid`` not the original).
+    """
+    from ampinit.compat.apex.amp.lists import torch_overrides
+
+    original = torch.sigmoid
+    sessions = []
+    if how == "apex list edit":
+        torch_overrides.FP32_FUNCS.append("sigmoid")
+    try:
+        for index in range(2):
+            if how == "register_float_function":
+                if index == 0:
+                    amp.register_float_function(torch, "sigmoid")
+                else:  # registered while the first session is open: for the next initialize (a warning says so)
+                    with pytest.warns(UserWarning, match="takes effect at the next"):
+                        amp.register_float_function(torch, "sigmoid")
+            model = nn.Linear(4, 4)
+            amp.initialize(model, torch.optim.SGD(model.parameters(), 0.1), opt_level="O1", verbosity=0)
+            sessions.append(amp.current_session())
+        half = g(3).half()
+        assert torch.sigmoid(half).dtype == torch.float32
+        sessions[0].close()
+        assert torch.sigmoid(half).dtype == torch.float32  # the second session is still open
+        sessions[1].close()
+        assert torch.sigmoid is original
+    finally:
+        for session in reversed(sessions):
+            session.close()
+        if how == "apex list edit":
+            torch_overrides.FP32_FUNCS.remove("sigmoid")
+        torch.sigmoid = original  # so that the leak check reports this test only

@@ -23,7 +23,6 @@ import torch
 
 from ampinit._casting.arguments import cast_all, device_of, floating_dtypes, widest
 from ampinit._casting.lists import Policy
-from ampinit._undo import UndoStack
 
 CastKind = Literal["half", "float", "promote"]
 # The decorator that casts like each list policy (``lists.KIND_POLICY``).
@@ -86,6 +85,65 @@ class _Registration:
     kind: CastKind
 
 
+@dataclass
+class _Chain:
+    """The session patches of one ``module.name``: the original, and each open session's cast in applying order."""
+
+    module: Any
+    name: str
+    had_own: bool  # the name was in ``vars(module)`` (else it came from a class, and is deleted again)
+    previous: Any  # ``vars(module)[name]`` before the first patch
+    original: Callable[..., Any]  # ``getattr(module, name)`` before the first patch: what the casts wrap
+    kinds: list[tuple[object, CastKind]]
+    installed: Any = None
+
+
+class _Patches:
+    """Every session's patches of ``module.name``, shared, so that sessions may close in any order.
+
+    The attribute holds the original wrapped by the open sessions' casts in the order they were applied; closing
+    a session rebuilds the chain from the others' (one session's undo putting back what it found would drop a
+    later session's patch while it is open, and reinstall its own after the later one closed).
+    """
+
+    def __init__(self) -> None:
+        self._chains: dict[tuple[int, str], _Chain] = {}
+
+    def push(self, module: Any, name: str, kind: CastKind) -> tuple[tuple[int, str], object]:
+        key = (id(module), name)
+        chain = self._chains.get(key)
+        if chain is None:
+            namespace = vars(module)
+            chain = _Chain(module, name, name in namespace, namespace.get(name), getattr(module, name), [])
+            self._chains[key] = chain
+        token = object()
+        chain.kinds.append((token, kind))
+        self._install(chain)
+        return key, token
+
+    def pop(self, key: tuple[int, str], token: object) -> None:
+        chain = self._chains[key]
+        chain.kinds = [(t, k) for t, k in chain.kinds if t is not token]
+        ours = vars(chain.module).get(chain.name) is chain.installed
+        if chain.kinds:
+            if ours:  # someone who rebound it after us keeps their binding
+                self._install(chain)
+            return
+        del self._chains[key]
+        if chain.had_own:
+            setattr(chain.module, chain.name, chain.previous)
+        elif ours:
+            delattr(chain.module, chain.name)
+
+    @staticmethod
+    def _install(chain: _Chain) -> None:
+        value = chain.original
+        for _, kind in chain.kinds:
+            value = _DECORATORS[kind](value)
+        setattr(chain.module, chain.name, value)
+        chain.installed = value
+
+
 class _Registry:
     """Pending registrations, and how many sessions currently hold patches (to warn about late ones)."""
 
@@ -93,6 +151,7 @@ class _Registry:
         self.lock = threading.Lock()
         self.pending: list[_Registration] = []
         self.applied = 0
+        self.patches = _Patches()
 
     def add(self, module: Any, name: str, kind: CastKind) -> None:
         if not hasattr(module, name):
@@ -115,14 +174,20 @@ class _Registry:
             registrations, self.pending = self.pending, []
             self.applied += 1
         registrations += [_Registration(module, name, _POLICY_KIND[policy]) for module, name, policy in list_patches]
-        undo = UndoStack()
+        applied: list[tuple[tuple[int, str], object]] = []
+
+        def undo() -> None:
+            with self.lock:
+                while applied:
+                    self.patches.pop(*applied.pop())
+
         try:
-            for registration in registrations:
-                module, name = registration.module, registration.name
-                undo.rebind(module, name, _DECORATORS[registration.kind](getattr(module, name)))
+            with self.lock:
+                for registration in registrations:
+                    applied.append(self.patches.push(registration.module, registration.name, registration.kind))
         except BaseException:
             try:
-                undo.run()
+                undo()
             finally:
                 self._release()
             raise
@@ -134,7 +199,7 @@ class _Registry:
                 return
             released = True
             try:
-                undo.run()
+                undo()
             finally:
                 self._release()
 
