@@ -187,3 +187,37 @@ def test_function_patches_survive_sessions_closing_out_of_order(how: str) -> Non
         if how == "apex list edit":
             torch_overrides.FP32_FUNCS.remove("sigmoid")
         torch.sigmoid = original  # so that the leak check reports this test only
+
+
+def _weight_casts(out: torch.Tensor) -> int:
+    """How many distinct cast nodes (``ToCopyBackward``) of leaves feed ``out``'s graph."""
+    seen: set[int] = set()
+    casts: set[int] = set()
+    stack = [out.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        feeds_leaf = any("AccumulateGrad" in type(f).__name__ for f, _ in node.next_functions)
+        if "ToCopy" in type(node).__name__ and feeds_leaf:
+            casts.add(id(node))
+        stack.extend(f for f, _ in node.next_functions)
+    return len(casts)
+
+
+@pytest.mark.parametrize("enable_caching", [True, False])
+def test_old_api_init_caches_weight_casts_as_apex_did(enable_caching: bool) -> None:
+    """Apex's old ``amp.init(enable_caching=True)`` cast a weight once until the next ``scale_loss`` exit (an
+    unrolled RNN cell keeps one fp16 copy of its weights, not one per step); ``enable_caching=False`` cast per use.
+    Its sessions have no model forward, where ampinit caches, so the compat ``init`` keeps the cache on."""
+    from ampinit.compat.apex import amp as apex_amp
+
+    handle = apex_amp.init(enable_caching=enable_caching)
+    try:
+        layer = nn.Linear(4, 4)
+        x = g(2, 4)
+        out = layer(layer(x))
+        assert _weight_casts(out) == (2 if enable_caching else 4)  # weight and bias, once or twice each
+    finally:
+        handle._deactivate()

@@ -134,6 +134,16 @@ class CastPolicy:
             finally:
                 self._release_kernels()
 
+    def cache_outside_forwards(self) -> None:
+        """Cache weight casts in the activating thread outside model forwards too, until the session clears them.
+
+        For Apex's old ``amp.init()``, whose sessions have no model forward (where the cache is otherwise on):
+        Apex's ``enable_caching`` kept a cast until the next ``scale_loss`` exit, with Apex's caveat that a weight
+        changed in place meanwhile reads its old cast.
+        """
+        if self.active and threading.get_ident() == self._thread:
+            torch.set_autocast_cache_enabled(True)
+
     def check_thread(self) -> None:
         """Raise unless :meth:`deactivate` can run in the calling thread (the one that activated the policy).
 

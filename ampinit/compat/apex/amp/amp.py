@@ -55,8 +55,9 @@ def init(
 ) -> AmpHandle | NoOpHandle:
     """Apex's old ``amp.init()``: switch O1 function casts on (see :func:`cast_devices` for where).
 
-    Returns the handle; ``handle._deactivate()`` switches the casts off again. ``enable_caching`` is accepted and
-    ignored (ampinit's weight-cast cache is always safe to use), and ``verbose`` does not print each cast.
+    Returns the handle; ``handle._deactivate()`` switches the casts off again. ``enable_caching`` keeps each
+    weight's cast until the next ``scale_loss`` exit or optimizer step, as Apex's cache did (a session without
+    models has no model forward, the only place ampinit caches otherwise); ``verbose`` does not print each cast.
     """
     if not enabled:
         return NoOpHandle()
@@ -69,4 +70,6 @@ def init(
     )
     session = ampinit.current_session()
     assert session is not None
+    if enable_caching and session._cast_policy is not None:
+        session._cast_policy.cache_outside_forwards()
     return _amp_state.handle_for(session, verbose=verbose)

@@ -76,11 +76,12 @@ class AmpHandle:
         self._session.close()
 
     def _clear_cache(self) -> None:
-        """A no-op: ampinit's cast cache is keyed by weight version, so it is never stale, and the session clears
-        it at every ``scale_loss`` exit and optimizer step."""
+        """Forget the cached weight casts (the session also does it at every ``scale_loss`` exit and step)."""
+        self._session._clear_cast_cache()
 
     def remove_cache(self, param: torch.Tensor) -> None:
-        """A no-op, for the same reason as :meth:`_clear_cache`."""
+        """Forget the cached casts, of ``param`` among others (torch's cache cannot drop one entry)."""
+        self._session._clear_cast_cache()
 
     @property
     def has_cache(self) -> bool:
