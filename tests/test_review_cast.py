@@ -221,3 +221,37 @@ def test_old_api_init_caches_weight_casts_as_apex_did(enable_caching: bool) -> N
         assert _weight_casts(out) == (2 if enable_caching else 4)  # weight and bias, once or twice each
     finally:
         handle._deactivate()
+
+
+@pytest.mark.parametrize(("level", "dtype"), LEVELS)
+def test_registering_a_listed_torch_function_gives_it_the_registered_cast(level: str, dtype: torch.dtype) -> None:
+    """Apex applied the user's ``register_*_function`` patches first, innermost, around the original function
+    (shared/reference/apex-amp.md §3.2 step 0, before the lists in step 1): the original C function then ran on
+    the arguments as the registration cast them, whatever list the name was also on. So after
+    ``register_float_function(torch, "matmul")`` (forcing fp32 attention scores, say) ``torch.matmul`` is fp32,
+    and after ``register_half_function(torch, "exp")`` ``torch.exp`` is half.
+
+    Got: the registration cast the arguments, then torch's autocast cast them back by the list (``torch.mm``,
+    ``torch.matmul``, ``F.linear`` half; ``torch.exp`` fp32): registering a listed function had no effect. The
+    same reaches a pybind11 extension decorated with ``half_function`` (Apex's documented use): autocast cast
+    the ATen calls it makes inside, which Apex never did.
+    """
+    amp.register_float_function(torch, "mm")
+    amp.register_float_function(torch, "matmul")
+    amp.register_float_function(F, "linear")
+    amp.register_half_function(torch, "exp")
+    amp.register_float_function(torch.Tensor, "bmm")
+    model = nn.Linear(4, 4)
+    amp.initialize(model, torch.optim.SGD(model.parameters(), 0.1), opt_level=level, verbosity=0)
+    a, b = g(4, 4), g(4, 4, seed=1)
+    try:
+        torch.testing.assert_close(torch.mm(a, b), torch.mm(a.double(), b.double()).float())
+        assert torch.matmul(a.to(dtype), b).dtype == torch.float32
+        assert F.linear(a, b).dtype == torch.float32
+        assert a[None].bmm(b[None]).dtype == torch.float32
+        assert torch.equal(torch.exp(a), torch.exp(a.to(dtype)))
+        # a Python function keeps the policy inside (Apex's patched functions applied inside it)
+        helper = amp.float_function(lambda x, y: torch.bmm(x[None], y[None]))
+        assert helper(a.to(dtype), b).dtype == dtype
+    finally:
+        amp.deinitialize()

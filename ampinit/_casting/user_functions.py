@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import types
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -31,7 +32,30 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 # -- decorators ---------------------------------------------------------------------------------------------------
+# Functions implemented in C (torch's own ops, ``Tensor`` methods, a pybind11 extension's kernels): Apex's patches
+# could not reach inside them, so the decorated call ran them on the arguments exactly as cast. Autocast does
+# reach the ATen calls they make, so they run with the device's autocast off; a Python function keeps the policy
+# inside, as Apex's patched torch functions applied inside it.
+_COMPILED = (
+    types.BuiltinFunctionType,
+    types.MethodDescriptorType,
+    types.WrapperDescriptorType,
+    types.MethodWrapperType,
+    types.ClassMethodDescriptorType,
+)
+
+
+def _call_below_autocast(fn: Callable[..., Any], device_type: str, args: Any, kwargs: Any) -> Any:
+    torch.set_autocast_enabled(device_type, False)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        torch.set_autocast_enabled(device_type, True)
+
+
 def _cast_wrapper(fn: F, kind: CastKind) -> F:
+    compiled = isinstance(fn, _COMPILED)
+
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         values = (*args, *kwargs.values())
@@ -41,7 +65,7 @@ def _cast_wrapper(fn: F, kind: CastKind) -> F:
         if kind == "promote":
             dtypes = floating_dtypes(values, device_type)
             if len(dtypes) < 2:
-                return fn(*args, **kwargs)
+                return _call_below_autocast(fn, device_type, args, kwargs) if compiled else fn(*args, **kwargs)
             dtype, lower = widest(dtypes), False
         elif kind == "half":
             dtype, lower = torch.get_autocast_dtype(device_type), True
@@ -49,7 +73,7 @@ def _cast_wrapper(fn: F, kind: CastKind) -> F:
             dtype, lower = torch.float32, False
         args = cast_all(args, dtype, device_type, lower=lower)
         kwargs = {k: cast_all(v, dtype, device_type, lower=lower) for k, v in kwargs.items()}
-        return fn(*args, **kwargs)
+        return _call_below_autocast(fn, device_type, args, kwargs) if compiled else fn(*args, **kwargs)
 
     wrapper.__ampinit_cast__ = kind  # type: ignore[attr-defined]
     return wrapper  # type: ignore[return-value]
