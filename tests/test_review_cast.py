@@ -255,3 +255,67 @@ def test_registering_a_listed_torch_function_gives_it_the_registered_cast(level:
         assert helper(a.to(dtype), b).dtype == dtype
     finally:
         amp.deinitialize()
+
+
+class _Inner(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+
+class _Outer(nn.Module):
+    """Tries an initialized inner model and falls back when it refuses the input (its pre-hook raises)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        try:
+            h = self.inner(x)
+        except ValueError:
+            h = x
+        return self.fc(h)
+
+
+@pytest.mark.parametrize(("level", "dtype"), LEVELS)
+def test_a_nested_forward_refused_by_a_pre_hook_leaves_the_enclosing_forward_cast(
+    level: str, dtype: torch.dtype
+) -> None:
+    """In a thread other than the initializing one, a model forward is cast by the policy's forward hooks
+    (docs/cast-policy.md, "Scope"). Here the outer model's forward calls an initialized inner model whose own
+    pre-hook (an input check) raises before the policy's pre-hook runs; the outer forward catches it and goes on.
+
+    Got: the policy's forward hook runs with ``always_call=True``, so it ran for the refused inner call and closed
+    the *outer* forward's region: the rest of the outer forward ran uncast (its Linear gave float32, not the half
+    dtype that native ``torch.autocast`` around the same forward gives).
+    """
+    inner = _Inner()
+
+    def refuse_batches(module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+        if args[0].shape[0] > 1:
+            raise ValueError("the inner path takes one sample at a time")
+
+    inner.register_forward_pre_hook(refuse_batches)
+    outer = _Outer(inner)
+    amp.initialize([outer, inner], opt_level=level, verbosity=0)
+    seen: dict[str, object] = {}
+
+    def worker() -> None:
+        seen["dtype"] = outer(g(2, 4)).dtype
+        seen["autocast after"] = torch.is_autocast_enabled("cpu")
+
+    try:
+        thread = threading.Thread(target=worker)
+        thread.start()
+        thread.join()
+    finally:
+        amp.deinitialize()
+    with torch.autocast("cpu", dtype=dtype):
+        native = outer(g(2, 4)).dtype
+    assert seen == {"dtype": native, "autocast after": False}
+    assert native == dtype

@@ -36,6 +36,8 @@ from ampinit._types import CAST_POLICIES, HALF_DTYPES, CastPolicyName
 
 # What a model forward restores on exit: (device, autocast enabled, autocast dtype) per device, and the cache flag.
 _Saved = tuple[list[tuple[str, bool, torch.dtype]], bool]
+# One open model forward: its module's id, and what to restore (None: the forward was uncast).
+_Entry = tuple[int, _Saved | None]
 
 
 class CastPolicy:
@@ -215,7 +217,7 @@ class CastPolicy:
                 # between eval forwards, a manual update): casts live for one outermost forward at most.
                 self.clear_cache()
             if getattr(self._local, "suspended", 0):  # a forward inside disable_casts() stays uncast
-                stack.append(None)
+                stack.append((id(module), None))
                 return
             saved = [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in self.device_types]
             for device, _, _ in saved:
@@ -228,13 +230,15 @@ class CastPolicy:
             # the outermost one closes.
             torch.autocast_increment_nesting()
             scopes.thread_scopes().append(self)
-            stack.append((saved, saved_cache))
+            stack.append((id(module), (saved, saved_cache)))
 
         def leave(module: torch.nn.Module, args: Any, output: Any) -> None:
             stack = self._thread_stack()
-            if not stack:
+            # Only the call whose pre-hook opened the entry closes it: when an earlier pre-hook of this call
+            # raised, ``enter`` did not run, and the top entry is an enclosing forward's, still running.
+            if not stack or stack[-1][0] != id(module):
                 return
-            entry = stack.pop()
+            _, entry = stack.pop()
             if entry is None:
                 return
             saved, saved_cache = entry
@@ -253,9 +257,9 @@ class CastPolicy:
             model.register_forward_hook(torch.compiler.disable(leave), always_call=True),  # type: ignore[no-untyped-call]
         ]
 
-    def _thread_stack(self) -> list[_Saved | None]:
+    def _thread_stack(self) -> list[_Entry]:
         """Per thread, per open model forward: the autocast state and cache flag to restore (None: uncast)."""
-        stack: list[_Saved | None] | None = getattr(self._local, "stack", None)
+        stack: list[_Entry] | None = getattr(self._local, "stack", None)
         if stack is None:
             stack = self._local.stack = []
         return stack
