@@ -72,7 +72,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         from ampinit.migrate import migrate_paths
 
-        report = migrate_paths(args.paths, to=args.to, write=args.write)
+        missing = [path for path in args.paths if not os.path.exists(path)]
+        if missing:
+            sys.stderr.write(f"ampinit migrate: error: no such file or directory: {missing[0]!r}\n")
+            return 2
+        try:
+            report = migrate_paths(args.paths, to=args.to, write=args.write)
+        except OSError as error:
+            sys.stderr.write(f"ampinit migrate: error: {error.strerror or error}: {error.filename!r}\n")
+            return 1
         if args.diff:
             for result in report.files:
                 if result.diff:

@@ -146,6 +146,9 @@ def demo_command(args: argparse.Namespace) -> int:
     except (ValueError, RuntimeError) as error:
         sys.stderr.write(f"ampinit demo: error: {error}\n")
         return 2
+    except OSError as error:  # writing the results failed after training
+        sys.stderr.write(f"ampinit demo: error: cannot write the results: {error}\n")
+        return 1
     return 0
 
 
