@@ -11,12 +11,15 @@ endings.
 from __future__ import annotations
 
 import importlib.util
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from ampinit.cli import main
 
+ROOT = Path(__file__).resolve().parent.parent
 needs_libcst = pytest.mark.skipif(importlib.util.find_spec("libcst") is None, reason="ampinit migrate needs libcst")
 
 APEX_SCRIPT = 'from apex import amp\nmodel, opt = amp.initialize(model, opt, opt_level="O1")\n'
@@ -116,3 +119,20 @@ def test_demo_out_that_is_a_file_is_refused_before_training(
     assert main([*argv, "--no-plot"]) == 2
     err = capsys.readouterr().err
     assert "ampinit demo: error:" in err and str(target) in err and "not a directory" in err
+
+
+def test_run_takes_a_directory_with_main_as_python_does(tmp_path: Path) -> None:
+    """``ampinit run`` promises to run a script "as ``python SCRIPT ARGS...`` would"; ``python DIR`` runs
+    ``DIR/__main__.py`` with ``sys.path[0] == DIR``, but ``ampinit run DIR`` answered "no such file: 'DIR'" (exit 2)
+    for a path that exists."""
+    app = tmp_path / "app"
+    app.mkdir()
+    (app / "__main__.py").write_text("import sys\nprint('argv', sys.argv, 'path0', sys.path[0])\n", encoding="utf-8")
+    command = [sys.executable, "-m", "ampinit", "run", str(app), "a"]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert f"argv [{str(app)!r}, 'a'] path0 {app}" in result.stdout
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    result = subprocess.run([*command[:4], str(empty)], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert result.returncode == 2 and f"can't find '__main__' module in {str(empty)!r}" in result.stderr
