@@ -136,3 +136,19 @@ def test_run_takes_a_directory_with_main_as_python_does(tmp_path: Path) -> None:
     empty.mkdir()
     result = subprocess.run([*command[:4], str(empty)], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert result.returncode == 2 and f"can't find '__main__' module in {str(empty)!r}" in result.stderr
+
+
+def test_doctor_refuses_an_endless_budget(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """``ampinit doctor --budget inf`` passed the "> 0" check and then timed training steps forever (the benchmark
+    loops until ``now + budget``), collecting samples without bound. A budget must be a finite number of seconds."""
+    from ampinit import doctor
+
+    def endless(budget_s: float = 2.0) -> object:
+        raise AssertionError(f"diagnose ran with budget {budget_s}: it would never return")
+
+    monkeypatch.setattr(doctor, "diagnose", endless)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["doctor", "--budget", "inf"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --budget" in err and "'inf'" in err and "finite" in err
