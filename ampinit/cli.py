@@ -14,6 +14,7 @@ import importlib.util
 import os
 import runpy
 import sys
+import zipfile
 from collections.abc import Sequence
 
 from ampinit._version import __version__
@@ -33,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run SCRIPT as `python SCRIPT ARGS...` would, with `import apex` and `import amp_C` "
         "resolving to ampinit.compat.apex.",
     )
-    run.add_argument("script", help="the Python script to run")
+    run.add_argument("script", help="the Python script to run (or a directory or zip file with __main__.py)")
     run.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     migrate = commands.add_parser(
         "migrate",
@@ -72,7 +73,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         from ampinit.migrate import migrate_paths
 
-        report = migrate_paths(args.paths, to=args.to, write=args.write)
+        missing = [path for path in args.paths if not os.path.exists(path)]
+        if missing:
+            sys.stderr.write(f"ampinit migrate: error: no such file or directory: {missing[0]!r}\n")
+            return 2
+        try:
+            report = migrate_paths(args.paths, to=args.to, write=args.write)
+        except OSError as error:
+            sys.stderr.write(f"ampinit migrate: error: {error.strerror or error}: {error.filename!r}\n")
+            return 1
         if args.diff:
             for result in report.files:
                 if result.diff:
@@ -89,19 +98,29 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def run_script(script: str, args: Sequence[str]) -> int:
     """Run ``script`` as ``__main__`` with the Apex import alias installed; returns its exit status."""
-    if not os.path.isfile(script):
+    if not os.path.exists(script):
         sys.stderr.write(f"ampinit run: no such file: {script!r}\n")
+        return 2
+    # `python DIR` runs DIR/__main__.py (a zip file, likewise its __main__.py; runpy checks that one).
+    if os.path.isdir(script) and not any(
+        os.path.isfile(os.path.join(script, name)) for name in ("__main__.py", "__main__.pyc")
+    ):
+        sys.stderr.write(f"ampinit run: can't find '__main__' module in {script!r}\n")
         return 2
     from ampinit.compat import apex
 
     apex.install()
     sys.argv = [script, *args]
-    # `python script.py` puts the script's directory first on sys.path.
-    script_dir = os.path.dirname(os.path.abspath(script))
-    if sys.path:
-        sys.path[0] = script_dir
-    else:
-        sys.path.insert(0, script_dir)
+    if os.path.isfile(script) and not zipfile.is_zipfile(script):
+        # `python script.py` puts the script's directory first on sys.path.
+        script_dir = os.path.dirname(os.path.abspath(script))
+        if sys.path:
+            sys.path[0] = script_dir
+        else:
+            sys.path.insert(0, script_dir)
+    elif sys.path:
+        # `python DIR` (or a zip) puts DIR itself first; runpy.run_path inserts it in front of sys.path.
+        del sys.path[0]
     runpy.run_path(script, run_name="__main__")
     return 0
 

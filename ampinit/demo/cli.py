@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -71,6 +72,14 @@ def _positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
     if not value > 0:
         raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
+    return value
+
+
+def _finite_seconds(text: str) -> float:
+    """``doctor --budget``: the benchmark runs until the budget is spent, so it must be finite."""
+    value = _positive_float(text)
+    if math.isinf(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number of seconds > 0, got {text!r}")
     return value
 
 
@@ -146,6 +155,9 @@ def demo_command(args: argparse.Namespace) -> int:
     except (ValueError, RuntimeError) as error:
         sys.stderr.write(f"ampinit demo: error: {error}\n")
         return 2
+    except OSError as error:  # writing the results failed after training
+        sys.stderr.write(f"ampinit demo: error: cannot write the results: {error}\n")
+        return 1
     return 0
 
 
@@ -153,7 +165,7 @@ def configure_doctor_parser(parser: argparse.ArgumentParser) -> argparse.Argumen
     """Add the doctor's options to ``parser`` and set ``func``."""
     parser.add_argument(
         "--budget",
-        type=_positive_float,
+        type=_finite_seconds,
         default=2.0,
         metavar="SECONDS",
         help="time for the training-step benchmark (default 2)",

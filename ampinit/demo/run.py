@@ -689,6 +689,7 @@ def run_demo(config: DemoConfig, stream: TextIO | None = None, progress_stream: 
     device = torch.device(config.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(f"--device cuda, but CUDA is not available to this torch build ({torch.__version__})")
+    _prepare_out(config.out)
     previous_threads = torch.get_num_threads()
     if config.threads is not None:
         torch.set_num_threads(config.threads)
@@ -711,6 +712,17 @@ def run_demo(config: DemoConfig, stream: TextIO | None = None, progress_stream: 
     report.wall_seconds = time.perf_counter() - started
     write_outputs(report, config.out, config.plot, stream)
     return report
+
+
+def _prepare_out(out: Path) -> None:
+    """Create the output directory before training, so that a path that cannot be one fails in a second, with
+    ``ValueError`` naming it, not after every level has trained."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {str(out)!r} exists and is not a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ValueError(f"--out {str(out)!r} cannot be created as a directory: {error.strerror or error}") from None
 
 
 def judge(report: DemoReport) -> None:

@@ -6,9 +6,13 @@ See docs/migration.md for every rule and its reason.
 
 from __future__ import annotations
 
+import io
 import os
+import tokenize
 from collections.abc import Iterable, Iterator
 from typing import Literal
+
+import libcst
 
 from ampinit.migrate._guards import line_map, rewrite_guards
 from ampinit.migrate._multi_tensor import rewrite_multi_tensor
@@ -152,15 +156,41 @@ def python_files(paths: Iterable[str]) -> Iterator[str]:
             raise FileNotFoundError(f"No such file or directory: {path!r}")
 
 
+def _refused(path: str, reason: str) -> FileResult:
+    return FileResult(path, "", "", [Site(1, f"{reason}: left unchanged", True)], refused=True)
+
+
+def _decode(data: bytes) -> tuple[str, str]:
+    """The text of a Python source file and its encoding, as Python reads it (PEP 263 cookie, UTF-8 BOM), with its
+    line endings kept (``\r\n`` stays ``\r\n`` when written back)."""
+    encoding, _ = tokenize.detect_encoding(io.BytesIO(data).readline)
+    return data.decode(encoding), encoding
+
+
 def migrate_paths(paths: Iterable[str], to: Destination = "ampinit", write: bool = False) -> Report:
-    """Migrate every ``.py`` file under ``paths``; write the changes back only with ``write=True``."""
+    """Migrate every ``.py`` file under ``paths``; write the changes back only with ``write=True``.
+
+    Every path is checked before any file is read (a missing one raises ``FileNotFoundError`` and nothing is
+    written). A file that cannot be decoded or parsed is reported as refused and left unchanged; each file written
+    back keeps its encoding and line endings.
+    """
     report = Report(to)
-    for path in python_files(paths):
-        with open(path, encoding="utf-8") as handle:
-            source = handle.read()
-        result = migrate_source(source, to, path)
+    for path in list(python_files(paths)):
+        with open(path, "rb") as handle:
+            data = handle.read()
+        try:
+            source, encoding = _decode(data)
+        except (SyntaxError, UnicodeDecodeError) as error:
+            report.files.append(_refused(path, f"cannot be decoded as Python source ({error})"))
+            continue
+        try:
+            result = migrate_source(source, to, path)
+        except (SyntaxError, libcst.ParserSyntaxError) as error:
+            reason = str(error).strip().splitlines()[0]
+            report.files.append(_refused(path, f"cannot be parsed as Python 3 ({reason})"))
+            continue
         report.files.append(result)
         if write and result.changed:
-            with open(path, "w", encoding="utf-8") as handle:
-                handle.write(result.migrated)
+            with open(path, "wb") as handle:
+                handle.write(result.migrated.encode(encoding))
     return report
