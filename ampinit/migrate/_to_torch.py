@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import libcst as cst
+import libcst.matchers as m
 from libcst.metadata import MetadataWrapper, ParentNodeProvider, PositionProvider
 
 from ampinit.compat.apex.amp import frontend as apex_frontend
@@ -139,6 +140,7 @@ class _Analysis(cst.CSTVisitor):
         self.uses: list[tuple[str, cst.Attribute]] = []
         self.steps: list[cst.Call] = []
         self.backwards: list[cst.Call] = []
+        self.calls: list[cst.Call] = []
         self.imports: list[cst.CSTNode] = []
         self.ifs: list[cst.If] = []
         self.assignments: list[cst.BaseExpression] = []  # every assignment target, to prove a flag stable
@@ -239,6 +241,7 @@ class _Analysis(cst.CSTVisitor):
             self.steps.append(node)
         if isinstance(node.func, cst.Attribute) and node.func.attr.value == "backward":
             self.backwards.append(node)
+        self.calls.append(node)
 
 
 _GUARDS: dict[type, str] = {
@@ -277,6 +280,7 @@ def _analyse(wrapper: MetadataWrapper, amp_local: str) -> tuple[_Plan, _Analysis
     if elsewhere:
         _check_elsewhere(analysis, scopes, inits[0], elsewhere)
     _check_paths(analysis, inits[0], steps)
+    _check_other_clipping(analysis, steps)
     return plan, analysis
 
 
@@ -325,6 +329,8 @@ def _check_steps(analysis: _Analysis, scopes: Scopes, home: Home, elsewhere: lis
             analysis.refuse(step, "optimizer.step(closure): GradScaler.step with a closure is not supported")
         elif not isinstance(analysis.parent(step), (cst.Expr, cst.Assign)):
             analysis.refuse(step, "optimizer.step() inside an expression: rewrite to scaler.step(...) by hand")
+        elif not _alone_on_its_line(analysis, step):
+            analysis.refuse(step, f"optimizer.step() {_NOT_ALONE}: rewrite to scaler.step(...) by hand")
         elif reason is not None:
             analysis.refuse(step, f"optimizer.step(): {reason}")
         elif analysis.function_of(step) is not plan.init_function:
@@ -408,6 +414,19 @@ def _statement_of(analysis: _Analysis, node: cst.CSTNode) -> cst.CSTNode:
     while not isinstance(current, (cst.SimpleStatementLine, cst.BaseCompoundStatement)):
         current = analysis.parent(current)
     return current
+
+
+_NOT_ALONE = (
+    "shares its line with other statements, or is the one-line body of an `if`/`for`/`with` "
+    "(`if cond: optimizer.step()`), which the rewrite does not handle"
+)
+
+
+def _alone_on_its_line(analysis: _Analysis, node: cst.CSTNode) -> bool:
+    """Whether ``node``'s statement is a line of its own: a ``SimpleStatementLine`` with one statement. The rewrite
+    inserts statements around such lines only; on ``a; b`` or ``if c: a`` it would leave them unrewritten."""
+    statement = _statement_of(analysis, node)
+    return isinstance(statement, cst.SimpleStatementLine) and len(statement.body) == 1
 
 
 def _in_enabled_body(analysis: _Analysis, node: cst.CSTNode) -> bool:
@@ -565,6 +584,8 @@ def _check_initialize(analysis: _Analysis, attribute: cst.Attribute) -> None:
     statement = analysis.parent(call)
     if not isinstance(statement, (cst.Assign, cst.Expr)):
         analysis.refuse(call, "amp.initialize inside an expression: rewrite it by hand")
+    elif not _alone_on_its_line(analysis, call):
+        analysis.refuse(call, f"amp.initialize {_NOT_ALONE}: put it on a line of its own")
     plan.optimizer = _code(optimizers)
     plan.model = _code(models)
     if isinstance(statement, cst.Assign):
@@ -628,6 +649,9 @@ def _check_scale_loss(analysis: _Analysis, attribute: cst.Attribute) -> None:
     if not isinstance(item, cst.WithItem) or item.asname is None or not isinstance(item.asname.name, cst.Name):
         analysis.refuse(call, "`with amp.scale_loss(...)` without `as name`")
         return
+    if not isinstance(block.body, cst.IndentedBlock):
+        analysis.refuse(call, "`with amp.scale_loss(...) as s: s.backward()` on one line: put the body on its own line")
+        return
     args = _call_args(call, SCALE_LOSS_SIGNATURE)
     if args is None or "loss" not in args:
         analysis.refuse(call, "amp.scale_loss(*args/**kwargs): the arguments cannot be read statically")
@@ -678,7 +702,11 @@ def _wrap_forward_before(analysis: _Analysis, block: cst.With, loss: cst.BaseExp
         plan.notes.append(Site(analysis.line(block), _AUTOCAST_NOTE, True))
         return
     start = end
-    while start > 0 and isinstance(body[start - 1], cst.SimpleStatementLine) and not _ends_forward(body[start - 1]):
+    while (
+        start > 0
+        and isinstance(body[start - 1], cst.SimpleStatementLine)
+        and not _ends_forward(body[start - 1], plan.amp)
+    ):
         start -= 1
     plan.autocast.append((id(container), start, end))
 
@@ -700,9 +728,12 @@ def _assigns(statement: cst.CSTNode, name: str) -> bool:
     return False
 
 
-def _ends_forward(statement: cst.BaseStatement) -> bool:
+def _ends_forward(statement: cst.BaseStatement, amp: str) -> bool:
+    """A statement the forward pass starts after: zeroing or stepping, or any use of amp (whatever its local name:
+    ``amp.initialize`` must not move under the autocast that reads the device it defines)."""
     code = _code(statement)
-    return "zero_grad" in code or ".step(" in code or "amp." in code
+    uses_amp = bool(m.findall(statement, m.Name(amp)))
+    return "zero_grad" in code or ".step(" in code or "amp." in code or uses_amp
 
 
 def _check_master_params(analysis: _Analysis, attribute: cst.Attribute) -> None:
@@ -715,6 +746,58 @@ def _check_master_params(analysis: _Analysis, attribute: cst.Attribute) -> None:
         return
     if not isinstance(call, cst.Call) or len(call.args) != 1 or _code(call.args[0].value) != analysis.plan.optimizer:
         analysis.refuse(attribute, "amp.master_params of another optimizer than the initialized one")
+    elif not _alone_on_its_line(analysis, attribute):
+        analysis.refuse(attribute, f"clipping amp.master_params {_NOT_ALONE}: scaler.unscale_() could not go before it")
+    elif _in_scale_loss_block(analysis, attribute):
+        analysis.refuse(
+            attribute,
+            "amp.master_params clipped inside the scale_loss block: Apex clips the still-scaled gradients there, "
+            "after scaler.unscale_() they would be unscaled; move the clipping after the block by hand",
+        )
+
+
+def _in_scale_loss_block(analysis: _Analysis, node: cst.CSTNode) -> bool:
+    current: cst.CSTNode | None = analysis.parents.get(node)
+    while current is not None and not isinstance(current, (cst.FunctionDef, cst.Module)):
+        if isinstance(current, cst.With) and any(
+            isinstance(i.item, cst.Call)
+            and isinstance(i.item.func, cst.Attribute)
+            and i.item.func.attr.value == "scale_loss"
+            and dotted(i.item.func.value) == analysis.plan.amp
+            for i in current.items
+        ):
+            return True
+        current = analysis.parents.get(current)
+    return False
+
+
+def _check_other_clipping(analysis: _Analysis, steps: list[cst.Call]) -> None:
+    """Gradient clipping of anything but ``amp.master_params(optimizer)`` where the loop scales the loss: Apex
+    unscales the gradients when the scale_loss block exits (under O1 into the model's own ``.grad``, so
+    ``clip_grad_norm_(model.parameters(), n)`` clips true gradients), a GradScaler keeps them scaled until
+    ``scaler.unscale_()``/``scaler.step()``: clipping there would clip gradients 65536 times too large."""
+    plan = analysis.plan
+    looping = {id(analysis.function_of(s)) for s in steps}
+    looping |= {id(analysis.function_of(b)) for b in analysis.scale_blocks}
+    for call in analysis.calls:
+        name = dotted(call.func)
+        if name is None or not name.endswith(CLIP_FUNCTIONS) or id(analysis.function_of(call)) not in looping:
+            continue
+        first = call.args[0].value if call.args else None
+        through_amp = (
+            isinstance(first, cst.Call)
+            and isinstance(first.func, cst.Attribute)
+            and first.func.attr.value == "master_params"
+            and dotted(first.func.value) == plan.amp
+        )
+        if through_amp or set(analysis.blocks(call)) & plan.disabled_bodies:
+            continue
+        analysis.refuse(
+            call,
+            f"{name}() of gradients not taken through amp.master_params: Apex unscaled them when the scale_loss "
+            "block exited, GradScaler keeps them scaled until scaler.step(); add scaler.unscale_(optimizer) "
+            "before the clipping by hand, or use --to ampinit",
+        )
 
 
 def _check_plain_call(analysis: _Analysis, attribute: cst.Attribute) -> None:

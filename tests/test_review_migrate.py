@@ -1,0 +1,206 @@
+"""Review of ``ampinit migrate --to torch``: inputs for which the codemod wrote a file that is broken or does
+something else than the original did under Apex (run here under ampinit's Apex aliases). Each case either is
+refused or, run on the CPU, ends with the same weights as the original."""
+
+from __future__ import annotations
+
+import textwrap
+import warnings
+from typing import Any
+
+import torch
+
+import ampinit
+from ampinit import _registry
+from ampinit.compat import apex
+from ampinit.migrate import migrate_source
+
+DATA = """
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+data = [(torch.randn(8, 4), torch.randn(8, 1)) for _ in range(4)]
+RESULT = train(model, optimizer, data).weight.detach().clone()
+"""
+
+
+def _run(source: str, aliases: bool) -> torch.Tensor:
+    """Execute ``source`` (as plain ``python`` would, or with ``from apex import amp`` resolving to ampinit's Apex
+    aliases) and return its ``RESULT``."""
+    namespace: dict[str, Any] = {"__name__": "__main__"}
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if aliases:
+                apex.install()
+            exec(compile(source, "<migrated>" if not aliases else "<original>", "exec"), namespace)
+    finally:
+        apex.uninstall()
+        while _registry.current() is not None:
+            ampinit.deinitialize()
+    result = namespace["RESULT"]
+    assert isinstance(result, torch.Tensor)
+    return result
+
+
+def _same_or_refused(body: str) -> None:
+    source = textwrap.dedent(body) + DATA
+    result = migrate_source(source, "torch")
+    if result.refused:
+        assert any(site.needs_human for site in result.sites)
+        return
+    assert result.changed
+    compile(result.migrated, "<migrated>", "exec")
+    want = _run(source, aliases=True)
+    got = _run(result.migrated, aliases=False)
+    assert torch.allclose(got, want, rtol=1e-2, atol=1e-3), (result.migrated, got, want)
+    again = migrate_source(result.migrated, "torch")
+    assert not again.changed, again.migrated
+
+
+def test_harness_accepts_a_plain_o1_loop() -> None:
+    """Control: the shape the codemod is built for migrates, and matches the original."""
+    _same_or_refused(
+        """
+        import torch
+        from apex import amp
+
+        def train(model, optimizer, data):
+            model, optimizer = amp.initialize(model, optimizer, opt_level="O1", verbosity=0)
+            for x, y in data:
+                optimizer.zero_grad()
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                with amp.scale_loss(loss, optimizer) as scaled_loss:
+                    scaled_loss.backward()
+                optimizer.step()
+            return model
+        """
+    )
+
+
+HEAD = """
+import torch
+from apex import amp
+
+def train(model, optimizer, data):
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O1", verbosity=0)
+    for i, (x, y) in enumerate(data):
+        optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+"""
+
+
+def test_one_line_scale_loss_block_keeps_its_backward() -> None:
+    """`with amp.scale_loss(loss, opt) as s: s.backward()` on one line (a SimpleStatementSuite body): the rewrite
+    dropped the body and wrote `scaled_loss = scaler.scale(loss)` alone, so no backward ran at all."""
+    _same_or_refused(
+        HEAD
+        + """
+        with amp.scale_loss(loss, optimizer) as scaled_loss: scaled_loss.backward()
+        optimizer.step()
+    return model
+"""
+    )
+
+
+def test_step_in_one_line_if_goes_through_the_scaler() -> None:
+    """`if i % 2 == 0: optimizer.step()` (gradient accumulation on one line) was reported as rewritten but kept as
+    `optimizer.step()`: the optimizer stepped on gradients scaled by 65536 and the GradScaler never updated."""
+    _same_or_refused(
+        HEAD
+        + """
+        with amp.scale_loss(loss, optimizer) as scaled_loss:
+            scaled_loss.backward()
+        if i % 2 == 1: optimizer.step()
+    return model
+"""
+    )
+
+
+def test_step_followed_by_a_semicolon_goes_through_the_scaler() -> None:
+    """`optimizer.step(); optimizer.zero_grad()`: a line with two statements was left as it was (reported as
+    rewritten), so the optimizer stepped on scaled gradients and the GradScaler was never stepped."""
+    _same_or_refused(
+        HEAD
+        + """
+        with amp.scale_loss(loss, optimizer) as scaled_loss:
+            scaled_loss.backward()
+        optimizer.step(); optimizer.zero_grad()
+    return model
+"""
+    )
+
+
+def test_master_params_clipping_in_one_line_if_is_unscaled_first() -> None:
+    """`if clip: clip_grad_norm_(amp.master_params(optimizer), 0.5)`: master_params became model.parameters() but
+    no `scaler.unscale_(optimizer)` was inserted (it is only added before a SimpleStatementLine), so the scaled
+    gradients were clipped to 0.5 and the step that followed was ~65536 times too small."""
+    _same_or_refused(
+        HEAD
+        + """
+        with amp.scale_loss(loss, optimizer) as scaled_loss:
+            scaled_loss.backward()
+        if True: torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), 0.5)
+        optimizer.step()
+    return model
+"""
+    )
+
+
+def test_clipping_model_parameters_after_scale_loss() -> None:
+    """Under O1, Apex unscales the model's gradients when the scale_loss block exits, so
+    `clip_grad_norm_(model.parameters(), 0.5)` after it clips true gradients (the common spelling under O1, where
+    the model's parameters are the master parameters). After the rewrite the gradients are still scaled there:
+    clipped to 0.5 at scale 65536, then unscaled by scaler.step, the update was ~65536 times too small."""
+    _same_or_refused(
+        HEAD
+        + """
+        with amp.scale_loss(loss, optimizer) as scaled_loss:
+            scaled_loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        optimizer.step()
+    return model
+"""
+    )
+
+
+def test_initialize_followed_by_a_semicolon() -> None:
+    """`model, optimizer = amp.initialize(...); print(...)`: the line was left as it was while the Apex import was
+    removed, and nothing created `scaler`/`amp_device`: the output raised NameError."""
+    _same_or_refused(
+        """
+        import torch
+        from apex import amp
+
+        def train(model, optimizer, data):
+            model, optimizer = amp.initialize(model, optimizer, opt_level="O1", verbosity=0); print("amp on")
+            for x, y in data:
+                optimizer.zero_grad()
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                with amp.scale_loss(loss, optimizer) as scaled_loss:
+                    scaled_loss.backward()
+                optimizer.step()
+            return model
+        """
+    )
+
+
+def test_amp_imported_under_a_short_alias() -> None:
+    """`from apex import amp as A`: the autocast region walked back over `A.initialize(...)` (its stop test looked
+    for the text "amp."), so the GradScaler and `amp_device` were created inside
+    `with torch.autocast(amp_device, ...)`: UnboundLocalError."""
+    _same_or_refused(
+        """
+        import torch
+        from apex import amp as A
+
+        def train(model, optimizer, data):
+            model, optimizer = A.initialize(model, optimizer, opt_level="O1", verbosity=0)
+            x, y = data[0]
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            with A.scale_loss(loss, optimizer) as scaled_loss:
+                scaled_loss.backward()
+            optimizer.step()
+            return model
+        """
+    )
