@@ -204,3 +204,47 @@ def test_amp_imported_under_a_short_alias() -> None:
             return model
         """
     )
+
+
+def _autocast_bodies(source: str) -> list[str]:
+    """The source of each ``with torch.autocast(...)`` body in ``source``."""
+    import ast
+
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.With) and any("autocast" in ast.unparse(i.context_expr) for i in node.items):
+            out.append("\n".join(ast.unparse(s) for s in node.body))
+    return out
+
+
+def test_two_scale_loss_blocks_of_one_optimizer_share_one_autocast() -> None:
+    """Two losses computed first, then one scale_loss block each (same optimizer, loss_id 0): the two forward
+    ranges overlapped ((out, loss1) and (out, loss1, loss2)), and wrapping one after the other nested a second
+    autocast and pulled the first `scaler.scale(loss1).backward()` under autocast (torch: backward passes under
+    autocast are not recommended; Apex ran them outside any cast context)."""
+    source = textwrap.dedent(
+        """
+        import torch
+        from apex import amp
+
+        def train(model, optimizer, data):
+            model, optimizer = amp.initialize(model, optimizer, opt_level="O1", verbosity=0)
+            for x, y in data:
+                optimizer.zero_grad()
+                out = model(x)
+                loss1 = torch.nn.functional.mse_loss(out, y)
+                loss2 = out.abs().mean()
+                with amp.scale_loss(loss1, optimizer) as scaled_loss:
+                    scaled_loss.backward(retain_graph=True)
+                with amp.scale_loss(loss2, optimizer) as scaled_loss:
+                    scaled_loss.backward()
+                optimizer.step()
+            return model
+        """
+    )
+    result = migrate_source(source, "torch")
+    if result.refused:
+        return
+    for body in _autocast_bodies(result.migrated):
+        assert "backward" not in body and "autocast" not in body, result.migrated
+    _same_or_refused(source)

@@ -846,11 +846,11 @@ class _WrapAutocast(cst.CSTTransformer):
         return result
 
     def _wrap(self, original: Block, updated: Block) -> Block:
-        spans = sorted(((s, e) for block, s, e in self.ranges if block == id(original)), reverse=True)
+        spans = _merged(sorted((s, e) for block, s, e in self.ranges if block == id(original)))
         if not spans:
             return updated
         body = list(updated.body)
-        for start, end in dict.fromkeys(spans):
+        for start, end in reversed(spans):
             first: Any = body[start]
             inner = [first.with_changes(leading_lines=[]), *body[start + 1 : end + 1]]
             wrapped = cst.With(
@@ -868,6 +868,19 @@ class _WrapAutocast(cst.CSTTransformer):
 
     def leave_IndentedBlock(self, original_node: cst.IndentedBlock, updated_node: cst.IndentedBlock) -> Any:
         return self._wrap(original_node, updated_node)
+
+
+def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Sorted ``(first, last)`` ranges with the overlapping ones joined: two losses computed before their two
+    scale_loss blocks give ranges that share statements, and wrapping each would nest one autocast in the other
+    around the first backward. Each range is simple statements only, so their union is too."""
+    out: list[tuple[int, int]] = []
+    for start, end in spans:
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(end, out[-1][1]))
+        else:
+            out.append((start, end))
+    return out
 
 
 class _Rewrite(cst.CSTTransformer):
