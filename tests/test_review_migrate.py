@@ -248,3 +248,34 @@ def test_two_scale_loss_blocks_of_one_optimizer_share_one_autocast() -> None:
     for body in _autocast_bodies(result.migrated):
         assert "backward" not in body and "autocast" not in body, result.migrated
     _same_or_refused(source)
+
+
+def test_forward_in_a_branch_before_the_loss_is_autocast_or_flagged() -> None:
+    """Under O1 Apex casts every op after initialize, the model's forward included. Here the forward sits in an
+    `if`/`else` just before the loss line: the autocast range stopped at the `if` and covered only the loss, so
+    the model ran in fp32 after the migration, reported as fully migrated (no note). Either the forward goes under
+    autocast, or the site is reported with the autocast note."""
+    source = textwrap.dedent(
+        """
+        import torch
+        from apex import amp
+
+        def train(model, optimizer, data, distill=False):
+            model, optimizer = amp.initialize(model, optimizer, opt_level="O1", verbosity=0)
+            for x, y in data:
+                optimizer.zero_grad()
+                if distill:
+                    out = model(x) * 2
+                else:
+                    out = model(x)
+                loss = torch.nn.functional.mse_loss(out, y)
+                with amp.scale_loss(loss, optimizer) as scaled_loss:
+                    scaled_loss.backward()
+                optimizer.step()
+            return model
+        """
+    )
+    result = migrate_source(source, "torch")
+    if result.refused or any(site.needs_human and "autocast" in site.message for site in result.sites):
+        return
+    assert any("model(x)" in body for body in _autocast_bodies(result.migrated)), result.migrated

@@ -709,8 +709,26 @@ def _wrap_forward_before(analysis: _Analysis, block: cst.With, loss: cst.BaseExp
     ):
         start -= 1
     plan.autocast.append((id(container), start, end))
+    if _forward_left_out(body[:start], plan.amp, plan.model):
+        plan.notes.append(Site(analysis.line(body[start - 1]), _FORWARD_LEFT_OUT, True))
 
 
+def _forward_left_out(before: list[Any], amp: str, model: str) -> bool:
+    """Whether a compound statement between the last zero_grad/step and the autocast range calls the model (the
+    forward in an `if`/`else` before the loss line): it stays outside the autocast range, in fp32, where Apex's O1
+    cast it."""
+    for statement in reversed(before):
+        if _ends_forward(statement, amp):
+            return False
+        if not isinstance(statement, cst.SimpleStatementLine) and f"{model}(" in _code(statement):
+            return True
+    return False
+
+
+_FORWARD_LEFT_OUT = (
+    "the model is called in a compound statement before the loss, outside the "
+    "`with torch.autocast(...)` placed after it (Apex's O1 cast it): move it under that autocast"
+)
 _AUTOCAST_NOTE = (
     "run the forward pass and the loss under `with torch.autocast(amp_device, dtype=torch.float16):` "
     "(it could not be located next to this block)"
