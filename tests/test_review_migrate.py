@@ -43,8 +43,8 @@ def _run(source: str, aliases: bool) -> torch.Tensor:
     return result
 
 
-def _same_or_refused(body: str) -> None:
-    source = textwrap.dedent(body) + DATA
+def _same_or_refused(body: str, data: str = DATA) -> None:
+    source = textwrap.dedent(body) + data
     result = migrate_source(source, "torch")
     if result.refused:
         assert any(site.needs_human for site in result.sites)
@@ -279,3 +279,34 @@ def test_forward_in_a_branch_before_the_loss_is_autocast_or_flagged() -> None:
     if result.refused or any(site.needs_human and "autocast" in site.message for site in result.sites):
         return
     assert any("model(x)" in body for body in _autocast_bodies(result.migrated)), result.migrated
+
+
+def test_master_params_of_an_optimizer_over_part_of_the_model() -> None:
+    """`amp.master_params(optimizer)` is the optimizer's parameters (under O1, its param_groups' tensors), not the
+    model's: with an optimizer over the head only (a frozen-in-practice backbone that still gets gradients), the
+    rewrite to `model.parameters()` clipped the norm over every parameter, so the head's gradients were scaled
+    down by the backbone's norm as well."""
+    _same_or_refused(
+        """
+        import torch
+        from apex import amp
+
+        def train(model, optimizer, data):
+            model, optimizer = amp.initialize(model, optimizer, opt_level="O1", verbosity=0)
+            for x, y in data:
+                optimizer.zero_grad()
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                with amp.scale_loss(loss, optimizer) as scaled_loss:
+                    scaled_loss.backward()
+                torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), 0.1)
+                optimizer.step()
+            return model[1]
+
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+        optimizer = torch.optim.SGD(model[1].parameters(), lr=0.1)
+        data = [(torch.randn(8, 4), torch.randn(8, 1)) for _ in range(20)]
+        RESULT = train(model, optimizer, data).weight.detach().clone()
+        """,
+        data="",
+    )

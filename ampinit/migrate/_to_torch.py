@@ -4,7 +4,7 @@
 each ``scale_loss`` block, back to the last ``zero_grad``/``step``) go under ``torch.autocast``; the
 ``scale_loss`` block becomes ``scaler.scale(loss).backward()``; ``optimizer.step()`` becomes
 ``scaler.step(optimizer); scaler.update()``; clipping ``amp.master_params(optimizer)`` becomes
-``scaler.unscale_(optimizer)`` and clipping the model's parameters; ``amp.state_dict()`` becomes
+``scaler.unscale_(optimizer)`` and clipping the optimizer's parameters; ``amp.state_dict()`` becomes
 ``scaler.state_dict()`` and ``amp.load_state_dict(s)`` loads either format through a function written into the file.
 
 ``amp.initialize`` directly under ``if <flag>:``, or with an ``opt_level`` variable (or argparse value, see
@@ -1057,7 +1057,9 @@ class _Rewrite(cst.CSTTransformer):
 
     def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.BaseExpression:
         if self._amp_call(updated_node, "master_params") is not None:
-            return cst.parse_expression(f"{self.plan.model}.parameters()")
+            # Apex's master_params(optimizer) under O0/O1: the optimizer's parameters, which need not be all of
+            # the model's (an optimizer over the head only)
+            return cst.parse_expression(f'(p for group in {self.plan.optimizer}.param_groups for p in group["params"])')
         if self._amp_call(updated_node, "state_dict") is not None:
             return updated_node.with_changes(func=cst.parse_expression(f"{self.scaler}.state_dict"))
         if self._amp_call(updated_node, "load_state_dict") is not None:
