@@ -345,3 +345,40 @@ def test_apex_ddp_double_star_arguments_are_named_in_the_note(to: str) -> None:
         return
     notes = [site.message for site in result.sites if site.needs_human]
     assert any("**ddp_kwargs" in note for note in notes), notes
+
+
+def test_comments_on_rewritten_lines_are_kept() -> None:
+    """The docs promise comments are kept. The comment above an `amp.initialize` removed from its `if fp16:`, the
+    trailing comment of `amp.initialize` and of the `with amp.scale_loss(...)` header, and a comment line inside
+    the scale_loss block were deleted."""
+    source = textwrap.dedent(
+        """
+        import torch
+        from apex import amp
+
+        def train(model, optimizer, data, fp16):
+            if fp16:
+                # mixed precision, see NVIDIA docs
+                model, optimizer = amp.initialize(model, optimizer, opt_level="O1")  # O1 is the safe level
+            for x, y in data:
+                optimizer.zero_grad()
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                if fp16:
+                    with amp.scale_loss(loss, optimizer) as scaled_loss:  # TODO(alice): drop apex
+                        # NOTE: retain_graph not needed here
+                        scaled_loss.backward()
+                else:
+                    loss.backward()
+                optimizer.step()
+        """
+    )
+    result = migrate_source(source, "torch")
+    assert not result.refused, result.sites
+    for comment in [
+        "# mixed precision, see NVIDIA docs",
+        "# O1 is the safe level",
+        "# TODO(alice): drop apex",
+        "# NOTE: retain_graph not needed here",
+    ]:
+        assert comment in result.migrated, (comment, result.migrated)
+    assert not migrate_source(result.migrated, "torch").changed

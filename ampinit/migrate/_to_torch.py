@@ -936,7 +936,9 @@ class _Rewrite(cst.CSTTransformer):
         call = next((c for c in calls if c is not None), None)
         if call is None:
             return updated_node
-        created = self._create_scaler(original_node.leading_lines)
+        init = next(s for s in original_node.body.body if self._init_call(s) is not None)
+        assert isinstance(init, cst.SimpleStatementLine)
+        created = self._create_scaler([*original_node.leading_lines, *init.leading_lines], init.trailing_whitespace)
         if not updated_node.body.body:
             return cst.FlattenSentinel(created)
         return cst.FlattenSentinel([*created, updated_node.with_changes(leading_lines=[])])
@@ -984,7 +986,7 @@ class _Rewrite(cst.CSTTransformer):
             renamed = self._renamed_models(small)
             if self.plan.condition is not None:  # the GradScaler is created before the `if` (leave_If)
                 return cst.FlattenSentinel(renamed) if renamed else cst.RemoveFromParent()
-            created = [*renamed, *self._create_scaler([])]
+            created = [*renamed, *self._create_scaler([], updated_node.trailing_whitespace)]
             created[0] = created[0].with_changes(leading_lines=lines)
             return cst.FlattenSentinel(created)
         if value is not None and _is_step(value, self.plan.optimizer):
@@ -1023,7 +1025,9 @@ class _Rewrite(cst.CSTTransformer):
             return []
         return [cst.parse_statement(f"{plan.model}, {plan.optimizer} = {given[0]}, {given[1]}")]
 
-    def _create_scaler(self, lines: Any) -> list[cst.BaseStatement]:
+    def _create_scaler(self, lines: Any, trailing: cst.TrailingWhitespace | None = None) -> list[cst.BaseStatement]:
+        """The device and GradScaler lines, with ``lines`` (comments) above and ``trailing`` (the replaced
+        ``amp.initialize`` line's comment) on the GradScaler's line."""
         plan = self.plan
         enabled = "False" if plan.level == "O0" else plan.enabled_expression
         options = f", enabled={enabled}" if enabled is not None else ""
@@ -1032,6 +1036,8 @@ class _Rewrite(cst.CSTTransformer):
             cst.parse_statement(f"{self.scaler} = torch.amp.GradScaler({self.device}{options})"),
         ]
         out[0] = out[0].with_changes(leading_lines=lines)
+        if trailing is not None and trailing.comment is not None:
+            out[1] = out[1].with_changes(trailing_whitespace=trailing)
         return out
 
     def leave_With(self, original_node: cst.With, updated_node: cst.With) -> Any:
@@ -1050,10 +1056,12 @@ class _Rewrite(cst.CSTTransformer):
                 if isinstance(func, cst.Attribute) and func.attr.value == "backward" and _code(func.value) == name:
                     new_call = expr.value.with_changes(func=func.with_changes(value=cst.parse_expression(scaled)))
                     new = body[0].with_changes(body=[expr.with_changes(value=new_call)])
-                    return new.with_changes(leading_lines=updated_node.leading_lines)
+                    lines = [*updated_node.leading_lines, *_header_comment(updated_node, new), *new.leading_lines]
+                    return _with_header_comment(updated_node, new).with_changes(leading_lines=lines)
         assign = cst.parse_statement(f"{name} = {scaled}")
         assert isinstance(assign, cst.SimpleStatementLine)
-        return cst.FlattenSentinel([assign.with_changes(leading_lines=updated_node.leading_lines), *body])
+        assign = _with_header_comment(updated_node, assign).with_changes(leading_lines=updated_node.leading_lines)
+        return cst.FlattenSentinel([assign, *body])
 
     def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.BaseExpression:
         if self._amp_call(updated_node, "master_params") is not None:
@@ -1070,6 +1078,27 @@ class _Rewrite(cst.CSTTransformer):
         if self._amp_call(updated_node, "disable_casts") is not None:
             return cst.parse_expression(f"torch.autocast({self.device}, enabled=False)")
         return updated_node
+
+
+def _header_trailing(block: cst.With) -> cst.TrailingWhitespace | None:
+    body = block.body
+    return body.header if isinstance(body, cst.IndentedBlock) and body.header.comment is not None else None
+
+
+def _with_header_comment(block: cst.With, line: cst.SimpleStatementLine) -> cst.SimpleStatementLine:
+    """``line`` (what replaced a ``with amp.scale_loss(...) as s:`` block) with the header's trailing comment, if
+    it has none of its own; otherwise :func:`_header_comment` puts that comment on a line above it."""
+    header = _header_trailing(block)
+    if header is None or line.trailing_whitespace.comment is not None:
+        return line
+    return line.with_changes(trailing_whitespace=header)
+
+
+def _header_comment(block: cst.With, line: cst.SimpleStatementLine) -> list[cst.EmptyLine]:
+    header = _header_trailing(block)
+    if header is None or header.comment is None or line.trailing_whitespace.comment is None:
+        return []
+    return [cst.EmptyLine(indent=True, comment=header.comment)]
 
 
 def _is_docstring_or_future(statement: cst.BaseStatement) -> bool:
