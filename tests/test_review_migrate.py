@@ -382,3 +382,28 @@ def test_comments_on_rewritten_lines_are_kept() -> None:
     ]:
         assert comment in result.migrated, (comment, result.migrated)
     assert not migrate_source(result.migrated, "torch").changed
+
+
+@pytest.mark.parametrize("extra", ["", "from apex.optimizers import FusedAdam\n"])
+def test_torch_imported_under_another_name(extra: str) -> None:
+    """`import torch as th` (guided-diffusion's style): the rewrite took it for `import torch` and wrote
+    `torch.amp.GradScaler(...)`/`torch.autocast(...)` (and `torch.optim.AdamW`) with no `torch` bound: NameError."""
+    _same_or_refused(
+        "import torch as th\n"
+        + extra
+        + """
+from apex import amp
+
+def train(model, optimizer, data):
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O1", verbosity=0)
+    for x, y in data:
+        optimizer.zero_grad()
+        loss = th.nn.functional.mse_loss(model(x), y)
+        with amp.scale_loss(loss, optimizer) as scaled_loss:
+            scaled_loss.backward()
+        optimizer.step()
+    return model
+""",
+        data=DATA.replace("torch.", "th.")
+        + ("opt = FusedAdam(th.nn.Linear(1, 1).parameters(), lr=1e-3)\n" if extra else ""),
+    )

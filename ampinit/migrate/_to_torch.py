@@ -1175,7 +1175,11 @@ def _rewrite_to_torch(
     wrapped = wrapper.module.visit(_WrapAutocast(plan.autocast, header, plan.notes, analysis.positions))
     has_torch = any(
         isinstance(s, cst.SimpleStatementLine)
-        and any(isinstance(x, cst.Import) and any(dotted(a.name) == "torch" for a in x.names) for x in s.body)
+        # `import torch as th` does not bind `torch`, which the rewritten lines use
+        and any(
+            isinstance(x, cst.Import) and any(dotted(a.name) == "torch" and a.asname is None for a in x.names)
+            for x in s.body
+        )
         for s in module.body
     )
     state_helper = _fresh(["grad_scaler_state", "_grad_scaler_state"], plan.names)
