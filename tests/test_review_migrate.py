@@ -407,3 +407,18 @@ def train(model, optimizer, data):
         data=DATA.replace("torch.", "th.")
         + ("opt = FusedAdam(th.nn.Linear(1, 1).parameters(), lr=1e-3)\n" if extra else ""),
     )
+
+
+def test_step_inside_the_scale_loss_block() -> None:
+    """`optimizer.step()` inside `with amp.scale_loss(...)`: Apex unscales (and checks for overflow) when the block
+    exits, so that step ran on the scaled gradients (a bug of the original, but its behaviour); the rewrite's
+    `scaler.step()` unscales first, so the migrated run trains differently. It must be refused."""
+    _same_or_refused(
+        HEAD
+        + """
+        with amp.scale_loss(loss, optimizer) as scaled_loss:
+            scaled_loss.backward()
+            optimizer.step()
+    return model
+"""
+    )

@@ -331,6 +331,13 @@ def _check_steps(analysis: _Analysis, scopes: Scopes, home: Home, elsewhere: lis
             analysis.refuse(step, "optimizer.step() inside an expression: rewrite to scaler.step(...) by hand")
         elif not _alone_on_its_line(analysis, step):
             analysis.refuse(step, f"optimizer.step() {_NOT_ALONE}: rewrite to scaler.step(...) by hand")
+        elif _in_scale_loss_block(analysis, step):
+            analysis.refuse(
+                step,
+                "optimizer.step() inside the scale_loss block: Apex unscales when the block exits, so this step ran "
+                "on the scaled gradients; scaler.step() would unscale them first; move the step after the block "
+                "by hand (that changes the training), or use --to ampinit",
+            )
         elif reason is not None:
             analysis.refuse(step, f"optimizer.step(): {reason}")
         elif analysis.function_of(step) is not plan.init_function:
