@@ -422,3 +422,20 @@ def test_step_inside_the_scale_loss_block() -> None:
     return model
 """
     )
+
+
+def test_gradients_changed_by_hand_between_scale_loss_and_step() -> None:
+    """`p.grad.data.clamp_(-0.01, 0.01)` between the scale_loss block and the step (RL code's hand-rolled
+    clipping): Apex had unscaled the gradients when the block exited; after the rewrite they are still scaled
+    there, so the clamp cut gradients 65536 times too large and the update was ~65536 times too small."""
+    _same_or_refused(
+        HEAD
+        + """
+        with amp.scale_loss(loss, optimizer) as scaled_loss:
+            scaled_loss.backward()
+        for p in model.parameters():
+            p.grad.data.clamp_(-0.01, 0.01)
+        optimizer.step()
+    return model
+"""
+    )

@@ -141,6 +141,7 @@ class _Analysis(cst.CSTVisitor):
         self.steps: list[cst.Call] = []
         self.backwards: list[cst.Call] = []
         self.calls: list[cst.Call] = []
+        self.grads: list[cst.Attribute] = []  # `p.grad`: read or changed between scale_loss and step, see below
         self.imports: list[cst.CSTNode] = []
         self.ifs: list[cst.If] = []
         self.assignments: list[cst.BaseExpression] = []  # every assignment target, to prove a flag stable
@@ -243,6 +244,10 @@ class _Analysis(cst.CSTVisitor):
             self.backwards.append(node)
         self.calls.append(node)
 
+    def leave_Attribute(self, original_node: cst.Attribute) -> None:
+        if original_node.attr.value == "grad":
+            self.grads.append(original_node)
+
 
 _GUARDS: dict[type, str] = {
     cst.If: "if",
@@ -281,6 +286,7 @@ def _analyse(wrapper: MetadataWrapper, amp_local: str) -> tuple[_Plan, _Analysis
         _check_elsewhere(analysis, scopes, inits[0], elsewhere)
     _check_paths(analysis, inits[0], steps)
     _check_other_clipping(analysis, steps)
+    _check_gradients_by_hand(analysis, steps)
     return plan, analysis
 
 
@@ -794,6 +800,28 @@ def _in_scale_loss_block(analysis: _Analysis, node: cst.CSTNode) -> bool:
             return True
         current = analysis.parents.get(current)
     return False
+
+
+def _check_gradients_by_hand(analysis: _Analysis, steps: list[cst.Call]) -> None:
+    """``.grad`` used between a scale_loss block and a step of the same function (a hand-rolled clamp, a gradient
+    norm, a histogram): Apex had unscaled the gradients when the block exited, a GradScaler keeps them scaled
+    until ``scaler.unscale_()``/``scaler.step()``, so the code would see them 65536 times too large."""
+    plan = analysis.plan
+    for use in analysis.grads:
+        function = analysis.function_of(use)
+        line = analysis.line(use)
+        after_block = any(
+            analysis.function_of(b) is function and analysis.positions[b].end.line < line for b in analysis.scale_blocks
+        )
+        before_step = any(analysis.function_of(s) is function and analysis.line(s) > line for s in steps)
+        if after_block and before_step and not set(analysis.blocks(use)) & plan.disabled_bodies:
+            analysis.refuse(
+                use,
+                "`.grad` used between the scale_loss block and optimizer.step(): Apex had unscaled the gradients "
+                "there, GradScaler keeps them scaled until scaler.step(); add scaler.unscale_(optimizer) before it "
+                "by hand, or use --to ampinit",
+            )
+            return
 
 
 def _check_other_clipping(analysis: _Analysis, steps: list[cst.Call]) -> None:
