@@ -439,3 +439,20 @@ def test_gradients_changed_by_hand_between_scale_loss_and_step() -> None:
     return model
 """
     )
+
+
+def test_master_params_clipped_twice_before_one_step() -> None:
+    """Two clippings of `amp.master_params(optimizer)` before one step (a norm measured, then a clip): each got a
+    `scaler.unscale_(optimizer)` in front, and GradScaler raises on the second ("unscale_() has already been
+    called on this optimizer since the last update()")."""
+    _same_or_refused(
+        HEAD
+        + """
+        with amp.scale_loss(loss, optimizer) as scaled_loss:
+            scaled_loss.backward()
+        total = torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), float("inf"))
+        torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), 0.5)
+        optimizer.step()
+    return model
+"""
+    )

@@ -287,7 +287,27 @@ def _analyse(wrapper: MetadataWrapper, amp_local: str) -> tuple[_Plan, _Analysis
     _check_paths(analysis, inits[0], steps)
     _check_other_clipping(analysis, steps)
     _check_gradients_by_hand(analysis, steps)
+    _check_one_unscale(analysis)
     return plan, analysis
+
+
+def _check_one_unscale(analysis: _Analysis) -> None:
+    """Each ``amp.master_params`` clipping gets a ``scaler.unscale_(optimizer)`` before it, and GradScaler raises
+    on a second ``unscale_`` before ``update()``: more than one in a function (a norm measured, then a clip) is
+    refused."""
+    seen: set[int] = set()
+    for name, node in analysis.uses:
+        if name != "master_params":
+            continue
+        function = id(analysis.function_of(node))
+        if function in seen:
+            analysis.refuse(
+                node,
+                "amp.master_params clipped twice in one function: each would get a scaler.unscale_(optimizer), "
+                "and GradScaler raises on the second before update(); keep one unscale_ by hand",
+            )
+            return
+        seen.add(function)
 
 
 def _check_imports(analysis: _Analysis) -> None:
