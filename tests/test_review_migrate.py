@@ -456,3 +456,27 @@ def test_master_params_clipped_twice_before_one_step() -> None:
     return model
 """
     )
+
+
+def test_master_params_clipped_on_iterations_that_do_not_step() -> None:
+    """Gradient accumulation that clips on every micro-batch and steps every second one: the rewrite's
+    `scaler.unscale_(optimizer)` runs twice before the `scaler.update()` of the stepping iteration, and GradScaler
+    raises on the second. (Unscaled accumulated gradients would also get the next micro-batch's scaled ones added.)"""
+    _same_or_refused(
+        """
+        import torch
+        from apex import amp
+
+        def train(model, optimizer, data):
+            model, optimizer = amp.initialize(model, optimizer, opt_level="O1", verbosity=0)
+            for i, (x, y) in enumerate(data):
+                loss = torch.nn.functional.mse_loss(model(x), y) / 2
+                with amp.scale_loss(loss, optimizer) as scaled_loss:
+                    scaled_loss.backward()
+                torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), 5.0)
+                if i % 2 == 1:
+                    optimizer.step()
+                    optimizer.zero_grad()
+            return model
+        """
+    )

@@ -288,7 +288,32 @@ def _analyse(wrapper: MetadataWrapper, amp_local: str) -> tuple[_Plan, _Analysis
     _check_other_clipping(analysis, steps)
     _check_gradients_by_hand(analysis, steps)
     _check_one_unscale(analysis)
+    _check_unscale_then_step(analysis, steps)
     return plan, analysis
+
+
+def _check_unscale_then_step(analysis: _Analysis, steps: list[cst.Call]) -> None:
+    """The ``scaler.unscale_(optimizer)`` put before an ``amp.master_params`` clipping must be followed by
+    ``scaler.step()``/``update()`` whenever it runs: a clipping on every micro-batch with a step every second one
+    would call ``unscale_`` twice before ``update()``, which GradScaler refuses. So a step must come after it in the
+    same block (the bodies of amp's `if <flag>:` count as that block). Checked last, only in a file not refused
+    for another reason: it over-refuses a step in another branch of the same path."""
+    if analysis.plan.refusals:
+        return
+    for name, node in analysis.uses:
+        if name != "master_params":
+            continue
+        function, line, path = analysis.function_of(node), analysis.line(node), analysis.path(node)
+        if not any(
+            analysis.function_of(s) is function and analysis.line(s) > line and analysis.path(s) == path for s in steps
+        ):
+            analysis.refuse(
+                node,
+                "amp.master_params clipped where no optimizer.step() of the same block follows (gradient "
+                "accumulation?): the scaler.unscale_(optimizer) put before it would run again before update(), "
+                "which GradScaler refuses; clip only on stepping iterations, by hand",
+            )
+            return
 
 
 def _check_one_unscale(analysis: _Analysis) -> None:
