@@ -480,3 +480,28 @@ def test_master_params_clipped_on_iterations_that_do_not_step() -> None:
             return model
         """
     )
+
+
+@pytest.mark.parametrize("where", ["if TYPE_CHECKING:\n    import torch\n", "def g():\n    import torch\n"])
+def test_float_function_helper_needs_a_module_level_torch(where: str) -> None:
+    """A helper module that imports torch only under `if TYPE_CHECKING:` or inside a function: the written
+    `amp_float_function` decorator uses `torch` at module level, but `import torch` was not added (any `import torch`
+    in the file counted): calling the decorated function raised NameError."""
+    source = (
+        "from typing import TYPE_CHECKING\nfrom apex import amp\n"
+        + where
+        + textwrap.dedent(
+            """
+
+        @amp.float_function
+        def f(x):
+            return x * 2
+        """
+        )
+    )
+    result = migrate_source(source, "torch")
+    if result.refused:
+        return
+    namespace: dict[str, Any] = {}
+    exec(compile(result.migrated, "<migrated>", "exec"), namespace)
+    assert torch.equal(namespace["f"](torch.ones(2)), torch.full((2,), 2.0))
