@@ -76,7 +76,7 @@ def test_every_rule_has_a_golden_site() -> None:
     torch_after = (GOLDEN / "o1_loop.torch.txt").read_text(encoding="utf-8")
     for text in [
         "scaler.unscale_(optimizer)",
-        "clip_grad_norm_(model.parameters()",
+        'clip_grad_norm_((p for group in optimizer.param_groups for p in group["params"])',
         "scaler.state_dict()",
         "with torch.autocast(amp_device, dtype=torch.float16, enabled=args.amp):",
         "torch.autocast(amp_device, enabled=False)",

@@ -63,7 +63,15 @@ class _Helpers(cst.CSTTransformer):
         super().__init__()
         self.amp = amp
         self.helper = helper  # None: the file does not use float_function
-        self.imported: set[str] = set()
+        self.imported: set[str] = set()  # modules imported at module level, unconditionally
+        self.depth = 0  # compound statements around the current one
+
+    def visit_IndentedBlock(self, node: cst.IndentedBlock) -> None:
+        self.depth += 1
+
+    def leave_IndentedBlock(self, original_node: cst.IndentedBlock, updated_node: cst.IndentedBlock) -> Any:
+        self.depth -= 1
+        return updated_node
 
     def leave_Attribute(self, original_node: cst.Attribute, updated_node: cst.Attribute) -> Any:
         if self.helper is not None and dotted(original_node) == f"{self.amp}.float_function":
@@ -78,7 +86,7 @@ class _Helpers(cst.CSTTransformer):
     def leave_SimpleStatementLine(
         self, original_node: cst.SimpleStatementLine, updated_node: cst.SimpleStatementLine
     ) -> Any:
-        for small in original_node.body:
+        for small in original_node.body if self.depth == 0 else ():
             if isinstance(small, cst.Import):
                 self.imported.update(dotted(a.name) or "" for a in small.names if a.asname is None)
         if len(original_node.body) != 1:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 from dataclasses import dataclass
 from functools import cache
 
@@ -10,6 +11,7 @@ import ampinit.amp
 import ampinit.optimizers
 from ampinit.compat.apex import amp_C
 from ampinit.compat.apex.parallel import _ddp_arguments
+from ampinit.compat.apex.parallel.distributed import DistributedDataParallel as _ApexDDP
 
 COMPAT = "ampinit.compat.apex"
 
@@ -104,6 +106,8 @@ CONVERT_SYNCBN = "apex.parallel.convert_syncbn_model"
 # Apex DDP arguments: renamed for torch's DDP (delay_allreduce=True -> find_unused_parameters=True), dropped with a
 # note, or dropped silently. One table, shared with the Apex layer's DDP class.
 DDP_RENAMED = _ddp_arguments.DDP_RENAMED
+#: Apex DDP's parameters after ``module``, in order (from the Apex layer's class): positional arguments by name.
+DDP_POSITIONAL = tuple(inspect.signature(_ApexDDP.__init__).parameters)[2:]
 DDP_DROPPED_SILENTLY = _ddp_arguments.DDP_DROPPED_SILENTLY
 DDP_DROPPED_WITH_EFFECT = _ddp_arguments.DDP_DROPPED_WITH_EFFECT
 

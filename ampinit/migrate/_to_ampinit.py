@@ -478,13 +478,24 @@ class _ToAmpinit(cst.CSTTransformer):
         dropped: list[str] = []
         for index, arg in enumerate(updated.args):
             keyword = arg.keyword.value if arg.keyword is not None else None
-            if keyword is None:
-                if index < positional:
-                    kept.append(arg)
-                else:
-                    dropped.append(f"argument {index + 1}")
-                    notes.append(f"dropped positional argument {index + 1} (an Apex-only option)")
-            elif keyword in _rules.DDP_RENAMED:
+            if arg.star:
+                code = f"{arg.star}{cst.Module([]).code_for_node(arg.value)}"
+                dropped.append(code)
+                notes.append(f"dropped {code}: the Apex options it holds cannot be read; pass torch's by hand")
+            elif keyword is None and index < positional:
+                kept.append(arg)
+            elif keyword is None and index - positional >= len(_rules.DDP_POSITIONAL):
+                dropped.append(f"argument {index + 1}")
+                notes.append(f"dropped positional argument {index + 1}: Apex's DDP takes no such argument")
+            elif keyword is None:  # Apex's parameters in order: read by name, as the keyword form is
+                arg = arg.with_changes(
+                    keyword=cst.Name(_rules.DDP_POSITIONAL[index - positional]),
+                    equal=cst.AssignEqual(cst.SimpleWhitespace(""), cst.SimpleWhitespace("")),
+                )
+                keyword = _rules.DDP_POSITIONAL[index - positional]
+            if keyword is None:  # kept or dropped above
+                continue
+            if keyword in _rules.DDP_RENAMED:
                 renamed = _rules.DDP_RENAMED[keyword]
                 kept.append(arg.with_changes(keyword=cst.Name(renamed)))
                 dropped.append(f"{keyword} -> {renamed}")

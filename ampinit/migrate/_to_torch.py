@@ -4,7 +4,7 @@
 each ``scale_loss`` block, back to the last ``zero_grad``/``step``) go under ``torch.autocast``; the
 ``scale_loss`` block becomes ``scaler.scale(loss).backward()``; ``optimizer.step()`` becomes
 ``scaler.step(optimizer); scaler.update()``; clipping ``amp.master_params(optimizer)`` becomes
-``scaler.unscale_(optimizer)`` and clipping the model's parameters; ``amp.state_dict()`` becomes
+``scaler.unscale_(optimizer)`` and clipping the optimizer's parameters; ``amp.state_dict()`` becomes
 ``scaler.state_dict()`` and ``amp.load_state_dict(s)`` loads either format through a function written into the file.
 
 ``amp.initialize`` directly under ``if <flag>:``, or with an ``opt_level`` variable (or argparse value, see
@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import libcst as cst
+import libcst.matchers as m
 from libcst.metadata import MetadataWrapper, ParentNodeProvider, PositionProvider
 
 from ampinit.compat.apex.amp import frontend as apex_frontend
@@ -139,6 +140,8 @@ class _Analysis(cst.CSTVisitor):
         self.uses: list[tuple[str, cst.Attribute]] = []
         self.steps: list[cst.Call] = []
         self.backwards: list[cst.Call] = []
+        self.calls: list[cst.Call] = []
+        self.grads: list[cst.Attribute] = []  # `p.grad`: read or changed between scale_loss and step, see below
         self.imports: list[cst.CSTNode] = []
         self.ifs: list[cst.If] = []
         self.assignments: list[cst.BaseExpression] = []  # every assignment target, to prove a flag stable
@@ -239,6 +242,11 @@ class _Analysis(cst.CSTVisitor):
             self.steps.append(node)
         if isinstance(node.func, cst.Attribute) and node.func.attr.value == "backward":
             self.backwards.append(node)
+        self.calls.append(node)
+
+    def leave_Attribute(self, original_node: cst.Attribute) -> None:
+        if original_node.attr.value == "grad":
+            self.grads.append(original_node)
 
 
 _GUARDS: dict[type, str] = {
@@ -277,7 +285,54 @@ def _analyse(wrapper: MetadataWrapper, amp_local: str) -> tuple[_Plan, _Analysis
     if elsewhere:
         _check_elsewhere(analysis, scopes, inits[0], elsewhere)
     _check_paths(analysis, inits[0], steps)
+    _check_other_clipping(analysis, steps)
+    _check_gradients_by_hand(analysis, steps)
+    _check_one_unscale(analysis)
+    _check_unscale_then_step(analysis, steps)
     return plan, analysis
+
+
+def _check_unscale_then_step(analysis: _Analysis, steps: list[cst.Call]) -> None:
+    """The ``scaler.unscale_(optimizer)`` put before an ``amp.master_params`` clipping must be followed by
+    ``scaler.step()``/``update()`` whenever it runs: a clipping on every micro-batch with a step every second one
+    would call ``unscale_`` twice before ``update()``, which GradScaler refuses. So a step must come after it in the
+    same block (the bodies of amp's `if <flag>:` count as that block). Checked last, only in a file not refused
+    for another reason: it over-refuses a step in another branch of the same path."""
+    if analysis.plan.refusals:
+        return
+    for name, node in analysis.uses:
+        if name != "master_params":
+            continue
+        function, line, path = analysis.function_of(node), analysis.line(node), analysis.path(node)
+        if not any(
+            analysis.function_of(s) is function and analysis.line(s) > line and analysis.path(s) == path for s in steps
+        ):
+            analysis.refuse(
+                node,
+                "amp.master_params clipped where no optimizer.step() of the same block follows (gradient "
+                "accumulation?): the scaler.unscale_(optimizer) put before it would run again before update(), "
+                "which GradScaler refuses; clip only on stepping iterations, by hand",
+            )
+            return
+
+
+def _check_one_unscale(analysis: _Analysis) -> None:
+    """Each ``amp.master_params`` clipping gets a ``scaler.unscale_(optimizer)`` before it, and GradScaler raises
+    on a second ``unscale_`` before ``update()``: more than one in a function (a norm measured, then a clip) is
+    refused."""
+    seen: set[int] = set()
+    for name, node in analysis.uses:
+        if name != "master_params":
+            continue
+        function = id(analysis.function_of(node))
+        if function in seen:
+            analysis.refuse(
+                node,
+                "amp.master_params clipped twice in one function: each would get a scaler.unscale_(optimizer), "
+                "and GradScaler raises on the second before update(); keep one unscale_ by hand",
+            )
+            return
+        seen.add(function)
 
 
 def _check_imports(analysis: _Analysis) -> None:
@@ -325,6 +380,15 @@ def _check_steps(analysis: _Analysis, scopes: Scopes, home: Home, elsewhere: lis
             analysis.refuse(step, "optimizer.step(closure): GradScaler.step with a closure is not supported")
         elif not isinstance(analysis.parent(step), (cst.Expr, cst.Assign)):
             analysis.refuse(step, "optimizer.step() inside an expression: rewrite to scaler.step(...) by hand")
+        elif not _alone_on_its_line(analysis, step):
+            analysis.refuse(step, f"optimizer.step() {_NOT_ALONE}: rewrite to scaler.step(...) by hand")
+        elif _in_scale_loss_block(analysis, step):
+            analysis.refuse(
+                step,
+                "optimizer.step() inside the scale_loss block: Apex unscales when the block exits, so this step ran "
+                "on the scaled gradients; scaler.step() would unscale them first; move the step after the block "
+                "by hand (that changes the training), or use --to ampinit",
+            )
         elif reason is not None:
             analysis.refuse(step, f"optimizer.step(): {reason}")
         elif analysis.function_of(step) is not plan.init_function:
@@ -408,6 +472,19 @@ def _statement_of(analysis: _Analysis, node: cst.CSTNode) -> cst.CSTNode:
     while not isinstance(current, (cst.SimpleStatementLine, cst.BaseCompoundStatement)):
         current = analysis.parent(current)
     return current
+
+
+_NOT_ALONE = (
+    "shares its line with other statements, or is the one-line body of an `if`/`for`/`with` "
+    "(`if cond: optimizer.step()`), which the rewrite does not handle"
+)
+
+
+def _alone_on_its_line(analysis: _Analysis, node: cst.CSTNode) -> bool:
+    """Whether ``node``'s statement is a line of its own: a ``SimpleStatementLine`` with one statement. The rewrite
+    inserts statements around such lines only; on ``a; b`` or ``if c: a`` it would leave them unrewritten."""
+    statement = _statement_of(analysis, node)
+    return isinstance(statement, cst.SimpleStatementLine) and len(statement.body) == 1
 
 
 def _in_enabled_body(analysis: _Analysis, node: cst.CSTNode) -> bool:
@@ -565,6 +642,8 @@ def _check_initialize(analysis: _Analysis, attribute: cst.Attribute) -> None:
     statement = analysis.parent(call)
     if not isinstance(statement, (cst.Assign, cst.Expr)):
         analysis.refuse(call, "amp.initialize inside an expression: rewrite it by hand")
+    elif not _alone_on_its_line(analysis, call):
+        analysis.refuse(call, f"amp.initialize {_NOT_ALONE}: put it on a line of its own")
     plan.optimizer = _code(optimizers)
     plan.model = _code(models)
     if isinstance(statement, cst.Assign):
@@ -628,6 +707,9 @@ def _check_scale_loss(analysis: _Analysis, attribute: cst.Attribute) -> None:
     if not isinstance(item, cst.WithItem) or item.asname is None or not isinstance(item.asname.name, cst.Name):
         analysis.refuse(call, "`with amp.scale_loss(...)` without `as name`")
         return
+    if not isinstance(block.body, cst.IndentedBlock):
+        analysis.refuse(call, "`with amp.scale_loss(...) as s: s.backward()` on one line: put the body on its own line")
+        return
     args = _call_args(call, SCALE_LOSS_SIGNATURE)
     if args is None or "loss" not in args:
         analysis.refuse(call, "amp.scale_loss(*args/**kwargs): the arguments cannot be read statically")
@@ -678,11 +760,33 @@ def _wrap_forward_before(analysis: _Analysis, block: cst.With, loss: cst.BaseExp
         plan.notes.append(Site(analysis.line(block), _AUTOCAST_NOTE, True))
         return
     start = end
-    while start > 0 and isinstance(body[start - 1], cst.SimpleStatementLine) and not _ends_forward(body[start - 1]):
+    while (
+        start > 0
+        and isinstance(body[start - 1], cst.SimpleStatementLine)
+        and not _ends_forward(body[start - 1], plan.amp)
+    ):
         start -= 1
     plan.autocast.append((id(container), start, end))
+    if _forward_left_out(body[:start], plan.amp, plan.model):
+        plan.notes.append(Site(analysis.line(body[start - 1]), _FORWARD_LEFT_OUT, True))
 
 
+def _forward_left_out(before: list[Any], amp: str, model: str) -> bool:
+    """Whether a compound statement between the last zero_grad/step and the autocast range calls the model (the
+    forward in an `if`/`else` before the loss line): it stays outside the autocast range, in fp32, where Apex's O1
+    cast it."""
+    for statement in reversed(before):
+        if _ends_forward(statement, amp):
+            return False
+        if not isinstance(statement, cst.SimpleStatementLine) and f"{model}(" in _code(statement):
+            return True
+    return False
+
+
+_FORWARD_LEFT_OUT = (
+    "the model is called in a compound statement before the loss, outside the "
+    "`with torch.autocast(...)` placed after it (Apex's O1 cast it): move it under that autocast"
+)
 _AUTOCAST_NOTE = (
     "run the forward pass and the loss under `with torch.autocast(amp_device, dtype=torch.float16):` "
     "(it could not be located next to this block)"
@@ -700,9 +804,12 @@ def _assigns(statement: cst.CSTNode, name: str) -> bool:
     return False
 
 
-def _ends_forward(statement: cst.BaseStatement) -> bool:
+def _ends_forward(statement: cst.BaseStatement, amp: str) -> bool:
+    """A statement the forward pass starts after: zeroing or stepping, or any use of amp (whatever its local name:
+    ``amp.initialize`` must not move under the autocast that reads the device it defines)."""
     code = _code(statement)
-    return "zero_grad" in code or ".step(" in code or "amp." in code
+    uses_amp = bool(m.findall(statement, m.Name(amp)))
+    return "zero_grad" in code or ".step(" in code or "amp." in code or uses_amp
 
 
 def _check_master_params(analysis: _Analysis, attribute: cst.Attribute) -> None:
@@ -715,6 +822,80 @@ def _check_master_params(analysis: _Analysis, attribute: cst.Attribute) -> None:
         return
     if not isinstance(call, cst.Call) or len(call.args) != 1 or _code(call.args[0].value) != analysis.plan.optimizer:
         analysis.refuse(attribute, "amp.master_params of another optimizer than the initialized one")
+    elif not _alone_on_its_line(analysis, attribute):
+        analysis.refuse(attribute, f"clipping amp.master_params {_NOT_ALONE}: scaler.unscale_() could not go before it")
+    elif _in_scale_loss_block(analysis, attribute):
+        analysis.refuse(
+            attribute,
+            "amp.master_params clipped inside the scale_loss block: Apex clips the still-scaled gradients there, "
+            "after scaler.unscale_() they would be unscaled; move the clipping after the block by hand",
+        )
+
+
+def _in_scale_loss_block(analysis: _Analysis, node: cst.CSTNode) -> bool:
+    current: cst.CSTNode | None = analysis.parents.get(node)
+    while current is not None and not isinstance(current, (cst.FunctionDef, cst.Module)):
+        if isinstance(current, cst.With) and any(
+            isinstance(i.item, cst.Call)
+            and isinstance(i.item.func, cst.Attribute)
+            and i.item.func.attr.value == "scale_loss"
+            and dotted(i.item.func.value) == analysis.plan.amp
+            for i in current.items
+        ):
+            return True
+        current = analysis.parents.get(current)
+    return False
+
+
+def _check_gradients_by_hand(analysis: _Analysis, steps: list[cst.Call]) -> None:
+    """``.grad`` used between a scale_loss block and a step of the same function (a hand-rolled clamp, a gradient
+    norm, a histogram): Apex had unscaled the gradients when the block exited, a GradScaler keeps them scaled
+    until ``scaler.unscale_()``/``scaler.step()``, so the code would see them 65536 times too large."""
+    plan = analysis.plan
+    for use in analysis.grads:
+        function = analysis.function_of(use)
+        line = analysis.line(use)
+        after_block = any(
+            analysis.function_of(b) is function and analysis.positions[b].end.line < line for b in analysis.scale_blocks
+        )
+        before_step = any(analysis.function_of(s) is function and analysis.line(s) > line for s in steps)
+        if after_block and before_step and not set(analysis.blocks(use)) & plan.disabled_bodies:
+            analysis.refuse(
+                use,
+                "`.grad` used between the scale_loss block and optimizer.step(): Apex had unscaled the gradients "
+                "there, GradScaler keeps them scaled until scaler.step(); add scaler.unscale_(optimizer) before it "
+                "by hand, or use --to ampinit",
+            )
+            return
+
+
+def _check_other_clipping(analysis: _Analysis, steps: list[cst.Call]) -> None:
+    """Gradient clipping of anything but ``amp.master_params(optimizer)`` where the loop scales the loss: Apex
+    unscales the gradients when the scale_loss block exits (under O1 into the model's own ``.grad``, so
+    ``clip_grad_norm_(model.parameters(), n)`` clips true gradients), a GradScaler keeps them scaled until
+    ``scaler.unscale_()``/``scaler.step()``: clipping there would clip gradients 65536 times too large."""
+    plan = analysis.plan
+    looping = {id(analysis.function_of(s)) for s in steps}
+    looping |= {id(analysis.function_of(b)) for b in analysis.scale_blocks}
+    for call in analysis.calls:
+        name = dotted(call.func)
+        if name is None or not name.endswith(CLIP_FUNCTIONS) or id(analysis.function_of(call)) not in looping:
+            continue
+        first = call.args[0].value if call.args else None
+        through_amp = (
+            isinstance(first, cst.Call)
+            and isinstance(first.func, cst.Attribute)
+            and first.func.attr.value == "master_params"
+            and dotted(first.func.value) == plan.amp
+        )
+        if through_amp or set(analysis.blocks(call)) & plan.disabled_bodies:
+            continue
+        analysis.refuse(
+            call,
+            f"{name}() of gradients not taken through amp.master_params: Apex unscaled them when the scale_loss "
+            "block exited, GradScaler keeps them scaled until scaler.step(); add scaler.unscale_(optimizer) "
+            "before the clipping by hand, or use --to ampinit",
+        )
 
 
 def _check_plain_call(analysis: _Analysis, attribute: cst.Attribute) -> None:
@@ -763,11 +944,11 @@ class _WrapAutocast(cst.CSTTransformer):
         return result
 
     def _wrap(self, original: Block, updated: Block) -> Block:
-        spans = sorted(((s, e) for block, s, e in self.ranges if block == id(original)), reverse=True)
+        spans = _merged(sorted((s, e) for block, s, e in self.ranges if block == id(original)))
         if not spans:
             return updated
         body = list(updated.body)
-        for start, end in dict.fromkeys(spans):
+        for start, end in reversed(spans):
             first: Any = body[start]
             inner = [first.with_changes(leading_lines=[]), *body[start + 1 : end + 1]]
             wrapped = cst.With(
@@ -785,6 +966,19 @@ class _WrapAutocast(cst.CSTTransformer):
 
     def leave_IndentedBlock(self, original_node: cst.IndentedBlock, updated_node: cst.IndentedBlock) -> Any:
         return self._wrap(original_node, updated_node)
+
+
+def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Sorted ``(first, last)`` ranges with the overlapping ones joined: two losses computed before their two
+    scale_loss blocks give ranges that share statements, and wrapping each would nest one autocast in the other
+    around the first backward. Each range is simple statements only, so their union is too."""
+    out: list[tuple[int, int]] = []
+    for start, end in spans:
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(end, out[-1][1]))
+        else:
+            out.append((start, end))
+    return out
 
 
 class _Rewrite(cst.CSTTransformer):
@@ -822,7 +1016,9 @@ class _Rewrite(cst.CSTTransformer):
         call = next((c for c in calls if c is not None), None)
         if call is None:
             return updated_node
-        created = self._create_scaler(original_node.leading_lines)
+        init = next(s for s in original_node.body.body if self._init_call(s) is not None)
+        assert isinstance(init, cst.SimpleStatementLine)
+        created = self._create_scaler([*original_node.leading_lines, *init.leading_lines], init.trailing_whitespace)
         if not updated_node.body.body:
             return cst.FlattenSentinel(created)
         return cst.FlattenSentinel([*created, updated_node.with_changes(leading_lines=[])])
@@ -870,7 +1066,7 @@ class _Rewrite(cst.CSTTransformer):
             renamed = self._renamed_models(small)
             if self.plan.condition is not None:  # the GradScaler is created before the `if` (leave_If)
                 return cst.FlattenSentinel(renamed) if renamed else cst.RemoveFromParent()
-            created = [*renamed, *self._create_scaler([])]
+            created = [*renamed, *self._create_scaler([], updated_node.trailing_whitespace)]
             created[0] = created[0].with_changes(leading_lines=lines)
             return cst.FlattenSentinel(created)
         if value is not None and _is_step(value, self.plan.optimizer):
@@ -909,7 +1105,9 @@ class _Rewrite(cst.CSTTransformer):
             return []
         return [cst.parse_statement(f"{plan.model}, {plan.optimizer} = {given[0]}, {given[1]}")]
 
-    def _create_scaler(self, lines: Any) -> list[cst.BaseStatement]:
+    def _create_scaler(self, lines: Any, trailing: cst.TrailingWhitespace | None = None) -> list[cst.BaseStatement]:
+        """The device and GradScaler lines, with ``lines`` (comments) above and ``trailing`` (the replaced
+        ``amp.initialize`` line's comment) on the GradScaler's line."""
         plan = self.plan
         enabled = "False" if plan.level == "O0" else plan.enabled_expression
         options = f", enabled={enabled}" if enabled is not None else ""
@@ -918,6 +1116,8 @@ class _Rewrite(cst.CSTTransformer):
             cst.parse_statement(f"{self.scaler} = torch.amp.GradScaler({self.device}{options})"),
         ]
         out[0] = out[0].with_changes(leading_lines=lines)
+        if trailing is not None and trailing.comment is not None:
+            out[1] = out[1].with_changes(trailing_whitespace=trailing)
         return out
 
     def leave_With(self, original_node: cst.With, updated_node: cst.With) -> Any:
@@ -936,14 +1136,18 @@ class _Rewrite(cst.CSTTransformer):
                 if isinstance(func, cst.Attribute) and func.attr.value == "backward" and _code(func.value) == name:
                     new_call = expr.value.with_changes(func=func.with_changes(value=cst.parse_expression(scaled)))
                     new = body[0].with_changes(body=[expr.with_changes(value=new_call)])
-                    return new.with_changes(leading_lines=updated_node.leading_lines)
+                    lines = [*updated_node.leading_lines, *_header_comment(updated_node, new), *new.leading_lines]
+                    return _with_header_comment(updated_node, new).with_changes(leading_lines=lines)
         assign = cst.parse_statement(f"{name} = {scaled}")
         assert isinstance(assign, cst.SimpleStatementLine)
-        return cst.FlattenSentinel([assign.with_changes(leading_lines=updated_node.leading_lines), *body])
+        assign = _with_header_comment(updated_node, assign).with_changes(leading_lines=updated_node.leading_lines)
+        return cst.FlattenSentinel([assign, *body])
 
     def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> cst.BaseExpression:
         if self._amp_call(updated_node, "master_params") is not None:
-            return cst.parse_expression(f"{self.plan.model}.parameters()")
+            # Apex's master_params(optimizer) under O0/O1: the optimizer's parameters, which need not be all of
+            # the model's (an optimizer over the head only)
+            return cst.parse_expression(f'(p for group in {self.plan.optimizer}.param_groups for p in group["params"])')
         if self._amp_call(updated_node, "state_dict") is not None:
             return updated_node.with_changes(func=cst.parse_expression(f"{self.scaler}.state_dict"))
         if self._amp_call(updated_node, "load_state_dict") is not None:
@@ -954,6 +1158,27 @@ class _Rewrite(cst.CSTTransformer):
         if self._amp_call(updated_node, "disable_casts") is not None:
             return cst.parse_expression(f"torch.autocast({self.device}, enabled=False)")
         return updated_node
+
+
+def _header_trailing(block: cst.With) -> cst.TrailingWhitespace | None:
+    body = block.body
+    return body.header if isinstance(body, cst.IndentedBlock) and body.header.comment is not None else None
+
+
+def _with_header_comment(block: cst.With, line: cst.SimpleStatementLine) -> cst.SimpleStatementLine:
+    """``line`` (what replaced a ``with amp.scale_loss(...) as s:`` block) with the header's trailing comment, if
+    it has none of its own; otherwise :func:`_header_comment` puts that comment on a line above it."""
+    header = _header_trailing(block)
+    if header is None or line.trailing_whitespace.comment is not None:
+        return line
+    return line.with_changes(trailing_whitespace=header)
+
+
+def _header_comment(block: cst.With, line: cst.SimpleStatementLine) -> list[cst.EmptyLine]:
+    header = _header_trailing(block)
+    if header is None or header.comment is None or line.trailing_whitespace.comment is None:
+        return []
+    return [cst.EmptyLine(indent=True, comment=header.comment)]
 
 
 def _is_docstring_or_future(statement: cst.BaseStatement) -> bool:
@@ -1030,7 +1255,11 @@ def _rewrite_to_torch(
     wrapped = wrapper.module.visit(_WrapAutocast(plan.autocast, header, plan.notes, analysis.positions))
     has_torch = any(
         isinstance(s, cst.SimpleStatementLine)
-        and any(isinstance(x, cst.Import) and any(dotted(a.name) == "torch" for a in x.names) for x in s.body)
+        # `import torch as th` does not bind `torch`, which the rewritten lines use
+        and any(
+            isinstance(x, cst.Import) and any(dotted(a.name) == "torch" and a.asname is None for a in x.names)
+            for x in s.body
+        )
         for s in module.body
     )
     state_helper = _fresh(["grad_scaler_state", "_grad_scaler_state"], plan.names)
