@@ -16,6 +16,8 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.hooks import RemovableHandle
 
+from ampinit._hooks import SessionHook
+
 MasterLookup = Callable[[torch.Tensor], "torch.Tensor | None"]
 # (parameter, fp32 value being loaded) -> the half value torch should load instead, or None (see ModelCast).
 MasterLoader = Callable[[torch.Tensor, torch.Tensor], "torch.Tensor | None"]
@@ -90,16 +92,6 @@ class ModelCast:
         # was moved after initialize(), leaving the fp32 masters (and the optimizer's state) on the old device.
         self._probe: tuple[nn.Module, str, torch.device] | None = None
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> ModelCast:
-        """The cast itself, not a copy: a deep copy of the model (an EMA helper's, say) shares its hooks.
-
-        Its hooks find what they act on through their ``module`` argument and the parameters' identities, so on a
-        copy they cast the inputs and outputs, as the copy's half weights need, and leave its state dict, whose
-        tensors have no masters, as they are. Copying the cast instead would copy the session behind it, whose
-        thread-local state cannot be copied.
-        """
-        return self
-
     # -- apply / undo -------------------------------------------------------------------------------------
     def apply(self) -> None:
         if self.guard_device:
@@ -111,14 +103,16 @@ class ModelCast:
                     break
         if self.dtype is not None:
             self._cast_weights(self.dtype)
-            self._handles.append(self.model.register_forward_pre_hook(self._cast_inputs, with_kwargs=True))
+            self._handles.append(self.model.register_forward_pre_hook(SessionHook(self._cast_inputs), with_kwargs=True))
+            to_original = SessionHook(self._state_dict_to_original_dtype)
+            into_masters = SessionHook(self._load_into_masters)
             for module in self.model.modules():
-                self._handles.append(_register_state_dict_post_hook(module, self._state_dict_to_original_dtype))
-                self._handles.append(_register_load_state_dict_pre_hook(module, self._load_into_masters))
+                self._handles.append(_register_state_dict_post_hook(module, to_original))
+                self._handles.append(_register_load_state_dict_pre_hook(module, into_masters))
         elif self._probe is not None:
-            self._handles.append(self.model.register_forward_pre_hook(self._check_device))
+            self._handles.append(self.model.register_forward_pre_hook(SessionHook(self._check_device)))
         if self.output_dtype is not None:
-            self._handles.append(self.model.register_forward_hook(self._cast_outputs))
+            self._handles.append(self.model.register_forward_hook(SessionHook(self._cast_outputs)))
 
     def undo(self, master_values: Callable[[torch.Tensor], torch.Tensor | None]) -> None:
         """Remove the hooks and give every weight its original dtype back (from its master when it has one)."""

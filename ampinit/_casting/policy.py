@@ -32,6 +32,7 @@ from torch.utils.hooks import RemovableHandle
 from ampinit._casting import arguments, lists, scopes, user_functions
 from ampinit._casting.kernels import AUTOCAST_KEYS, KERNELS
 from ampinit._casting.lists import Policy
+from ampinit._hooks import SessionHook
 from ampinit._types import CAST_POLICIES, HALF_DTYPES, CastPolicyName
 
 # What a model forward restores on exit: (device, autocast enabled, autocast dtype) per device, and the cache flag.
@@ -253,8 +254,8 @@ class CastPolicy:
         # torch.compile runs the hooks eagerly (a region opened in one hook and closed in another cannot be
         # traced) and compiles the forward under the autocast state they set, on which it guards.
         return [
-            model.register_forward_pre_hook(torch.compiler.disable(enter)),  # type: ignore[no-untyped-call]
-            model.register_forward_hook(torch.compiler.disable(leave), always_call=True),  # type: ignore[no-untyped-call]
+            model.register_forward_pre_hook(SessionHook(torch.compiler.disable(enter))),  # type: ignore[no-untyped-call]
+            model.register_forward_hook(SessionHook(torch.compiler.disable(leave)), always_call=True),  # type: ignore[no-untyped-call]
         ]
 
     def _thread_stack(self) -> list[_Entry]:
