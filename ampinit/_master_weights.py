@@ -74,20 +74,11 @@ class OptimizerGrads:
 
         Apex made masters lazily, at the first ``zero_grad``/``scale_loss``, for the parameters that required grad
         then; masters made at ``initialize`` must not leave a parameter unfrozen afterwards to train in half
-        precision. Called on entering ``scale_loss``; frozen parameters still get no master (no fp32 copies of a
-        frozen backbone).
+        precision. Frozen parameters still get no master (no fp32 copies of a frozen backbone).
         """
-        if not self.master_weights:
-            return
-        model_of, master_of = self._model_of, self._master_of
         moved_state = False
         for group in self.optimizer.param_groups:
-            # A cheap scan first (masters and known parameters are skipped): this runs on every backward.
-            if any(
-                id(p) not in model_of and id(p) not in master_of and p.requires_grad and p.dtype in HALF_DTYPES
-                for p in group["params"]
-            ):
-                moved_state = self._replace_in_group(group, {}) or moved_state
+            moved_state = self._replace_in_group(group, {}) or moved_state
         if moved_state:
             self._recast_state()
 
@@ -140,12 +131,18 @@ class OptimizerGrads:
 
     # -- one backward -----------------------------------------------------------------------------------------
     def prepare_backward(self) -> None:
-        self.adopt_trainable()
+        direct = self.direct_params()
+        # With fp32 masters a half parameter the optimizer trains directly can only be one unfrozen since the
+        # masters were made: adopt it (the scan is shared with the stash below). Remainder masters train the bf16
+        # weights themselves, so there the test always passes and adopt_trainable skips the weights it knows.
+        if self.master_weights and any(p.requires_grad and p.dtype in HALF_DTYPES for p in direct):
+            self.adopt_trainable()
+            direct = self.direct_params()
         self._zeroed = {}
         for model_param, _ in self.pairs():
             model_param.grad = None
         self._stash = []
-        for param in self.direct_params():
+        for param in direct:
             if param.grad is not None:
                 self._stash.append((param, param.grad))
                 param.grad = None
