@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from ampinit.migrate import migrate_source
+from tests._scripts import as_apex_code, exec_source
 
 # Tacotron2/WaveGlow style: amp only when a flag is set, a plain backward otherwise.
 FP16_RUN_SWITCH = textwrap.dedent(
@@ -188,23 +189,12 @@ def test_to_torch_rewrites_the_one_path_shape() -> None:
 def _train(source: str, fp16_run: bool, apex_aliases: bool = False) -> torch.Tensor:
     """Run ``train`` of ``source`` on a fixed problem; returns the trained weight. ``apex_aliases``: the original
     file as ``ampinit run`` runs it (``apex`` resolves to ampinit's Apex layer)."""
-    import ampinit
-    from ampinit.compat import apex
-
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
     data = [(torch.randn(8, 4), torch.randn(8, 2)) for _ in range(4)]
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    namespace: dict[str, object] = {}
-    if apex_aliases:
-        apex.install()
-    try:
-        exec(compile(source, "fp16_run.py", "exec"), namespace)
-        namespace["train"](model, optimizer, data, fp16_run)  # type: ignore[operator]
-    finally:
-        if apex_aliases:
-            apex.uninstall()
-            ampinit.deinitialize()
+    with as_apex_code(apex_aliases):
+        exec_source(source, "fp16_run.py")["train"](model, optimizer, data, fp16_run)  # type: ignore[operator]
     return model.weight.detach().clone()
 
 

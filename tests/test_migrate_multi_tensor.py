@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from ampinit.migrate import migrate_source
+from tests._scripts import as_apex_code, exec_source
 
 CLIP = textwrap.dedent(
     """
@@ -87,19 +88,8 @@ def test_l2norm_and_scale_calls_become_foreach_functions() -> None:
 
 
 def _namespace(source: str, apex_aliases: bool) -> dict[str, object]:
-    import ampinit
-    from ampinit.compat import apex
-
-    namespace: dict[str, object] = {}
-    if apex_aliases:
-        apex.install()
-    try:
-        exec(compile(source, "clip.py", "exec"), namespace)
-    finally:
-        if apex_aliases:
-            apex.uninstall()
-            ampinit.deinitialize()
-    return namespace
+    with as_apex_code(apex_aliases):
+        return exec_source(source, "clip.py")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from ampinit.migrate import migrate_source
+from tests._scripts import as_apex_code, exec_source
 
 # FastSpeech's trainer, reduced: amp.initialize in __init__ under the trainer's flag, the loop in a method.
 TRAINER = textwrap.dedent(
@@ -210,19 +211,9 @@ def _problem() -> tuple[torch.nn.Linear, torch.optim.SGD, list[tuple[torch.Tenso
 
 def _run(source: str, call: Callable[[dict[str, object]], object], apex_aliases: bool = False) -> dict[str, object]:
     """Execute ``source`` (as ``ampinit run`` would with ``apex_aliases``) and ``call`` into its namespace."""
-    import ampinit
-    from ampinit.compat import apex
-
-    namespace: dict[str, object] = {}
-    if apex_aliases:
-        apex.install()
-    try:
-        exec(compile(source, "synthetic.py", "exec"), namespace)
+    with as_apex_code(apex_aliases):
+        namespace = exec_source(source, "synthetic.py")
         namespace["result"] = call(namespace)
-    finally:
-        if apex_aliases:
-            apex.uninstall()
-            ampinit.deinitialize()
     return namespace
 
 

@@ -11,10 +11,8 @@ from typing import Any
 import pytest
 import torch
 
-import ampinit
-from ampinit import _registry
-from ampinit.compat import apex
 from ampinit.migrate import migrate_source
+from tests._scripts import as_apex_code, exec_source
 
 DATA = """
 torch.manual_seed(0)
@@ -28,17 +26,9 @@ RESULT = train(model, optimizer, data).weight.detach().clone()
 def _run(source: str, aliases: bool) -> torch.Tensor:
     """Execute ``source`` (as plain ``python`` would, or with ``from apex import amp`` resolving to ampinit's Apex
     aliases) and return its ``RESULT``."""
-    namespace: dict[str, Any] = {"__name__": "__main__"}
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            if aliases:
-                apex.install()
-            exec(compile(source, "<migrated>" if not aliases else "<original>", "exec"), namespace)
-    finally:
-        apex.uninstall()
-        while _registry.current() is not None:
-            ampinit.deinitialize()
+    with warnings.catch_warnings(), as_apex_code(aliases):
+        warnings.simplefilter("ignore")
+        namespace = exec_source(source, "<original>" if aliases else "<migrated>")
     result = namespace["RESULT"]
     assert isinstance(result, torch.Tensor)
     return result
