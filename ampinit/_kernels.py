@@ -109,8 +109,8 @@ KERNEL_DTYPES: dict[tuple[str, str], KernelDtypes] = {
         _FLOATS_AND_HALF,
         one_dtype=False,
         fixed={"found_inf": torch.float32, "inv_scale": torch.float32},
-        source="cuda/AmpKernels.cu, _amp_foreach_non_finite_check_and_unscale_cuda_: AT_DISPATCH_FLOATING_TYPES_AND_HALF "
-        "on the multi-tensor list and on its single-tensor fallback for mixed dtypes; TORCH_CHECK found_inf and "
+        source="cuda/AmpKernels.cu, _amp_foreach_non_finite_check_and_unscale_cuda_: "
+        "AT_DISPATCH_FLOATING_TYPES_AND_HALF on the multi-tensor list and on its single-tensor fallback for mixed dtypes; TORCH_CHECK found_inf and "
         "inv_scale scalar_type() == Float (ROCm/pytorch ee04104; the same macro at pytorch/pytorch 0050de5, torch 1.x)",
     ),
     (UNSCALE, "cpu"): KernelDtypes(
@@ -203,7 +203,7 @@ KERNEL_DTYPES: dict[tuple[str, str], KernelDtypes] = {
 
 
 def takes(kernel: str, device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether torch's ``kernel`` (its ATen name) runs a ``dtype`` tensor list on ``device`` (per :data:`KERNEL_DTYPES`).
+    """Whether torch's ``kernel`` (ATen's name) runs a ``dtype`` tensor list on ``device`` (:data:`KERNEL_DTYPES`).
 
     A device type with no row is not known to have the kernel for that dtype, so the answer is no and the caller
     takes its plain-torch route.
@@ -212,7 +212,6 @@ def takes(kernel: str, device: torch.device, dtype: torch.dtype) -> bool:
         return False  # pragma: no cover - only on a torch without the private kernel
     rule = KERNEL_DTYPES.get((kernel, device.type))
     return rule is not None and (rule.dtypes is None or dtype in rule.dtypes)
-
 
 
 def _major_minor(version: str) -> tuple[int, int]:

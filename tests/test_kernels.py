@@ -101,7 +101,11 @@ def without_cpu_unscale_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _grads(dtype: torch.dtype) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(1)
-    return [torch.randn(7, generator=gen).to(dtype), torch.empty(0, dtype=dtype), torch.randn(2, 3, generator=gen).to(dtype)]
+    return [
+        torch.randn(7, generator=gen).to(dtype),
+        torch.empty(0, dtype=dtype),
+        torch.randn(2, 3, generator=gen).to(dtype),
+    ]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
