@@ -110,7 +110,8 @@ KERNEL_DTYPES: dict[tuple[str, str], KernelDtypes] = {
         one_dtype=False,
         fixed={"found_inf": torch.float32, "inv_scale": torch.float32},
         source="cuda/AmpKernels.cu, _amp_foreach_non_finite_check_and_unscale_cuda_: "
-        "AT_DISPATCH_FLOATING_TYPES_AND_HALF on the multi-tensor list and on its single-tensor fallback for mixed dtypes; TORCH_CHECK found_inf and "
+        "AT_DISPATCH_FLOATING_TYPES_AND_HALF on the multi-tensor list and on its single-tensor fallback for "
+        "mixed dtypes; TORCH_CHECK found_inf and "
         "inv_scale scalar_type() == Float (ROCm/pytorch ee04104; the same macro at pytorch/pytorch 0050de5, torch 1.x)",
     ),
     (UNSCALE, "cpu"): KernelDtypes(
