@@ -17,6 +17,7 @@ from ampinit.compat.apex import (
     parallel,
 )
 from ampinit.compat.apex._alias import install, installed_apex, is_installed, uninstall
+from ampinit._version import __version__  # Apex had none; code that logs which amp is loaded reads it
 
 __all__ = [
     "amp",

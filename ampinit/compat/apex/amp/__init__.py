@@ -13,6 +13,7 @@ from ampinit.compat.apex.amp.amp import (
 )
 from ampinit.compat.apex.amp.frontend import initialize, load_state_dict, state_dict
 from ampinit.compat.apex.amp.handle import disable_casts, scale_loss
+from ampinit._version import __version__  # Apex had none; code that logs which amp is loaded reads it
 
 __all__ = [
     "_amp_state",
