@@ -78,7 +78,9 @@ def _stated_type(node: cst.BaseExpression) -> type | None:
     """The type an expression has whatever the program's state: literals, comparisons, ``not``."""
     if isinstance(node, cst.Name) and node.value in ("True", "False"):
         return bool
-    if isinstance(node, (cst.Comparison,)) or (isinstance(node, cst.UnaryOperation) and isinstance(node.operator, cst.Not)):
+    if isinstance(node, (cst.Comparison,)) or (
+        isinstance(node, cst.UnaryOperation) and isinstance(node.operator, cst.Not)
+    ):
         return bool
     if isinstance(node, cst.Integer):
         return int
@@ -158,8 +160,12 @@ class _Checker(cst.CSTVisitor):
             )
         value = arguments.get("eps_inside_sqrt")
         if value is not None and not (isinstance(value, cst.Name) and value.value == "False"):
-            self._flag(node, name, "eps_inside_sqrt: Apex dropped it in 2019-08 (commit 18062b69) and ampinit has no "
-                       "eps-inside-sqrt mode; drop it and retune eps, or keep Apex of before 2019-08-16")
+            self._flag(
+                node,
+                name,
+                "eps_inside_sqrt: Apex dropped it in 2019-08 (commit 18062b69) and ampinit has no "
+                "eps-inside-sqrt mode; drop it and retune eps, or keep Apex of before 2019-08-16",
+            )
 
     def _flag(self, node: cst.Call, name: str, reason: str) -> None:
         line = int(self.get_metadata(PositionProvider, node).start.line)
