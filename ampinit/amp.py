@@ -10,7 +10,6 @@ import os as _os
 
 import ampinit as _ampinit
 from ampinit import *  # noqa: F403
-from ampinit import __version__
 
 __all__ = [name for name in _ampinit.__all__ if name != "__version__"]
 __path__ = [_os.path.dirname(_os.path.abspath(__file__))]

@@ -248,7 +248,8 @@ def _check_historic(max_grad_norm: object, eps_inside_sqrt: object) -> None:
             raise ValueError(_EPS_INSIDE_SQRT_REFUSED)
         warnings.warn(_EPS_INSIDE_SQRT_WARNING, FutureWarning, stacklevel=3)
     if max_grad_norm is not None:
-        if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, numbers.Real) or not max_grad_norm >= 0:
+        number = isinstance(max_grad_norm, numbers.Real) and not isinstance(max_grad_norm, bool)
+        if not number or not float(max_grad_norm) >= 0:  # type: ignore[arg-type]
             raise ValueError(f"max_grad_norm must be a number >= 0 (0: no clipping), got {max_grad_norm!r}")
         warnings.warn(_MAX_GRAD_NORM_WARNING, FutureWarning, stacklevel=3)
 

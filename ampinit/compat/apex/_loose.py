@@ -40,11 +40,11 @@ def whole_number(name: str, value: object) -> object:
     each accepts ``True`` (as 1) and anything with ``__index__``; a float equal to a whole number compares like it.
     """
     if isinstance(value, bool):
-        return int(value)
+        return int(float(value))
     if isinstance(value, numbers.Integral):
         return operator.index(value)
     if isinstance(value, numbers.Real) and float(value).is_integer():
-        return int(value)
+        return int(float(value))
     if isinstance(value, numbers.Number):
         raise ValueError(f"{name} must be a whole number, got {value!r}")
     return value

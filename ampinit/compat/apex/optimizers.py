@@ -21,7 +21,7 @@ from ampinit.optimizers import (
 )
 
 __all__ = [
-    "FP16_Optimizer",
+    "FP16_Optimizer",  # noqa: F822 (served, with its FutureWarning, by __getattr__)
     "FusedAdagrad",
     "FusedAdam",
     "FusedLAMB",

@@ -48,21 +48,21 @@ def initialize(
     see ``_loose``)."""
     enabled = _loose.truth(enabled)  # type: ignore[assignment]
     inner = _unwrap_optimizers(optimizers)
-    result = ampinit.initialize(
+    result = ampinit.initialize(  # type: ignore[call-overload]  # the converted values are Apex-typed objects
         models,
         inner,
         enabled=enabled,
         opt_level=opt_level,
         cast_model_type=cast_model_type,
-        patch_torch_functions=_loose.optional_truth(patch_torch_functions),  # type: ignore[arg-type]
+        patch_torch_functions=_loose.optional_truth(patch_torch_functions),
         keep_batchnorm_fp32=keep_batchnorm_fp32,
-        master_weights=_loose.optional_truth(master_weights),  # type: ignore[arg-type]
+        master_weights=_loose.optional_truth(master_weights),
         loss_scale=loss_scale,
         cast_model_outputs=cast_model_outputs,
-        num_losses=_loose.whole_number("num_losses", num_losses),  # type: ignore[arg-type]
-        verbosity=_loose.whole_number("verbosity", verbosity),  # type: ignore[arg-type]
-        min_loss_scale=_loose.real_number(min_loss_scale),  # type: ignore[arg-type]
-        max_loss_scale=_loose.real_number(max_loss_scale),  # type: ignore[arg-type]
+        num_losses=_loose.whole_number("num_losses", num_losses),
+        verbosity=_loose.whole_number("verbosity", verbosity),
+        min_loss_scale=_loose.real_number(min_loss_scale),
+        max_loss_scale=_loose.real_number(max_loss_scale),
         allow_half_model=bool(_amp_state.allow_incoming_model_not_fp32),
     )
     if enabled:
