@@ -149,7 +149,8 @@ def rewrite_fused_adam(source: str) -> tuple[str, list[Site]]:
         if isinstance(statement, cst.SimpleStatementLine)
         for small in statement.body
         if isinstance(small, cst.ImportFrom)
-        and dotted(small.module or cst.Name("")) == "apex.optimizers"
+        and small.module is not None  # `from . import x` has no module (cst.Name("") is invalid)
+        and dotted(small.module) == "apex.optimizers"
         and not isinstance(small.names, cst.ImportStar)
         for a in small.names
         if dotted(a.name) == "FusedAdam"

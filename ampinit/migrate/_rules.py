@@ -76,7 +76,13 @@ TARGETS: dict[str, Target] = {
     "apex.parallel.convert_syncbn_model": Target("torch.nn", "SyncBatchNorm.convert_sync_batchnorm"),
     "apex.parallel.ReduceOp": Target("torch.distributed", "ReduceOp"),
     "apex.fp16_utils.clip_grad_norm": Target("torch.nn.utils", "clip_grad_norm_"),
-    "apex.optimizers.FP16_Optimizer": Target(f"{COMPAT}.fp16_utils", "FP16_Optimizer"),  # its older home
+    # Apex's 2018-12..2019-10 class of this name (commits be42aad5..1904e48d); see ampinit.compat.apex.optimizers
+    "apex.optimizers.FP16_Optimizer": Target(
+        f"{COMPAT}.fp16_utils",
+        "FP16_Optimizer",
+        info="Apex's 2018-12..2019-10 FusedAdam-only FP16_Optimizer becomes apex.fp16_utils' (same constructor, "
+        "backward, step); a checkpoint saved by the old class (cur_scale, fp32_groups_flat) does not load into it",
+    ),
     **{f"apex.amp.{name}": Target("ampinit.amp", name) for name in AMP_NAMES},
     **{f"apex.optimizers.{name}": Target("ampinit.optimizers", name) for name in OPTIMIZER_NAMES},
     **{f"apex.multi_tensor_apply.{name}": Target("ampinit.multi_tensor", name) for name in MULTI_TENSOR_APPLY_NAMES},

@@ -18,6 +18,7 @@ import torch
 
 import ampinit
 from ampinit import Properties
+from ampinit.compat.apex import _loose
 from ampinit.compat.apex.amp import _stash
 from ampinit.compat.apex.amp._amp_state import _amp_state
 from ampinit.compat.apex.amp.handle import unwrap_optimizer
@@ -41,23 +42,27 @@ def initialize(
     min_loss_scale: float | None = None,
     max_loss_scale: float = 2.0**24,
 ) -> Any:
-    """Apex's ``amp.initialize``: same signature, defaults and return shape (see :func:`ampinit.initialize`)."""
+    """Apex's ``amp.initialize``: same signature, defaults and return shape (see :func:`ampinit.initialize`).
+
+    The values Apex accepted are converted first (``verbosity=is_master``, ``enabled=None``, numpy numbers:
+    see ``_loose``)."""
+    enabled = _loose.truth(enabled)  # type: ignore[assignment]
     inner = _unwrap_optimizers(optimizers)
-    result = ampinit.initialize(
+    result = ampinit.initialize(  # type: ignore[call-overload]  # the converted values are Apex-typed objects
         models,
         inner,
         enabled=enabled,
         opt_level=opt_level,
         cast_model_type=cast_model_type,
-        patch_torch_functions=patch_torch_functions,
+        patch_torch_functions=_loose.optional_truth(patch_torch_functions),
         keep_batchnorm_fp32=keep_batchnorm_fp32,
-        master_weights=master_weights,
+        master_weights=_loose.optional_truth(master_weights),
         loss_scale=loss_scale,
         cast_model_outputs=cast_model_outputs,
-        num_losses=num_losses,
-        verbosity=verbosity,
-        min_loss_scale=min_loss_scale,
-        max_loss_scale=max_loss_scale,
+        num_losses=_loose.whole_number("num_losses", num_losses),
+        verbosity=_loose.whole_number("verbosity", verbosity),
+        min_loss_scale=_loose.real_number(min_loss_scale),
+        max_loss_scale=_loose.real_number(max_loss_scale),
         allow_half_model=bool(_amp_state.allow_incoming_model_not_fp32),
     )
     if enabled:
