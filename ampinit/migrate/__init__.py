@@ -21,7 +21,7 @@ from ampinit.migrate._report import FileResult, Report, Site
 from ampinit.migrate._resolve import imported_modules, unresolved_imports
 from ampinit.migrate._to_ampinit import COMMENT_PREFIX, migrate_module
 from ampinit.migrate._to_torch import migrate_module_to_torch
-from ampinit.migrate.checkpoint import convert_apex_checkpoint, grad_scaler_state
+from ampinit.migrate.checkpoint import convert_apex_checkpoint, grad_scaler_state, torch_optimizer_state
 
 __all__ = [
     "FileResult",
@@ -31,6 +31,7 @@ __all__ = [
     "grad_scaler_state",
     "migrate_paths",
     "migrate_source",
+    "torch_optimizer_state",
 ]
 
 Destination = Literal["ampinit", "torch"]
