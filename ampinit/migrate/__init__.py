@@ -47,7 +47,15 @@ def migrate_source(source: str, to: Destination = "ampinit", path: str = "<strin
     if to == "torch":
         return _to_torch(source, path)
     migrated, sites = migrate_module(source)
+    guarded, guard_sites = rewrite_guards(source, fallbacks=False)
+    if guard_sites and not _imports_apex(migrated):
+        migrated, sites = migrate_module(guarded)
+        sites = sorted(guard_sites + _relined(sites, guarded, source), key=lambda s: s.line)
     return _checked(FileResult(path, source, migrated, sites))
+
+
+def _imports_apex(source: str) -> bool:
+    return bool({module.split(".")[0] for _, module in imported_modules(source)} & {"apex", "amp_C", "apex_C"})
 
 
 def _to_torch(source: str, path: str) -> FileResult:
