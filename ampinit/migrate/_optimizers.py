@@ -230,7 +230,7 @@ def rewrite_fused_adam(source: str) -> tuple[str, list[Site]]:
         sites = [Site(positions[c].start.line, why, True) for c, why in refused]
         return source, sites
     calls = {key: code for key, (code, _) in natives.items() if code is not None}
-    used = {name.value for name in m.findall(module, m.Name())}
+    used = {name.value for name in m.findall(module, m.Name()) if isinstance(name, cst.Name)}
     helper = next(n for n in ("torch_adam_state", "_torch_adam_state", "torch_adam_state_") if n not in used)
     rewrite = _Rewrite(locals_[0], calls, uses.bound, helper)
     new = wrapper.visit(rewrite)
