@@ -111,6 +111,12 @@ CONVERT_SYNCBN = "apex.parallel.convert_syncbn_model"
 
 # Apex DDP arguments: renamed for torch's DDP (delay_allreduce=True -> find_unused_parameters=True), dropped with a
 # note, or dropped silently. One table, shared with the Apex layer's DDP class.
+# delay_allreduce=True made Apex allreduce, after backward, whichever gradients exist (its overlapping mode expects
+# every parameter that fired in the first iteration to fire again), so a model with parameters that get no gradient
+# trained under it. torch's DDP averages the same gradients whether it overlaps or not; the one option that keeps
+# such a model training is find_unused_parameters=True (without it torch fails on the second iteration). It costs a
+# graph traversal per iteration and, where no parameter is unused, one warning per process from torch's reducer
+# (TORCH_WARN_ONCE: not one per step) that says the flag can go: that is the faithful equivalent, not dropping it.
 DDP_RENAMED = _ddp_arguments.DDP_RENAMED
 #: Apex DDP's parameters after ``module``, in order (from the Apex layer's class): positional arguments by name.
 DDP_POSITIONAL = tuple(inspect.signature(_ApexDDP.__init__).parameters)[2:]
