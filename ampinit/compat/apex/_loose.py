@@ -12,7 +12,6 @@ have failed on raises here, naming the value and what is allowed.
 from __future__ import annotations
 
 import numbers
-import operator
 
 
 def truth(value: object) -> object:
@@ -39,10 +38,8 @@ def whole_number(name: str, value: object) -> object:
     Apex compared ``verbosity`` with 0 and 2, ran ``range(num_losses)`` and indexed a list with ``loss_id``:
     each accepts ``True`` (as 1) and anything with ``__index__``; a float equal to a whole number compares like it.
     """
-    if isinstance(value, bool):
-        return int(float(value))
-    if isinstance(value, numbers.Integral):
-        return operator.index(value)
+    if isinstance(value, numbers.Integral):  # bool and numpy ints included: True is 1
+        return int(value)
     if isinstance(value, numbers.Real) and float(value).is_integer():
         return int(float(value))
     if isinstance(value, numbers.Number):
