@@ -55,6 +55,24 @@ def relative_spread(samples: Sequence[float]) -> float:
     return (q3 - q1) / statistics.median(samples)
 
 
+def load_reasons(load_before: float | None, load_after: float | None, cpus: int, threads: int) -> list[str]:
+    """Why other processes may have slowed the timings (empty when the load average was low). ``load_after``
+    includes this run's own ``threads``, which are subtracted."""
+    others = max(load_before or 0.0, (load_after or 0.0) - threads)
+    if others < BUSY_LOAD_FRACTION * cpus:
+        return []
+    return [
+        f"other processes kept about {others:.1f} of {cpus} CPUs busy (load average before the run "
+        f"{_fmt(load_before)}, after {_fmt(load_after)} with this run's {threads} threads)"
+    ]
+
+
+def noisy_runs(spreads: dict[str, float]) -> list[str]:
+    """The runs (``spreads`` maps a run's name to the relative spread of its step times) whose timing the noise
+    check rejects: its median is no figure to compare speeds with."""
+    return [name for name, spread in spreads.items() if spread > NOISY_SPREAD]
+
+
 def busy_reasons(
     load_before: float | None,
     load_after: float | None,
@@ -62,24 +80,16 @@ def busy_reasons(
     threads: int,
     spreads: dict[str, float],
 ) -> list[str]:
-    """Why the timings should not be trusted; empty when the machine looked quiet.
-
-    ``load_after`` includes the demo's own ``threads``, which are subtracted; ``spreads`` maps a run's name
-    (``"mlp O5"``) to the relative spread of its step times.
-    """
-    reasons = []
-    others = max(load_before or 0.0, (load_after or 0.0) - threads)
-    if others >= BUSY_LOAD_FRACTION * cpus:
-        reasons.append(
-            f"other processes kept about {others:.1f} of {cpus} CPUs busy (load average before the run "
-            f"{_fmt(load_before)}, after {_fmt(load_after)} with this run's {threads} threads)"
-        )
-    noisy = {name: spread for name, spread in spreads.items() if spread > NOISY_SPREAD}
+    """Why the timings should not be trusted: the load (:func:`load_reasons`) and the runs the noise check
+    rejected (:func:`noisy_runs`); empty when the machine looked quiet. ``spreads`` maps a run's name
+    (``"mlp O5"``) to the relative spread of its step times."""
+    reasons = load_reasons(load_before, load_after, cpus, threads)
+    noisy = noisy_runs(spreads)
     if noisy:
-        worst = max(noisy, key=noisy.__getitem__)
+        worst = max(noisy, key=spreads.__getitem__)
         reasons.append(
             f"step times varied by more than {NOISY_SPREAD:.0%} (interquartile range / median) in "
-            f"{len(noisy)} of {len(spreads)} runs, up to {noisy[worst]:.0%} in {worst}"
+            f"{len(noisy)} of {len(spreads)} runs, up to {spreads[worst]:.0%} in {worst}"
         )
     return reasons
 
