@@ -43,6 +43,7 @@ from ampinit import amp
 from ampinit._opt_levels import FUNCTION_CAST_LEVELS as THREAD_CAST_LEVELS  # their session casts in its whole thread
 from ampinit._types import OPT_LEVELS as _OPT_LEVELS
 from ampinit._types import OptLevel
+from ampinit.demo._names import TASKS
 from ampinit.demo.machine import (
     NOISY_SPREAD,
     busy_reasons,
@@ -56,7 +57,6 @@ from ampinit.demo.tasks import checkerboard, coordinate_grid, make_checkerboard,
 from ampinit.demo.verdict import LevelOutcome, choose_level
 
 OPT_LEVELS: tuple[str, ...] = _OPT_LEVELS
-TASKS: tuple[str, ...] = ("checkerboard", "mlp")
 DEVICES: tuple[str, ...] = ("cpu", "cuda")
 FP16_LEVELS: tuple[str, ...] = ("O1", "O2", "O3")
 #: Steps at the start of a run left out of the ms/step median (first-call allocations, kernel selection).
