@@ -28,7 +28,7 @@ def test_python_dash_m() -> None:
 def test_doctor_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["doctor", "--budget", "0.1"]) == 0
     out = capsys.readouterr().out
-    assert "Recommended opt level: O" in out and "autocast dtypes" in out
+    assert "Recommended opt level: " in out and "autocast dtypes" in out
 
 
 def test_demo_subcommand_quick(tmp_path: pytest.TempPathFactory, capsys: pytest.CaptureFixture[str]) -> None:

@@ -103,7 +103,8 @@ def test_json_says_what_ran(saved: dict[str, Any]) -> None:
             assert run["peak_memory_mib"] >= 0
             assert run["step_time_spread"] >= 0
         assert runs["O0"]["speedup_vs_o0"] == 1.0
-    assert saved["verdict"]["level"] in OPT_LEVELS and saved["verdict"]["reason"]
+    # None: the noise check rejected a figure the verdict would rest on (a busy machine)
+    assert saved["verdict"]["level"] in (*OPT_LEVELS, None) and saved["verdict"]["reason"]
     assert saved["load_average"].keys() == {"before", "after"}
 
 
@@ -176,8 +177,9 @@ def test_markdown_and_printed_tables_match_the_json(
             printed = [line for line in stdout.splitlines() if line.startswith(row[0] + " ")]
             assert len(printed) == 2, "one row per task"
             assert row in [re.split(r"\s{2,}", line.strip()) for line in printed]
-    assert f"Verdict: use {saved['verdict']['level']} on this machine" in stdout
-    assert f"Verdict: use {saved['verdict']['level']} on this machine" in markdown
+    level = saved["verdict"]["level"]
+    head = f"Verdict: use {level} on this machine" if level else "Verdict: no recommendation"
+    assert head in stdout and head in markdown
     assert ("THIS MACHINE WAS BUSY" in stdout) == bool(saved["busy"])
 
 
@@ -265,7 +267,7 @@ def test_subcommands_register_on_any_subparsers(tmp_path: Path, capsys: pytest.C
     args = parser.parse_args(["doctor", "--budget", "0.1", "--json"])
     assert args.func(args) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["torch"] == torch.__version__ and report["recommendation"] in OPT_LEVELS
+    assert report["torch"] == torch.__version__ and report["recommendation"] in (*OPT_LEVELS, None)
 
 
 def test_config_errors_name_the_value() -> None:
