@@ -7,6 +7,7 @@ import copy
 import importlib.util
 import io
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -418,6 +419,9 @@ def test_demo_verdict_is_tentative_on_a_loaded_machine_and_absent_on_rejected_fi
     for noisy in ("O0", "O5"):  # either side of the 1.4x the verdict would rest on
         verdict = _judged({noisy: 0.6}, load=0.0)
         assert verdict["level"] is None and f"mlp {noisy}" in verdict["reason"]
+    # Too few timed steps to measure a spread (a budget cut the run short): no figure to rest a verdict on.
+    assert relative_spread([1.0, 1.0, 1.0]) == math.inf
+    assert _judged({"O5": relative_spread([1.0, 1.0])}, load=0.0)["level"] is None
     report = DemoReport({}, {}, "", [], verdict={"level": None, "reason": "noisy", "tentative": False})
     assert format_verdict(report).startswith("Verdict: no recommendation")
 

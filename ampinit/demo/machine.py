@@ -3,6 +3,7 @@ bf16/fp16 speed, the load average, and whether step times were too noisy (or the
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 from collections.abc import Sequence
@@ -48,9 +49,10 @@ def load_average() -> float | None:
 
 
 def relative_spread(samples: Sequence[float]) -> float:
-    """Interquartile range over median: 0 for identical step times, ~0.1 on a quiet machine."""
+    """Interquartile range over median: 0 for identical step times, ~0.1 on a quiet machine; infinite for fewer
+    than 4 samples, where no spread can be measured (so the noise check rejects them)."""
     if len(samples) < 4:
-        return 0.0
+        return math.inf
     q1, _, q3 = statistics.quantiles(samples, n=4)
     return (q3 - q1) / statistics.median(samples)
 

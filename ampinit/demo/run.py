@@ -467,12 +467,14 @@ class _TqdmProgress:
         from tqdm import tqdm
 
         self.total, self.eta = total, eta
-        bar_format = "{desc}: {percentage:3.0f}%|{bar}| {postfix}"
+        bar_format = "{desc}: {percentage:3.0f}%|{bar}|{postfix}"
         self._bar = tqdm(
             total=total, desc=label, file=stream, leave=True, dynamic_ncols=True, mininterval=0.2, bar_format=bar_format
         )
 
     def update(self, done: float, loss: float) -> None:
+        if self.eta is not None:  # the bar fills up to where the run will stop, the budget counted
+            self._bar.total = self.eta.end_step(done)
         self._bar.update(done - self._bar.n)
         left = f", {self.eta.text(done)}" if self.eta is not None else ""
         self._bar.set_postfix_str(f"step {int(done)}/{self.total}, loss {loss:.4f}{left}")
