@@ -61,13 +61,15 @@ def editable_install(tmp_path: Path, mode: str) -> tuple[Path, Path]:
 
 
 def mypy_sees_ampinit(tmp_path: Path, python: Path) -> str:
-    mypy_api = pytest.importorskip("mypy.api", reason="mypy comes with the [dev] extra")
+    """mypy's output on ``CASE`` for the environment of ``python``, run from a directory that holds neither the
+    checkout's ampinit nor its mypy configuration (mypy searches its working directory first)."""
+    pytest.importorskip("mypy", reason="mypy comes with the [dev] extra")
     case = tmp_path / "case.py"
     case.write_text(CASE)
-    stdout, stderr, _ = mypy_api.run(
-        ["--strict", "--no-incremental", "--python-executable", str(python), "--no-error-summary", str(case)]
-    )
-    return stdout + stderr
+    command = [sys.executable, "-m", "mypy", "--strict", "--no-incremental", "--no-error-summary"]
+    command += ["--python-executable", str(python), case.name]
+    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, check=False)
+    return result.stdout + result.stderr
 
 
 def test_readme_installs_in_setuptools_strict_editable_mode() -> None:
