@@ -892,7 +892,7 @@ def _row(run: RunResult) -> list[str]:
         f"{run.final_loss:.4f}",
         f"{run.accuracy:.1%}",
         f"{run.ms_per_step:.1f}",
-        f"{run.step_time_spread:.0%}",
+        f"{run.step_time_spread:.0%}" if math.isfinite(run.step_time_spread) else "n/a",
         "-" if run.speedup_vs_o0 is None else f"{run.speedup_vs_o0:.2f}x",
         "-" if run.peak_memory_mib is None else f"{run.peak_memory_mib:.1f}",
         f"{run.skipped_steps}",
@@ -939,7 +939,7 @@ def format_verdict(report: DemoReport) -> str:
         lines += ["!! The losses and accuracies are unaffected. Rerun when the machine is idle to compare speed.", bar]
     verdict = report.verdict
     head = f"Verdict: use {verdict['level']} on this machine" if verdict.get("level") else "Verdict: no recommendation"
-    if verdict.get("tentative"):
+    if verdict.get("tentative") and verdict.get("level"):
         head += " (TENTATIVE: measured on a busy machine)"
     lines += [head, f"  why: {verdict.get('reason', '')}"]
     return "\n".join(lines)

@@ -39,7 +39,7 @@ class Verdict:
 
     def text(self) -> str:
         head = f"Use {self.level} on this machine" if self.level else "No recommendation"
-        warning = " (TENTATIVE: the machine was busy, rerun when it is idle)" if self.tentative else ""
+        warning = " (TENTATIVE: the machine was busy, rerun when it is idle)" if self.tentative and self.level else ""
         return f"{head}{warning}: {self.reason}"
 
 
