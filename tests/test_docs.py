@@ -73,8 +73,10 @@ def test_readme_opens_with_the_demo_and_the_test_command() -> None:
     commands = [line for line in first_block.group(1).splitlines() if not line.startswith("#")]
     assert commands == [
         "cd ampinit",
-        'pip install torch==2.13.0 && pip install -e ".[demo]" && ampinit demo',
-        'pip install torch==2.13.0 && pip install -e ".[test,dev]" && python -m pytest -q',
+        'pip install torch==2.13.0 && pip install -e ".[demo]" --config-settings editable_mode=strict '
+        "&& ampinit demo --quick",
+        'pip install torch==2.13.0 && pip install -e ".[test,dev]" --config-settings editable_mode=strict '
+        "&& python -m pytest -q",
     ]
 
 

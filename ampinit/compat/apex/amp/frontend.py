@@ -12,12 +12,13 @@ Apex's loose inputs are converted here, once, and everything else is ampinit's s
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 import ampinit
 from ampinit import Properties
+from ampinit._types import OptLevel
 from ampinit.compat.apex import _loose
 from ampinit.compat.apex.amp import _stash
 from ampinit.compat.apex.amp._amp_state import _amp_state
@@ -52,7 +53,7 @@ def initialize(
         models,
         inner,
         enabled=enabled,
-        opt_level=opt_level,
+        opt_level=cast(OptLevel, opt_level),  # Apex's signature takes any str; initialize refuses a bad one by name
         cast_model_type=cast_model_type,
         patch_torch_functions=_loose.optional_truth(patch_torch_functions),
         keep_batchnorm_fp32=keep_batchnorm_fp32,
