@@ -21,6 +21,7 @@ _MODULES = (
     "ampinit._opt_levels",
     "ampinit._scaler",
     "ampinit._session",
+    "ampinit._types",
 )
 
 if TYPE_CHECKING:
@@ -49,12 +50,14 @@ if TYPE_CHECKING:
     from ampinit._opt_levels import Properties
     from ampinit._scaler import LossScaleAtMinimumError
     from ampinit._session import AmpSession, AmpStats
+    from ampinit._types import OptLevel
 
 __all__ = [
     "AmpSession",
     "AmpStats",
     "DynamicLossScale",
     "LossScaleAtMinimumError",
+    "OptLevel",
     "Properties",
     "__version__",
     "current_session",

@@ -4,9 +4,9 @@
 from __future__ import annotations
 
 import importlib
-import warnings
 import pkgutil
 import re
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
