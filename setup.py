@@ -2,8 +2,8 @@
 
 Dependencies are declared here (not only in pyproject.toml) because the CI script and the README install
 with ``pip install -e .[test]`` and the issue that founded the project asks for a setup.py.  torch is a
-lower bound only: CI installs ``torch==2.13.0`` (the CPU wheel) *before* this package, so pip never has to
-pick a torch build itself.
+lower bound only, the oldest release the suite runs under (README.md, "Install"): CI installs ``torch==2.13.0``
+(the CPU wheel) *before* this package, so pip never has to pick a torch build itself.
 """
 
 import re
@@ -28,12 +28,12 @@ setup(
     # No url or project_urls: the project has no public home page yet (nothing is invented here). The docs
     # travel with the source: README.md (the long description above) links docs/*.md.
     keywords=["pytorch", "mixed precision", "amp", "apex", "fp16", "bf16", "loss scaling", "master weights"],
-    python_requires=">=3.10",  # torch >= 2.13 needs it; ruff and mypy target the same
+    python_requires=">=3.10",  # torch >= 2.11 needs it; ruff and mypy target the same
     packages=find_packages(include=["ampinit", "ampinit.*"]),
     package_data={"ampinit": ["py.typed"]},
     # numpy: without it every `import torch` prints "Failed to initialize NumPy" (and pytest, which turns
     # warnings into errors, fails), so the minimal install must bring it.
-    install_requires=["torch>=2.13", "packaging", "numpy"],
+    install_requires=["torch>=2.11", "packaging", "numpy"],
     extras_require={
         # `ampinit migrate` rewrites source with libcst; nothing else needs it.
         "migrate": ["libcst>=1.1"],

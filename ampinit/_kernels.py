@@ -40,7 +40,7 @@ _HAS_FOREACH_COPY = hasattr(torch, "_foreach_copy_")
 _HAS_UPDATE_SCALE_KERNEL = hasattr(torch, "_amp_update_scale_")
 
 # -- torch's foreach and fused kernels, under public names ---------------------------------------------------
-# Present in every torch ampinit supports (>= 2.13); bound here so that the rest of the package never spells a
+# Present in every torch ampinit supports (>= 2.11); bound here so that the rest of the package never spells a
 # private torch name.
 foreach_add = torch._foreach_add
 foreach_add_ = torch._foreach_add_

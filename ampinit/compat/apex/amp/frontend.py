@@ -7,7 +7,10 @@ Apex's loose inputs are converted here, once, and everything else is ampinit's s
 * ``_amp_state.allow_incoming_model_not_fp32``: models whose weights are already fp16, bf16 or mixed are
   accepted at every level, as in Apex. The level then does what it does to any model: O0/O2/O3/O5 cast it
   (O2/O5 build fp32 masters from the half values, as Apex did), O1/O4 and ``cast_model_type=False`` leave it
-  as it is and cast around it.
+  as it is and cast around it;
+* at O1 (fp16 function casts), Apex's tensor rules that code written for it depends on (``.cpu()`` of a half
+  tensor gives float32; ``exp_`` and the other in-place forms of Apex's fp32 functions refuse fp16 tensors with
+  Apex's ``NotImplementedError``): :func:`follow_apex_tensor_rules`, undone when the session closes.
 """
 
 from __future__ import annotations
@@ -67,11 +70,32 @@ def initialize(
         allow_half_model=bool(_amp_state.allow_incoming_model_not_fp32),
     )
     if enabled:
+        follow_apex_tensor_rules(_session_of(models))
         _attach_stashes(optimizers, inner)
     if optimizers is None or inner is optimizers:
         return result
     out_models, _ = result
     return out_models, optimizers  # the caller's LARC objects (their inner optimizers are now managed)
+
+
+def _session_of(models: Any) -> ampinit.AmpSession | None:
+    first = models[0] if isinstance(models, (list, tuple)) else models
+    return ampinit.session_of(first)
+
+
+def follow_apex_tensor_rules(session: ampinit.AmpSession | None) -> None:
+    """Have ``session``'s O1 casts follow Apex's tensor rules too (``ampinit._casting.apex_tensor``).
+
+    The session is closed again when that fails, so that ``initialize`` leaves nothing half-applied.
+    """
+    policy = None if session is None else session._cast_policy
+    if session is None or policy is None:
+        return
+    try:
+        policy.follow_apex_tensor_rules()
+    except BaseException:
+        session.close()
+        raise
 
 
 def _unwrap_optimizers(optimizers: Any) -> Any:
