@@ -10,13 +10,12 @@ runs in three moves, each a constant number of multi-tensor kernels per (device,
    with an inf/NaN check into the scaler's device flag; stashed grads are added back;
 3. ``after_step``: the updated masters are copied into the half model weights.
 
-Until the first backward (or step), the masters *follow the model* (``follow_model``), as Apex's masters, built
-lazily at that moment, did: a half weight written after ``initialize`` (DDP broadcasting rank 0's weights, a custom
-init, a load that did not go through the model's ``load_state_dict``) makes its master the weight's value, so
-that every rank starts from the weights DDP broadcast, whatever each rank's seed. A master written since by the
-model's ``load_state_dict`` (an exact fp32 value) is kept as long as the weight still holds its rounding: a
-resumed run stays bitwise when DDP broadcasts the weights every rank loaded. Weights and masters are compared
-through version counters, once; from the first backward on, the masters are the truth and cost nothing more.
+Until the first backward (or step) the masters *follow the model* (``follow_model``), as Apex's masters, built
+at that moment, did: a half weight written after ``initialize`` (DDP broadcasting rank 0's weights, a custom
+init) becomes its master's value, so that every rank trains the weights DDP broadcast, whatever each rank's
+seed. A master that the model's ``load_state_dict`` wrote since (an exact fp32 value) is kept while the weight
+still holds its rounding: a checkpoint every rank loaded before the wrap resumes bitwise. Version counters tell
+what was written, read once; from the first backward on the masters are the truth.
 """
 
 from __future__ import annotations
@@ -126,11 +125,15 @@ class OptimizerGrads:
         if self._agreed is not None:
             self._agreed[param_id] = (weight._version, master._version)
 
+    @property
+    def following(self) -> bool:
+        """Whether the masters still follow the model (no backward or step yet)."""
+        return self._agreed is not None
+
     def follow_model(self) -> None:
         """Before amp first uses the masters (a backward or a step): make each master follow its model weight if
         the weight was written since ``initialize``, then stop following (the rule is in the module docstring).
-
-        Once only: afterwards the call is one attribute test.
+        Once only: callers on the step's path test ``following`` first, which is all that later steps pay.
         """
         if self._agreed is None:
             return
@@ -184,7 +187,8 @@ class OptimizerGrads:
 
     # -- one backward -----------------------------------------------------------------------------------------
     def prepare_backward(self) -> None:
-        self.follow_model()
+        if self.following:
+            self.follow_model()
         direct = self.direct_params()
         # With fp32 masters a half parameter the optimizer trains directly can only be one unfrozen since the
         # masters were made: adopt it (the scan is shared with the stash below). Remainder masters train the bf16
