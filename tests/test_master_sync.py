@@ -1,19 +1,15 @@
-"""Masters follow the model weights until the first backward: a DDP broadcast, a custom init or a load written
-into the model after ``initialize`` is what trains, and a checkpoint loaded before the first backward stays exact.
+"""Masters follow the model weights until the first backward: a custom init or a load written into the model
+after ``initialize`` is what trains, a checkpoint loaded before the first backward stays exact, and from the first
+backward on the masters are the truth.
 
-The distributed tests run one 2-process gloo job (tests/_master_sync_worker.py) whose ranks are seeded
-differently, so that only DDP's broadcast of rank 0's weights can make them agree.
+What this is for, DDP ranks seeded differently that must all train rank 0's broadcast weights, is tested with
+real processes in tests/test_distributed.py (the ``seeded`` scenarios of tests/_dist_worker.py).
 """
 
 from __future__ import annotations
 
 import copy
-import os
-import socket
-import subprocess
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,29 +18,6 @@ from torch import nn
 
 import ampinit
 from ampinit import amp
-from tests import _master_sync_worker as worker
-
-ROOT = Path(__file__).resolve().parent.parent
-# gloo otherwise binds to the interface the hostname resolves to; the job stays on loopback.
-ENV = {**os.environ, "GLOO_SOCKET_IFNAME": "lo"}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-@pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("master_sync")
-    command = [sys.executable, "-m", "tests._master_sync_worker", str(free_port()), str(out)]
-    subprocess.run(command, cwd=ROOT, env=ENV, check=True, timeout=240)
-    return out
-
-
-def load(out: Path, name: str) -> list[dict[str, Any]]:
-    return [torch.load(out / f"{name}.{rank}.pt", weights_only=True) for rank in (0, 1)]
 
 
 def assert_bitwise(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
@@ -53,38 +26,6 @@ def assert_bitwise(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
         assert x.dtype == y.dtype and torch.equal(x, y)
 
 
-# Both trainings round the same forward and backward, but DDP sums the two half batches' gradients where the
-# reference sums one batch: a few roundings of the level's dtype apart (as in test_distributed.py). A rank
-# training its own seed's masters is off by the whole initial difference.
-TOLERANCE = {"O0": 1e-5, "O1": 2e-2, "O2": 2e-2, "O3": 2e-2, "O4": 3e-2, "O5": 3e-2, "remainder": 3e-2}
-
-
-@pytest.mark.parametrize("wrapper", list(worker.WRAPPERS))
-@pytest.mark.parametrize("case", list(worker.CASES))
-def test_ranks_seeded_differently_train_rank0s_model(results: Path, case: str, wrapper: str) -> None:
-    rank0, rank1 = load(results, f"seeds_{case}_{wrapper}")
-    assert_bitwise(rank0["params"], rank1["params"])
-    assert_bitwise(rank0["masters"], rank1["masters"])
-    assert rank0["amp"] == rank1["amp"]
-    reference = worker.reference(case)
-    assert rank0["amp"] == reference["amp"]
-    start = worker.broadcast_weights(case)
-    assert not any(torch.equal(a, s) for a, s in zip(rank0["params"], start))  # every weight trained
-    for a, r in zip(rank0["masters"], reference["masters"]):
-        torch.testing.assert_close(a, r, rtol=TOLERANCE[case], atol=TOLERANCE[case])
-
-
-@pytest.mark.parametrize("case", worker.RESUME_CASES)
-def test_a_checkpoint_every_rank_loads_before_the_wrap_resumes_bitwise(results: Path, case: str) -> None:
-    rank0, rank1 = load(results, f"resume_{case}")
-    for rank in (rank0, rank1):
-        assert_bitwise(rank["resumed"]["masters"], rank["uninterrupted"]["masters"])
-        assert_bitwise(rank["resumed"]["params"], rank["uninterrupted"]["params"])
-        assert rank["resumed"]["amp"] == rank["uninterrupted"]["amp"]
-    assert_bitwise(rank0["resumed"]["masters"], rank1["resumed"]["masters"])
-
-
-# -- one process ---------------------------------------------------------------------------------------------------
 MASTER_CASES = {"O2": ("O2", True), "O5": ("O5", True), "remainder": ("O5", "remainder")}
 
 
