@@ -9,6 +9,13 @@ runs in three moves, each a constant number of multi-tensor kernels per (device,
 2. ``post_backward`` (leaving ``scale_loss``): new half grads go to fp32 master grads, times ``1/scale``,
    with an inf/NaN check into the scaler's device flag; stashed grads are added back;
 3. ``after_step``: the updated masters are copied into the half model weights.
+
+Until the first backward (or step) the masters *follow the model* (``follow_model``), as Apex's masters, built
+at that moment, did: a half weight written after ``initialize`` (DDP broadcasting rank 0's weights, a custom
+init) becomes its master's value, so that every rank trains the weights DDP broadcast, whatever each rank's
+seed. A master that the model's ``load_state_dict`` wrote since (an exact fp32 value) is kept while the weight
+still holds its rounding: a checkpoint every rank loaded before the wrap resumes bitwise. Version counters tell
+what was written, read once; from the first backward on the masters are the truth.
 """
 
 from __future__ import annotations
@@ -40,6 +47,10 @@ class OptimizerGrads:
         # zero_grad(set_to_none=False): each zeroed half model grad and its version counter then, by param id.
         # Untouched since (same tensor, same version), it holds no gradient that a step could miss.
         self._zeroed: dict[int, tuple[torch.Tensor, int]] = {}
+        # Until the first backward or step (then None): id(model param) -> the version counters of the weight and
+        # of its master when amp last made them agree (see follow_model).
+        self._agreed: dict[int, tuple[int, int]] | None = {}
+        self._loaded: set[int] = set()  # ids of the model params whose masters a load wrote since (follow_model)
 
     # -- masters --------------------------------------------------------------------------------------------
     def create_masters(self, fp32_values: dict[int, torch.Tensor] | None = None) -> None:
@@ -64,6 +75,7 @@ class OptimizerGrads:
             params[index] = master
             self._master_of[id(param)] = (param, master)
             self._model_of[id(master)] = param
+            self._note_agreement(id(param), param, master)
             if param in self.optimizer.state:
                 self.optimizer.state[master] = self.optimizer.state.pop(param)
                 moved_state = True
@@ -99,8 +111,50 @@ class OptimizerGrads:
             self._replace_in_group(group, {})
 
     def master_for(self, param: torch.Tensor) -> torch.Tensor | None:
+        """``param``'s master; before the first backward, brought up to date with the weight first (a checkpoint
+        saved, or a session closed, between a custom init and the first step keeps the init)."""
         pair = self._master_of.get(id(param))
-        return None if pair is None else pair[1]
+        if pair is None:
+            return None
+        if self._agreed is not None:
+            self._follow(id(param))
+        return pair[1]
+
+    # -- masters that follow the model until the first backward ---------------------------------------------
+    def _note_agreement(self, param_id: int, weight: torch.Tensor, master: torch.Tensor) -> None:
+        if self._agreed is not None:
+            self._agreed[param_id] = (weight._version, master._version)
+
+    @property
+    def following(self) -> bool:
+        """Whether the masters still follow the model (no backward or step yet)."""
+        return self._agreed is not None
+
+    def follow_model(self) -> None:
+        """Before amp first uses the masters (a backward or a step): make each master follow its model weight if
+        the weight was written since ``initialize``, then stop following (the rule is in the module docstring).
+        Once only: callers on the step's path test ``following`` first, which is all that later steps pay.
+        """
+        if self._agreed is None:
+            return
+        for param_id in list(self._agreed):
+            self._follow(param_id)
+        self._agreed = None
+        self._loaded.clear()
+
+    def _follow(self, param_id: int) -> None:
+        assert self._agreed is not None
+        weight, master = self._master_of[param_id]
+        weight_version, master_version = self._agreed[param_id]
+        if master._version != master_version:  # only the model's load_state_dict writes a master before a step
+            self._loaded.add(param_id)
+        if weight._version != weight_version:
+            with torch.no_grad():
+                keep = param_id in self._loaded and torch.equal(weight.detach(), master.to(weight.dtype))
+                if not keep:
+                    master.copy_(weight.detach())
+                    self._loaded.discard(param_id)
+        self._note_agreement(param_id, weight, master)
 
     def pairs(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         return iter(self._master_of.values())
@@ -128,9 +182,13 @@ class OptimizerGrads:
         self._model_of.clear()
         self._grad_buffers.clear()
         self._zeroed = {}
+        self._agreed = None
+        self._loaded.clear()
 
     # -- one backward -----------------------------------------------------------------------------------------
     def prepare_backward(self) -> None:
+        if self.following:
+            self.follow_model()
         direct = self.direct_params()
         # With fp32 masters a half parameter the optimizer trains directly can only be one unfrozen since the
         # masters were made: adopt it (the scan is shared with the stash below). Remainder masters train the bf16

@@ -16,6 +16,10 @@ list that reads the bf16 grad, weight and remainder, and writes weight, remainde
 Checkpoints use the fp32-master format: ``model.state_dict()`` reports the joined masters (``master_for``), an
 fp32 value loaded into the model is split into weight and remainder (``load_master``), and the optimizer's
 ``state_dict`` is torch's own, with fp32 state that loading keeps in fp32.
+
+Until the first backward or step the masters follow the model as fp32 masters do (``OptimizerGrads``): a bf16
+weight written since ``initialize`` (a DDP broadcast) gets a zero remainder, so that its master is the weight's
+value, unless the weight still holds what ``load_master`` split off a loaded master.
 """
 
 from __future__ import annotations
@@ -95,6 +99,8 @@ class RemainderGrads(OptimizerGrads):
         self._remainders: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(param) -> (param, remainder)
         self._handles: list[RemovableHandle] = []
         self._loading: dict[str, Any] | None = None
+        # Until the first backward or step: the bf16 weights load_master split off loaded masters, by param id.
+        self._loaded_weights: dict[int, torch.Tensor] = {}
 
     # -- masters --------------------------------------------------------------------------------------------
     def create_masters(self, fp32_values: dict[int, torch.Tensor] | None = None) -> None:
@@ -117,6 +123,7 @@ class RemainderGrads(OptimizerGrads):
                 remainder = torch.empty_like(param, dtype=_remainder.REMAINDER_DTYPE)
                 _remainder.split_(master, param.detach(), remainder)
                 self._remainders[id(param)] = (param, remainder)
+                self._note_agreement(id(param), param, remainder)
 
     def add_param_group(self, group: dict[str, Any]) -> None:
         self._add_group(group, {})
@@ -129,7 +136,11 @@ class RemainderGrads(OptimizerGrads):
     def master_for(self, param: torch.Tensor) -> torch.Tensor | None:
         """The fp32 master of ``param``, joined (a new tensor: writing into it changes nothing)."""
         entry = self._remainders.get(id(param))
-        return None if entry is None else _remainder.join(param.detach(), entry[1])
+        if entry is None:
+            return None
+        if self._agreed is not None:
+            self._follow(id(param))
+        return _remainder.join(param.detach(), entry[1])
 
     def load_master(self, param: torch.Tensor, value: torch.Tensor) -> torch.Tensor | None:
         """Take ``value`` as ``param``'s master: store its remainder, return the bf16 weight to load (or None)."""
@@ -138,7 +149,27 @@ class RemainderGrads(OptimizerGrads):
             return None
         weight, remainder = _remainder.split(value.detach().to(device=param.device, dtype=torch.float32))
         entry[1].copy_(remainder)
+        if self._agreed is not None:
+            self._loaded_weights[id(param)] = weight
         return weight
+
+    def follow_model(self) -> None:
+        super().follow_model()
+        self._loaded_weights.clear()
+
+    def _follow(self, param_id: int) -> None:
+        assert self._agreed is not None
+        weight, remainder = self._remainders[param_id]
+        weight_version, _ = self._agreed[param_id]
+        if weight._version == weight_version:
+            return
+        # A remainder is only right beside the weight it was split from: the one loaded with it, if the weight
+        # still holds that value; otherwise the master is the weight itself, a zero remainder.
+        loaded = self._loaded_weights.get(param_id)
+        if loaded is None or not torch.equal(weight.detach(), loaded):
+            remainder.zero_()
+            self._loaded_weights.pop(param_id, None)
+        self._note_agreement(param_id, weight, remainder)
 
     def remainder_of(self, param: torch.Tensor) -> torch.Tensor | None:
         entry = self._remainders.get(id(param))
@@ -150,6 +181,8 @@ class RemainderGrads(OptimizerGrads):
             handle.remove()
         self._handles.clear()
         self._remainders.clear()
+        self._loaded_weights.clear()
+        self._agreed = None
 
     # -- optimizer state_dict -------------------------------------------------------------------------------
     def _remember_loaded(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:

@@ -261,6 +261,8 @@ class AmpSession:
     ) -> Any:
         closure = kwargs.get("closure", args[0] if args else None)
         record.check_not_scaled()
+        if record.grads.following:  # a step before any backward must not write stale masters over the model
+            record.grads.follow_model()
         self._overflow.before_step(record, self.verbosity)
         skip, flag = record.take_skip(closure is not None)
         result, fused = None, False

@@ -1,12 +1,14 @@
 """Scenarios run on each rank of a 2-process gloo job by tests/test_distributed.py.
 
 Each scenario writes what the test checks to ``{outdir}/{scenario}.{rank}.pt``; ``reference(level)`` runs the
-same training in one process on the global batch.
+same training in one process on the global batch. The ``seeded`` scenarios seed the ranks differently, and
+``seeded_reference(case)`` trains rank 0's weights, as DDP broadcasts them, in one process.
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ampinit
 from ampinit import amp
+from ampinit.compat.apex.parallel import DistributedDataParallel as ApexDDP
 
 LEVELS = ["O0", "O1", "O2", "O3", "O4", "O5"]
 GLOBAL_BATCH = 32
@@ -200,12 +203,129 @@ def fsdp2(rank: int, world: int, out: Path) -> None:
     torch.save({"refused": refused}, out / f"fsdp_O2.{rank}.pt")
 
 
+# -- ranks seeded differently: only DDP's broadcast of rank 0's weights (and masters that follow it) makes them agree
+#: (opt level, master_weights override or None): every level, and the remainder masters.
+SEEDED_CASES: dict[str, tuple[str, str | None]] = {
+    **{level: (level, None) for level in LEVELS},
+    "remainder": ("O5", "remainder"),
+}
+SEEDED_RESUME_CASES = ("O2", "O5", "remainder")
+WRAPPERS = {"torch": DDP, "apex": ApexDDP}
+SEEDED_STEPS = 3
+SEEDS = (1, 2)  # rank 0's, rank 1's
+
+
+def build_seeded(case: str, seed: int, initial: list[torch.Tensor] | None = None) -> tuple[nn.Module, Any]:
+    """``Net`` seeded with ``seed`` (or holding ``initial``), with SGD, initialized for ``case``."""
+    torch.manual_seed(seed)
+    model = Net()
+    if initial is not None:
+        with torch.no_grad():
+            for param, value in zip(model.parameters(), initial):
+                param.copy_(value)
+    opt = sgd(model)
+    level, master_weights = SEEDED_CASES[case]
+    overrides: dict[str, Any] = {} if master_weights is None else {"master_weights": master_weights}
+    if level in ("O1", "O2"):
+        overrides["loss_scale"] = ampinit.DynamicLossScale(init_scale=INIT_SCALE)
+    amp.initialize(model, opt, opt_level=level, verbosity=0, **overrides)
+    return model, opt
+
+
+def seeded_snapshot(model: nn.Module) -> dict[str, Any]:
+    """Weights, masters (as ``state_dict`` reports them: joined, for remainder masters) and the loss scale."""
+    return {"params": params(model), "masters": list(model.state_dict().values()), "amp": amp.state_dict()}
+
+
+Scenario = Callable[[int, int, Path], None]
+
+
+def one_thread(scenario: Scenario) -> Scenario:
+    """Run ``scenario`` with one torch thread per rank: two ranks of two threads each on a 2-core machine spin
+    against each other (25 times slower on a busy one)."""
+
+    def run(rank: int, world: int, out: Path) -> None:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            scenario(rank, world, out)
+        finally:
+            torch.set_num_threads(threads)
+
+    return run
+
+
+@one_thread
+def train_from_different_seeds(rank: int, world: int, out: Path) -> None:
+    x, y = shard(rank, world)
+    for case in SEEDED_CASES:
+        for wrapper_name, wrapper in WRAPPERS.items():
+            model, opt = build_seeded(case, SEEDS[rank])
+            ddp = wrapper(model)
+            for _ in range(SEEDED_STEPS):
+                train_step(ddp, opt, x, y)
+            torch.save(seeded_snapshot(model), out / f"seeds_{case}_{wrapper_name}.{rank}.pt")
+            amp.deinitialize()
+
+
+@one_thread
+def resume_on_different_seeds(rank: int, world: int, out: Path) -> None:
+    """Every rank loads rank 0's checkpoint into a model of its own seed before the wrap."""
+    x, y = shard(rank, world)
+    for case in SEEDED_RESUME_CASES:
+        model, opt = build_seeded(case, SEEDS[rank])
+        ddp = DDP(model)
+        for _ in range(SEEDED_STEPS):
+            train_step(ddp, opt, x, y)
+        path = out / f"seeded_checkpoint_{case}.pt"
+        if rank == 0:
+            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "amp": amp.state_dict()}, path)
+        dist.barrier()
+        for _ in range(SEEDED_STEPS):
+            train_step(ddp, opt, x, y)
+        uninterrupted = seeded_snapshot(model)
+        amp.deinitialize()
+
+        model, opt = build_seeded(case, 10 + SEEDS[rank])
+        checkpoint = torch.load(path, weights_only=True)
+        model.load_state_dict(checkpoint["model"])
+        opt.load_state_dict(checkpoint["optimizer"])
+        amp.load_state_dict(checkpoint["amp"])
+        ddp = DDP(model)
+        for _ in range(SEEDED_STEPS):
+            train_step(ddp, opt, x, y)
+        resumed = seeded_snapshot(model)
+        amp.deinitialize()
+        torch.save({"uninterrupted": uninterrupted, "resumed": resumed}, out / f"seeded_resume_{case}.{rank}.pt")
+
+
+def broadcast_weights(case: str) -> list[torch.Tensor]:
+    """Rank 0's weights as DDP broadcasts them: the model ``initialize`` left, in the dtype it holds them."""
+    model, _ = build_seeded(case, SEEDS[0])
+    weights = params(model)
+    amp.deinitialize()
+    return weights
+
+
+def seeded_reference(case: str) -> dict[str, Any]:
+    """train_from_different_seeds in one process: rank 0's broadcast weights trained on the global batch."""
+    model, opt = build_seeded(case, 0, initial=[w.float() for w in broadcast_weights(case)])
+    x, y = data()
+    for _ in range(SEEDED_STEPS):
+        train_step(model, opt, x, y)
+    result = seeded_snapshot(model)
+    amp.deinitialize()
+    return result
+
+
 SCENARIOS = {
     "ddp_levels": ddp_levels,
     "overflow_on_one_rank": overflow_on_one_rank,
     "resume": resume,
     "accumulate_with_no_sync": accumulate_with_no_sync,
     "fsdp2": fsdp2,
+    "train_from_different_seeds": train_from_different_seeds,
+    "resume_on_different_seeds": resume_on_different_seeds,
 }
 
 

@@ -3,6 +3,7 @@ resume, no_sync accumulation, FSDP2 with O1/O4 (and the refusal of O2 on sharded
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import re
@@ -162,3 +163,46 @@ def test_the_flag_handed_to_the_backend_outlives_the_session(monkeypatch: pytest
     del model, optimizer
     gc.collect()
     assert handed and all(ref() is not None for ref in handed)
+
+
+def assert_bitwise(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.dtype == y.dtype and torch.equal(x, y)
+
+
+@functools.cache
+def seeded_reference(case: str) -> dict[str, Any]:
+    """One process training rank 0's broadcast weights, and those weights; once per case (both wrappers use it)."""
+    return {**_dist_worker.seeded_reference(case), "start": _dist_worker.broadcast_weights(case)}
+
+
+@pytest.mark.parametrize("wrapper", list(_dist_worker.WRAPPERS))
+@pytest.mark.parametrize("case", list(_dist_worker.SEEDED_CASES))
+def test_ranks_seeded_differently_train_rank0s_broadcast_model(results: Path, case: str, wrapper: str) -> None:
+    """Apex built its masters at the first backward, after DDP broadcast rank 0's weights; masters built at
+    initialize, from each rank's own weights, made the ranks train different models at O2/O5."""
+    rank0, rank1 = load(results, f"seeds_{case}_{wrapper}")
+    assert_bitwise(rank0["params"], rank1["params"])
+    assert_bitwise(rank0["masters"], rank1["masters"])
+    assert rank0["amp"] == rank1["amp"]
+    reference = seeded_reference(case)
+    assert rank0["amp"] == reference["amp"]
+    assert not any(torch.equal(a, s) for a, s in zip(rank0["params"], reference["start"]))  # every weight trained
+    # The two half batches' gradients summed by DDP, against one batch's: a few roundings of the level's dtype
+    # apart (as in test_ddp_matches_one_process_on_the_global_batch). A rank training its own seed's masters is
+    # off by the whole difference between the two initial models.
+    tolerance = 1e-5 if case == "O0" else 3e-2
+    for a, r in zip(rank0["masters"], reference["masters"]):
+        torch.testing.assert_close(a, r, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("case", _dist_worker.SEEDED_RESUME_CASES)
+def test_a_checkpoint_every_rank_loads_before_the_wrap_resumes_bitwise(results: Path, case: str) -> None:
+    """The loaded fp32 masters survive DDP's broadcast of the weights every rank loaded (it writes them again)."""
+    rank0, rank1 = load(results, f"seeded_resume_{case}")
+    for rank in (rank0, rank1):
+        assert_bitwise(rank["resumed"]["masters"], rank["uninterrupted"]["masters"])
+        assert_bitwise(rank["resumed"]["params"], rank["uninterrupted"]["params"])
+        assert rank["resumed"]["amp"] == rank["uninterrupted"]["amp"]
+    assert_bitwise(rank0["resumed"]["masters"], rank1["resumed"]["masters"])

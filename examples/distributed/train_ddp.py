@@ -61,7 +61,9 @@ def main() -> None:
     dist.init_process_group(backend)
     rank, world = dist.get_rank(), dist.get_world_size()
 
-    torch.manual_seed(0)  # the same initial weights on every rank (DDP also broadcasts them from rank 0)
+    # Each rank its own initial weights, as Apex's ImageNet example seeded them (rank 0 gets seed 0): they need not
+    # agree, because DDP broadcasts rank 0's weights and amp's fp32 masters (O2/O5) follow them at the first backward.
+    torch.manual_seed(rank)
     model = nn.Sequential(nn.Linear(32, 128), nn.LayerNorm(128), nn.GELU(), nn.Linear(128, 1)).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     model, optimizer = amp.initialize(model, optimizer, opt_level=args.opt_level, verbosity=0)
@@ -79,7 +81,8 @@ def main() -> None:
         if rank == 0 and (step % 25 == 0 or step == args.steps - 1):
             report(f"step {step:4d}  loss {loss.item():.6f}  amp {dict(amp.state_dict())}")
 
-    # DDP keeps the parameters identical on every rank: each rank prints a checksum of its own, and they agree.
+    # The ranks started from different weights, yet train rank 0's: each rank prints a checksum of its own
+    # parameters, and they agree.
     checksum = sum(p.detach().double().sum().item() for p in model.parameters())
     report(f"rank {rank} of {world}: parameter checksum {checksum!r}")
     amp.deinitialize()
