@@ -16,17 +16,13 @@ from collections.abc import Iterable
 
 import libcst as cst
 
+from ampinit.migrate import _cst
 from ampinit.migrate._reach import Function, Scopes, declared_global
-from ampinit.migrate._to_ampinit import dotted
 
 LEVELS = frozenset({"O0", "O1"})
 PARSE = ("parse_args", "parse_known_args")
 # add_argument keywords that do not change which values can arrive
 HARMLESS = frozenset({"choices", "default", "dest", "help", "metavar", "required", "type", "action"})
-
-
-def _code(node: cst.CSTNode) -> str:
-    return cst.Module([]).code_for_node(node)
 
 
 def _string(node: cst.BaseExpression) -> str | None:
@@ -60,37 +56,28 @@ class _Calls(cst.CSTVisitor):
             self.returns.setdefault(self.current, []).append(node.value)
 
 
-def _method(node: cst.BaseExpression) -> str | None:
-    """``m`` of a call ``x.m(...)``; None for anything else."""
-    if isinstance(node, cst.Call) and isinstance(node.func, cst.Attribute):
-        return node.func.attr.value
-    return None
-
-
-def _keyword(call: cst.Call, name: str) -> cst.BaseExpression | None:
-    return next((a.value for a in call.args if a.keyword is not None and a.keyword.value == name), None)
-
-
 def _is_parse(value: cst.BaseExpression, found: _Calls) -> str | None:
     """Why ``value`` is not the result of this file's argparse parse, or None when it is."""
     if not isinstance(value, cst.Call):
-        return f"`{_code(value)}` is not an argparse parse"
-    if _method(value) in PARSE:
-        if _keyword(value, "namespace") is not None:
+        return f"`{_cst.code(value)}` is not an argparse parse"
+    if _cst.method_name(value) in PARSE:
+        if _cst.keyword(value, "namespace") is not None:
             return "parse_args(namespace=...) starts from a namespace this file does not show"
         return None
     name = value.func.value if isinstance(value.func, cst.Name) else None
     if name is None or name not in found.functions:
-        return f"`{_code(value.func)}()` is not a function of this file that returns parse_args()"
+        return f"`{_cst.code(value.func)}()` is not a function of this file that returns parse_args()"
     returns = found.returns.get(name, [])
-    if not returns or any(r is None or _is_parse(r, found) is not None or _method(r) != "parse_args" for r in returns):
+    if not returns or any(
+        r is None or _is_parse(r, found) is not None or _cst.method_name(r) != "parse_args" for r in returns
+    ):
         return f"{name}() does not only return parser.parse_args()"
     return None
 
 
 def _dest(call: cst.Call) -> str | None:
     """The destination argparse gives an ``add_argument`` call, or None when it cannot be read."""
-    given = _keyword(call, "dest")
+    given = _cst.keyword(call, "dest")
     if given is not None:
         return _string(given)
     strings = [a.value for a in call.args if a.keyword is None]
@@ -108,22 +95,22 @@ def _dest(call: cst.Call) -> str | None:
 
 def _argument_values(call: cst.Call) -> tuple[set[str] | None, str]:
     """The values one ``add_argument`` lets through, or None and why it could be any."""
-    option = _code(call.args[0].value) if call.args else "the argument"
+    option = _cst.code(call.args[0].value) if call.args else "the argument"
     unknown = sorted({a.keyword.value for a in call.args if a.keyword is not None} - HARMLESS)
     if unknown:
         return None, f"{option} has {unknown[0]}=, which lets other values through"
-    action = _keyword(call, "action")
+    action = _cst.keyword(call, "action")
     if action is not None and _string(action) != "store":
-        return None, f"{option} has action={_code(action)}"
-    kind = _keyword(call, "type")
-    if kind is not None and _code(kind) != "str":
-        return None, f"{option} has type={_code(kind)}, which could turn a choice into another value"
-    choices = _keyword(call, "choices")
+        return None, f"{option} has action={_cst.code(action)}"
+    kind = _cst.keyword(call, "type")
+    if kind is not None and _cst.code(kind) != "str":
+        return None, f"{option} has type={_cst.code(kind)}, which could turn a choice into another value"
+    choices = _cst.keyword(call, "choices")
     if not isinstance(choices, (cst.List, cst.Tuple, cst.Set)):
         return None, f"{option} has no literal choices=, so it takes any level"
     allowed = {_string(e.value) for e in choices.elements}
-    required = _keyword(call, "required")
-    default = _keyword(call, "default")
+    required = _cst.keyword(call, "required")
+    default = _cst.keyword(call, "default")
     if default is None and not (isinstance(required, cst.Name) and required.value == "True"):
         return None, f"{option} has no default (None is no level)"
     if default is not None:
@@ -138,21 +125,22 @@ def argparse_levels(
 ) -> tuple[set[str] | None, str]:
     """The levels ``node`` (``args.opt_level``) can hold in ``where``, or None and why this file cannot tell."""
     if not isinstance(node, cst.Attribute) or not isinstance(node.value, cst.Name):
-        return None, f"`{_code(node)}` could hold any level"
+        return None, f"`{_cst.code(node)}` could hold any level"
     base, attr = node.value.value, node.attr.value
     found = _Calls()
     module.visit(found)
     binder = next((f for f in scopes.enclosing(where) if isinstance(f, cst.Module) or scopes.binds(f, base)), module)
-    stores = [t for t in scopes.targets if _code(t) == base and scopes.function_of(t) is binder]
+    stores = [t for t in scopes.targets if _cst.code(t) == base and scopes.function_of(t) is binder]
     if not stores:
         owner = binder.name.value if isinstance(binder, cst.FunctionDef) else "<module>"
-        return None, f"`{base}` is a parameter of {owner}(): where `{_code(node)}` comes from is not in this function"
+        text = _cst.code(node)
+        return None, f"`{base}` is a parameter of {owner}(): where `{text}` comes from is not in this function"
     if len(stores) != 1:
         return None, f"`{base}` is assigned more than once"
     why = _parse_binding(scopes, stores[0], found)
     if why is not None:
-        return None, f"`{_code(node)}`: {why}, so it could hold any level"
-    values, why = _destination_values(found.calls, attr, _code(node))
+        return None, f"`{_cst.code(node)}`: {why}, so it could hold any level"
+    values, why = _destination_values(found.calls, attr, _cst.code(node))
     if values is None:
         return None, why
     why = _written(scopes, found.calls, base, attr) or _parsers_escape(module, found) or ""
@@ -164,29 +152,29 @@ def _parse_binding(scopes: Scopes, target: cst.BaseExpression, found: _Calls) ->
     if isinstance(parent, cst.Element):  # `args, unknown = parser.parse_known_args()`
         holder = scopes.parents.get(parent)
         if not isinstance(holder, cst.Tuple) or holder.elements[0] is not parent:
-            return f"`{_code(target)}` is not the namespace of a parse"
+            return f"`{_cst.code(target)}` is not the namespace of a parse"
         parent = scopes.parents.get(holder)
         statement = scopes.parents.get(parent) if isinstance(parent, cst.AssignTarget) else None
-        if not isinstance(statement, cst.Assign) or _method(statement.value) != "parse_known_args":
-            return f"`{_code(target)}` is not the namespace of parse_known_args()"
+        if not isinstance(statement, cst.Assign) or _cst.method_name(statement.value) != "parse_known_args":
+            return f"`{_cst.code(target)}` is not the namespace of parse_known_args()"
         return _is_parse(statement.value, found)
     statement = scopes.parents.get(parent) if isinstance(parent, cst.AssignTarget) else None
     if not isinstance(statement, cst.Assign) or len(statement.targets) != 1:
-        return f"`{_code(target)}` is not bound by a plain assignment"
-    if _method(statement.value) == "parse_known_args":
+        return f"`{_cst.code(target)}` is not bound by a plain assignment"
+    if _cst.method_name(statement.value) == "parse_known_args":
         return "parse_known_args() returns a (namespace, rest) pair"
     return _is_parse(statement.value, found)
 
 
 def _written(scopes: Scopes, calls: Iterable[cst.Call], base: str, attr: str) -> str | None:
     for target in scopes.targets:
-        if _code(target) == f"{base}.{attr}":
+        if _cst.code(target) == f"{base}.{attr}":
             return f"`{base}.{attr}` is assigned in this file: it may hold another level there"
         function = scopes.function_of(target)
-        if isinstance(function, cst.FunctionDef) and _code(target) == base and base in declared_global(function):
+        if isinstance(function, cst.FunctionDef) and _cst.code(target) == base and base in declared_global(function):
             return f"`{base}` is assigned through `global {base}` in {function.name.value}()"
     for call in calls:
-        name = dotted(call.func)
+        name = _cst.dotted(call.func)
         first = call.args[0].value if call.args else None
         if name in ("setattr", "vars") and isinstance(first, cst.Name) and first.value == base:
             shown = f"setattr({base}, ...)" if name == "setattr" else f"vars({base})"
@@ -204,10 +192,10 @@ def _parsers_escape(module: cst.Module, found: _Calls) -> str | None:
     definitions = {n.name.value: n for n in module.body if isinstance(n, cst.FunctionDef)}
     parsers: set[str] = set()
     for statement in _assignments(module):
-        if isinstance(statement.value, cst.Call) and (dotted(statement.value.func) or "").endswith(_MAKERS):
-            if _keyword(statement.value, "parents") is not None:
+        if isinstance(statement.value, cst.Call) and (_cst.dotted(statement.value.func) or "").endswith(_MAKERS):
+            if _cst.keyword(statement.value, "parents") is not None:
                 return "an ArgumentParser built with parents= takes arguments defined elsewhere"
-            parsers |= {_code(t.target) for t in statement.targets}
+            parsers |= {_cst.code(t.target) for t in statement.targets}
     grown = True
     while grown:
         grown = False
@@ -218,7 +206,7 @@ def _parsers_escape(module: cst.Module, found: _Calls) -> str | None:
                 callee = definitions.get(call.func.value) if isinstance(call.func, cst.Name) else None
                 if callee is None:
                     return (
-                        f"`{arg.value.value}` is handed to {_code(call.func)}(), outside this file: it may add "
+                        f"`{arg.value.value}` is handed to {_cst.code(call.func)}(), outside this file: it may add "
                         "another destination for the level"
                     )
                 params = callee.params.params
@@ -251,11 +239,11 @@ def _destination_values(calls: Iterable[cst.Call], attr: str, expression: str) -
     values: set[str] = set()
     matched = False
     for call in calls:
-        method = _method(call)
+        method = _cst.method_name(call)
         if method == "set_defaults":
             if any(a.star for a in call.args):
                 return None, "set_defaults(**...) may set any default"
-            given = _keyword(call, attr)
+            given = _cst.keyword(call, attr)
             if given is not None:
                 value = _string(given)
                 if value is None:
@@ -266,7 +254,7 @@ def _destination_values(calls: Iterable[cst.Call], attr: str, expression: str) -
             continue
         dest = _dest(call)
         if dest is None:
-            return None, f"an add_argument with computed names ({_code(call)[:60]}) could define {expression}"
+            return None, f"an add_argument with computed names ({_cst.code(call)[:60]}) could define {expression}"
         if dest != attr:
             continue
         matched = True

@@ -17,6 +17,7 @@ from typing import Any
 import libcst as cst
 from libcst.metadata import MetadataWrapper, PositionProvider
 
+from ampinit.migrate import _cst
 from ampinit.migrate._report import Site
 
 _NOT_BOUND = "does not bind to ampinit's signature, so it raises at its first call: "
@@ -37,12 +38,12 @@ def _ampinit_locals(module: cst.Module) -> dict[str, str]:
     found: dict[str, str] = {}
     for node in _imports(module):
         if isinstance(node, cst.ImportFrom) and node.module is not None and not node.relative:
-            base = cst.Module([]).code_for_node(node.module)
+            base = _cst.code(node.module)
             if base.split(".")[0] != "ampinit" or isinstance(node.names, cst.ImportStar):
                 continue
             for alias in node.names:
-                name = cst.Module([]).code_for_node(alias.name)
-                local = cst.Module([]).code_for_node(alias.asname.name) if alias.asname else name
+                name = _cst.code(alias.name)
+                local = _cst.code(alias.asname.name) if alias.asname else name
                 found[local] = f"{base}.{name}"
     return found
 
@@ -113,7 +114,7 @@ class _Checker(cst.CSTVisitor):
 
     def visit_Call(self, node: cst.Call) -> None:
         try:
-            name = cst.Module([]).code_for_node(node.func)
+            name = _cst.code(node.func)
         except Exception:  # pragma: no cover - code_for_node takes any node
             return
         root, _, rest = name.partition(".")
@@ -138,7 +139,7 @@ class _Checker(cst.CSTVisitor):
             given = _stated_type(value) if isinstance(value, cst.BaseExpression) else None
             default = signature.parameters[parameter].default
             if given is not None and _mismatch(given, default):
-                code = cst.Module([]).code_for_node(value)
+                code = _cst.code(value)
                 self._flag(
                     node,
                     name,
@@ -153,7 +154,7 @@ class _Checker(cst.CSTVisitor):
 
         if target is not FusedAdam:
             return
-        line = int(self.get_metadata(PositionProvider, node).start.line)
+        line = _cst.line(self.metadata[PositionProvider], node)
         if "max_grad_norm" in arguments:
             self.sites.append(
                 Site(line, f"{name}(max_grad_norm=...): Apex's pre-2019-08 per-group clipping, kept (FutureWarning)")
@@ -168,5 +169,5 @@ class _Checker(cst.CSTVisitor):
             )
 
     def _flag(self, node: cst.Call, name: str, reason: str) -> None:
-        line = int(self.get_metadata(PositionProvider, node).start.line)
+        line = _cst.line(self.metadata[PositionProvider], node)
         self.sites.append(Site(line, f"{name}(...) {_NOT_BOUND}{reason}", needs_human=True))

@@ -26,8 +26,10 @@ from typing import Any
 import libcst as cst
 from libcst.metadata import MetadataWrapper, PositionProvider
 
+from ampinit.migrate import _cst
+from ampinit.migrate._cst import dotted
 from ampinit.migrate._report import Site
-from ampinit.migrate._to_ampinit import dotted, is_apex
+from ampinit.migrate._to_ampinit import is_apex
 
 #: Exceptions whose handler runs when an import fails.
 CATCHES_IMPORT_ERROR = frozenset({"ImportError", "ModuleNotFoundError", "Exception", "BaseException"})
@@ -104,7 +106,7 @@ class _Guards(cst.CSTTransformer):
         shape = guard_shape(original_node, self.file_uses_amp)
         if shape is None or (shape == "fallback" and not self.fallbacks):
             return updated_node
-        line = int(self.get_metadata(PositionProvider, original_node).start.line)
+        line = _cst.line(self.metadata[PositionProvider], original_node)
         body = updated_node.body if shape == "raises" else updated_node.handlers[0].body
         statements = list(body.body) if isinstance(body, cst.IndentedBlock) else []
         names = sorted({n for s in original_node.body.body for n in apex_imports(s)})

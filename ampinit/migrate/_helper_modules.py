@@ -14,8 +14,8 @@ from typing import Any
 
 import libcst as cst
 
+from ampinit.migrate._cst import dotted
 from ampinit.migrate._report import Site
-from ampinit.migrate._to_ampinit import dotted
 
 HELPER_USES = frozenset({"float_function", "disable_casts"})
 

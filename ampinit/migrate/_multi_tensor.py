@@ -21,9 +21,9 @@ from typing import Any
 import libcst as cst
 from libcst.metadata import MetadataWrapper, ParentNodeProvider, PositionProvider
 
+from ampinit.migrate import _cst
 from ampinit.migrate._helper_modules import add_definitions
 from ampinit.migrate._report import Site
-from ampinit.migrate._to_ampinit import dotted
 
 L2NORM = '''def {name}(tensor_lists, per_tensor=False):
     """amp_C.multi_tensor_l2norm as Apex computes it: the L2 norm of all tensors of tensor_lists[0] together,
@@ -50,10 +50,6 @@ KERNELS = {
 }
 
 
-def _code(node: cst.CSTNode) -> str:
-    return cst.Module([]).code_for_node(node)
-
-
 class _Bindings(cst.CSTVisitor):
     """Module-level names of Apex's applier, of ``amp_C``, and of the two kernels imported from it."""
 
@@ -70,25 +66,19 @@ class _Bindings(cst.CSTVisitor):
 
     def visit_Import(self, node: cst.Import) -> None:
         for alias in node.names:
-            if dotted(alias.name) == "amp_C":
-                self.modules.add(_local(alias))
+            if _cst.dotted(alias.name) == "amp_C":
+                self.modules.add(_cst.local_name(alias))
 
     def visit_ImportFrom(self, node: cst.ImportFrom) -> None:
         if node.relative or node.module is None or isinstance(node.names, cst.ImportStar):
             return
-        module = dotted(node.module)
+        module = _cst.dotted(node.module)
         for alias in node.names:
-            name = dotted(alias.name)
+            name = _cst.dotted(alias.name)
             if module == "apex.multi_tensor_apply" and name == "multi_tensor_applier":
-                self.appliers.add(_local(alias))
+                self.appliers.add(_cst.local_name(alias))
             elif module == "amp_C" and name in KERNELS:
-                self.kernels[_local(alias)] = name or ""
-
-
-def _local(alias: cst.ImportAlias) -> str:
-    if alias.asname is not None and isinstance(alias.asname.name, cst.Name):
-        return alias.asname.name.value
-    return dotted(alias.name) or ""
+                self.kernels[_cst.local_name(alias)] = name or ""
 
 
 class _Uses(cst.CSTVisitor):
@@ -117,7 +107,8 @@ class _Uses(cst.CSTVisitor):
     def kernel(self, op: cst.BaseExpression) -> str | None:
         if isinstance(op, cst.Name):
             return self.bindings.kernels.get(op.value)
-        if isinstance(op, cst.Attribute) and dotted(op.value) in self.bindings.modules and op.attr.value in KERNELS:
+        modules = self.bindings.modules
+        if isinstance(op, cst.Attribute) and _cst.dotted(op.value) in modules and op.attr.value in KERNELS:
             return op.attr.value
         return None
 
@@ -128,7 +119,7 @@ class _Uses(cst.CSTVisitor):
             self.references.append((node.value, node))
 
     def visit_Attribute(self, node: cst.Attribute) -> None:
-        code = dotted(node)
+        code = _cst.dotted(node)
         if code is not None:
             self.references.append((code, node))
 
@@ -146,7 +137,7 @@ def _check(call: cst.Call, kernel: str, uses: _Uses, parents: Any) -> str | None
         return None
     if count not in (3, 4):
         return "multi_tensor_applier(amp_C.multi_tensor_l2norm, ...) needs (buffer, [tensors][, per_tensor])"
-    buffer = dotted(call.args[1].value)
+    buffer = _cst.dotted(call.args[1].value)
     if buffer is None:
         return "the overflow buffer of amp_C.multi_tensor_l2norm is an expression: whether it is read cannot be told"
     passed = {id(c.args[1].value) for c, _ in uses.calls if len(c.args) > 1}
@@ -189,13 +180,7 @@ class _Rewrite(cst.CSTTransformer):
         return self._drop(updated_node)
 
     def _drop(self, node: Any) -> Any:
-        rest = [a for a in node.names if _local(a) not in self.dropped]
-        if len(rest) == len(node.names):
-            return node
-        if not rest:
-            return cst.RemoveFromParent()
-        rest[-1] = rest[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)
-        return node.with_changes(names=rest)
+        return _cst.without_aliases(node, [a for a in node.names if _cst.local_name(a) in self.dropped])
 
 
 def rewrite_multi_tensor(source: str) -> tuple[str, list[Site]]:
@@ -215,22 +200,18 @@ def rewrite_multi_tensor(source: str) -> tuple[str, list[Site]]:
     positions = wrapper.resolve(PositionProvider)
     refused = [(c, why) for c, kernel in uses.calls for why in [_check(c, kernel, uses, parents)] if why is not None]
     if refused:
-        return source, [Site(positions[c].start.line, why, True) for c, why in refused]
+        return source, [Site(_cst.line(positions, c), why, True) for c, why in refused]
     kernels = sorted({kernel for _, kernel in uses.calls})
-    helpers = {k: next(n for n in KERNELS[k][1] if n not in uses.names) for k in kernels}
+    helpers = {k: _cst.fresh_name(KERNELS[k][1], uses.names) for k in kernels}
     gone = _rewritten_nodes(uses.calls)
     still = {code.split(".")[0] for code, node in uses.references if id(node) not in gone}
     dropped = {n for n in bindings.appliers | bindings.modules | set(bindings.kernels) if n not in still}
     new = wrapper.module.visit(_Rewrite({id(c): k for c, k in uses.calls}, helpers, dropped))
-    has_torch = any(
-        isinstance(s, cst.SimpleStatementLine)
-        and any(isinstance(x, cst.Import) and any(_local(a) == "torch" for a in x.names) for x in s.body)
-        for s in new.body
-    )
+    has_torch = _cst.imports_torch(new)
     new = add_definitions(new, [] if has_torch else ["torch"], [KERNELS[k][0].format(name=helpers[k]) for k in kernels])
     sites = [
         Site(
-            positions[c].start.line,
+            _cst.line(positions, c),
             f"multi_tensor_applier(amp_C.{k}, ...) -> {helpers[k]}(...): "
             + (
                 "torch.linalg.vector_norm in fp32, shape [1] as Apex's"

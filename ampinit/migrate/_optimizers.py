@@ -25,9 +25,9 @@ import libcst.matchers as m
 from libcst.metadata import MetadataWrapper, ParentNodeProvider, PositionProvider
 
 from ampinit.compat.apex import optimizers as apex_optimizers
+from ampinit.migrate import _cst
 from ampinit.migrate._helper_modules import add_definitions
 from ampinit.migrate._report import Site
-from ampinit.migrate._to_ampinit import dotted
 
 #: FusedAdam's parameters in Apex's order (after ``self``), from the Apex layer that reproduces its signature.
 FUSED_ADAM_SIGNATURE = tuple(inspect.signature(apex_optimizers.FusedAdam.__init__).parameters)[1:]
@@ -82,26 +82,12 @@ NOT_NATIVE = {
 }
 
 
-def _arguments(call: cst.Call) -> dict[str, cst.Arg] | None:
-    found: dict[str, cst.Arg] = {}
-    for index, arg in enumerate(call.args):
-        if arg.star:
-            return None
-        if arg.keyword is not None:
-            found[arg.keyword.value] = arg
-        elif index < len(FUSED_ADAM_SIGNATURE):
-            found[FUSED_ADAM_SIGNATURE[index]] = arg
-        else:
-            return None
-    return found
-
-
 def native_adam(call: cst.Call) -> tuple[str, str] | tuple[None, str]:
     """(the torch.optim call's source, what was done) or (None, why not)."""
-    args = _arguments(call)
+    args = _cst.arguments(call, FUSED_ADAM_SIGNATURE)
     if args is None or "params" not in args:
         return None, "FusedAdam(*args/**kwargs): the arguments cannot be read statically"
-    given = {name: cst.Module([]).code_for_node(arg.value) for name, arg in args.items()}
+    given = {name: _cst.code(arg.value) for name, arg in args.items()}
     for name, default in AT_DEFAULT.items():
         if given.get(name, default) != default:
             return None, f"FusedAdam({name}={given[name]}): torch.optim's Adam has no such switch"
@@ -146,7 +132,7 @@ class _Uses(cst.CSTVisitor):
             self.calls.append(parent)
             statement = self.get_metadata(ParentNodeProvider, parent)
             if isinstance(statement, cst.Assign):
-                self.bound.update(cst.Module([]).code_for_node(t.target) for t in statement.targets)
+                self.bound.update(_cst.code(t.target) for t in statement.targets)
         else:
             self.other = True
 
@@ -170,13 +156,13 @@ class _Rewrite(cst.CSTTransformer):
         if (
             isinstance(func, cst.Attribute)
             and func.attr.value == "load_state_dict"
-            and cst.Module([]).code_for_node(func.value) in self.bound
+            and _cst.code(func.value) in self.bound
             and len(updated_node.args) == 1
             and updated_node.args[0].keyword is None
             and not updated_node.args[0].star
         ):
-            line = int(self.get_metadata(PositionProvider, original_node).start.line)
-            self.loads.append((line, cst.Module([]).code_for_node(func.value)))
+            line = _cst.line(self.metadata[PositionProvider], original_node)
+            self.loads.append((line, _cst.code(func.value)))
             state = updated_node.args[0]
             wrapped = cst.Call(func=cst.Name(self.helper), args=[cst.Arg(state.value)])
             return updated_node.with_changes(args=[state.with_changes(value=wrapped)])
@@ -184,21 +170,9 @@ class _Rewrite(cst.CSTTransformer):
 
     def leave_ImportFrom(self, original_node: cst.ImportFrom, updated_node: cst.ImportFrom) -> Any:
         names = updated_node.names
-        if dotted(original_node.module or cst.Name("")) != "apex.optimizers" or isinstance(names, cst.ImportStar):
+        if _cst.dotted(original_node.module or cst.Name("")) != "apex.optimizers" or isinstance(names, cst.ImportStar):
             return updated_node
-        rest = [a for a in names if _local(a) != self.local]
-        if len(rest) == len(names):
-            return updated_node
-        if not rest:
-            return cst.RemoveFromParent()
-        rest[-1] = rest[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)
-        return updated_node.with_changes(names=rest)
-
-
-def _local(alias: cst.ImportAlias) -> str:
-    if alias.asname is not None and isinstance(alias.asname.name, cst.Name):
-        return alias.asname.name.value
-    return dotted(alias.name) or ""
+        return _cst.without_aliases(updated_node, [a for a in names if _cst.local_name(a) == self.local])
 
 
 def rewrite_fused_adam(source: str) -> tuple[str, list[Site]]:
@@ -208,16 +182,16 @@ def rewrite_fused_adam(source: str) -> tuple[str, list[Site]]:
     source is returned as it is, with the reason."""
     module = cst.parse_module(source)
     locals_ = [
-        _local(a)
+        _cst.local_name(a)
         for statement in module.body
         if isinstance(statement, cst.SimpleStatementLine)
         for small in statement.body
         if isinstance(small, cst.ImportFrom)
         and small.module is not None  # `from . import x` has no module (cst.Name("") is invalid)
-        and dotted(small.module) == "apex.optimizers"
+        and _cst.dotted(small.module) == "apex.optimizers"
         and not isinstance(small.names, cst.ImportStar)
         for a in small.names
-        if dotted(a.name) == "FusedAdam"
+        if _cst.dotted(a.name) == "FusedAdam"
     ]
     if len(locals_) != 1:
         return source, []
@@ -228,26 +202,19 @@ def rewrite_fused_adam(source: str) -> tuple[str, list[Site]]:
     natives = {id(call): native_adam(call) for call in uses.calls}
     refused = [(call, why) for call in uses.calls for code, why in [natives[id(call)]] if code is None]
     if uses.other or refused or not uses.calls:
-        sites = [Site(positions[c].start.line, why, True) for c, why in refused]
+        sites = [Site(_cst.line(positions, c), why, True) for c, why in refused]
         return source, sites
     calls = {key: code for key, (code, _) in natives.items() if code is not None}
     used = {name.value for name in m.findall(module, m.Name()) if isinstance(name, cst.Name)}
-    helper = next(n for n in ("torch_adam_state", "_torch_adam_state", "torch_adam_state_") if n not in used)
+    helper = _cst.fresh_name(("torch_adam_state", "_torch_adam_state", "torch_adam_state_"), used)
     rewrite = _Rewrite(locals_[0], calls, uses.bound, helper)
     new = wrapper.visit(rewrite)
     if rewrite.loads:
         new = add_definitions(new, [], [TORCH_ADAM_STATE.format(name=helper)])
-    if not any(
-        isinstance(s, cst.SimpleStatementLine)
-        and any(
-            isinstance(x, cst.Import) and any(dotted(a.name) == "torch" and a.asname is None for a in x.names)
-            for x in s.body
-        )
-        for s in new.body
-    ):
+    if not _cst.imports_torch(new):
         new = add_definitions(new, ["torch"], [])
     sites = [
-        Site(positions[c].start.line, natives[id(c)][1] + ("" if rewrite.loads else f"; {CONVERTER_NOTE}"))
+        Site(_cst.line(positions, c), natives[id(c)][1] + ("" if rewrite.loads else f"; {CONVERTER_NOTE}"))
         for c in uses.calls
     ]
     sites += [

@@ -31,13 +31,9 @@ from typing import Literal
 
 import libcst as cst
 
-from ampinit.migrate._to_ampinit import dotted
+from ampinit.migrate import _cst
 
 Function = cst.FunctionDef | cst.Module
-
-
-def _code(node: cst.CSTNode) -> str:
-    return cst.Module([]).code_for_node(node)
 
 
 @dataclass(frozen=True)
@@ -71,11 +67,7 @@ class Scopes:
                 self.bound.setdefault(id(function), set()).add(target.value)
 
     def function_of(self, node: cst.CSTNode) -> Function:
-        current: cst.CSTNode | None = self.parents.get(node)
-        while current is not None and not isinstance(current, (cst.FunctionDef, cst.Module)):
-            current = self.parents.get(current)
-        assert current is not None, "every node sits in a module"
-        return current
+        return _cst.function_of(self.parents, node)
 
     def binds(self, function: Function, name: str) -> bool:
         if isinstance(function, cst.Module):
@@ -104,7 +96,7 @@ class Scopes:
 def first_param(function: Function) -> str | None:
     if isinstance(function, cst.Module):
         return None
-    decorators = {dotted(d.decorator) for d in function.decorators}
+    decorators = {_cst.dotted(d.decorator) for d in function.decorators}
     if decorators & {"staticmethod", "classmethod"} or not function.params.params:
         return None
     return function.params.params[0].name.value
@@ -170,7 +162,7 @@ def assigned_again(
     another method of the class. None when they are not."""
     owner = scopes.class_of(home.function)
     for target in scopes.targets:
-        code = _code(target)
+        code = _cst.code(target)
         if code not in names:
             continue
         function = scopes.function_of(target)
@@ -257,7 +249,7 @@ class _Subclasses(cst.CSTVisitor):
         self.found: list[str] = []
 
     def visit_ClassDef(self, node: cst.ClassDef) -> None:
-        if any(dotted(b.value) == self.base for b in node.bases):
+        if any(_cst.dotted(b.value) == self.base for b in node.bases):
             body = node.body.body if isinstance(node.body, cst.IndentedBlock) else []
             if any(isinstance(s, cst.FunctionDef) and s.name.value == "__init__" for s in body):
                 self.found.append(node.name.value)

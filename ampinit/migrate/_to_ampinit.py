@@ -19,30 +19,20 @@ through ``ampinit.compat.apex``.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import libcst as cst
 from libcst.metadata import MetadataWrapper, ParentNodeProvider, PositionProvider
 
-from ampinit.migrate import _rules
+from ampinit.migrate import _cst, _rules
 from ampinit.migrate._binding import unbound_calls
+from ampinit.migrate._cst import dotted
 from ampinit.migrate._report import Site
 from ampinit.migrate._rules import Target
 
 COMMENT_PREFIX = "# ampinit: "
 Statement = cst.SimpleStatementLine | cst.BaseCompoundStatement
-
-
-def dotted(node: cst.BaseExpression) -> str | None:
-    """``a.b.c`` for a Name/Attribute chain, else None."""
-    if isinstance(node, cst.Name):
-        return node.value
-    if isinstance(node, cst.Attribute):
-        base = dotted(node.value)
-        return None if base is None else f"{base}.{node.attr.value}"
-    return None
 
 
 def expression(text: str) -> cst.BaseExpression:
@@ -69,7 +59,7 @@ def apex_bindings(module: cst.Module) -> dict[str, str]:
                 if name is None or not is_apex(name):
                     continue
                 if alias.asname is not None:
-                    found[_asname(alias)] = name
+                    found[_cst.local_name(alias)] = name
                 else:
                     found[name.split(".")[0]] = name.split(".")[0]
 
@@ -82,7 +72,7 @@ def apex_bindings(module: cst.Module) -> dict[str, str]:
             for alias in node.names:
                 name = dotted(alias.name)
                 if name is not None:
-                    found[_asname(alias) if alias.asname else name] = f"{base}.{name}"
+                    found[_cst.local_name(alias) if alias.asname else name] = f"{base}.{name}"
 
     module.visit(Visitor())
     return found
@@ -90,11 +80,6 @@ def apex_bindings(module: cst.Module) -> dict[str, str]:
 
 def is_apex(name: str) -> bool:
     return name == "apex" or name.startswith(("apex.", "amp_C.", "apex_C.")) or name in ("amp_C", "apex_C")
-
-
-def _asname(alias: cst.ImportAlias) -> str:
-    assert alias.asname is not None and isinstance(alias.asname.name, cst.Name)
-    return alias.asname.name.value
 
 
 @dataclass
@@ -212,7 +197,7 @@ class _ToAmpinit(cst.CSTTransformer):
 
     # -- helpers ---------------------------------------------------------------------------------------------------
     def _line(self, node: cst.CSTNode) -> int:
-        return int(self.get_metadata(PositionProvider, node).start.line)
+        return _cst.line(self.metadata[PositionProvider], node)
 
     def _site(self, node: cst.CSTNode, message: str, note: str | None = None) -> None:
         self.sites.append(Site(self._line(node), message if note is None else f"{message}: {note}", note is not None))
@@ -299,12 +284,12 @@ class _ToAmpinit(cst.CSTTransformer):
         others = [a for n, a in names if not _rules_is_apex(n)]
         if others:
             assert isinstance(small, cst.Import)
-            out.append(cst.SimpleStatementLine([small.with_changes(names=_fix_commas(others))]))
+            out.append(cst.SimpleStatementLine([small.with_changes(names=_cst.last_comma_dropped(others))]))
         for name, alias in names:
             if not _rules_is_apex(name):
                 continue
             local = (
-                _asname(alias)
+                _cst.local_name(alias)
                 if alias.asname
                 else (name.split(".")[-1] if isinstance(small, cst.ImportFrom) else name.split(".")[0])
             )
@@ -312,7 +297,7 @@ class _ToAmpinit(cst.CSTTransformer):
             if binding is None:
                 continue
             if binding.kind == "keep" or binding.unresolved:
-                out.append(cst.SimpleStatementLine([small.with_changes(names=_fix_commas([alias]))]))
+                out.append(cst.SimpleStatementLine([small.with_changes(names=_cst.last_comma_dropped([alias]))]))
                 if binding.kind == "keep":
                     self._site(statement, binding.qualified, unresolved_note(binding.qualified))
                     continue
@@ -342,7 +327,7 @@ class _ToAmpinit(cst.CSTTransformer):
         left = original_node.left
         if not (membership and isinstance(left, cst.SimpleString) and _names_apex(left)):
             return updated_node
-        code = cst.Module([]).code_for_node(original_node)
+        code = _cst.code(original_node)
         container = dotted(original_node.comparisons[0].comparator) or ""
         if self.to == "ampinit" and _is_apex_root(left) and container.endswith("modules"):
             self._site(original_node, f"{code}: the Apex check now asks for ampinit, which this file's imports load")
@@ -388,7 +373,7 @@ class _ToAmpinit(cst.CSTTransformer):
         if isinstance(parent, cst.Comparison) or (name == "apex" and not function.endswith("import_module")):
             return updated_node  # availability guards are handled as guards; a bare "apex" is usually a word
         home = _rules.COMPAT + name[len("apex") :] if name.startswith("apex") else f"{_rules.COMPAT}.{name}"
-        code = cst.Module([]).code_for_node(original_node)
+        code = _cst.code(original_node)
         if isinstance(call, cst.Call) and function.rpartition(".")[2] == "__import__" and not _has_fromlist(call):
             self._site(original_node, f"__import__({code})", MODULE_STRING_NOTE.format(home=home))
             return updated_node
@@ -406,7 +391,7 @@ class _ToAmpinit(cst.CSTTransformer):
                 f"uses Apex's private `{private}` ({_rules.PRIVATE_ATTRIBUTES[private]}), which ampinit does not "
                 "provide yet: keep Apex for this code, or rewrite it against ampinit's public API"
             )
-            self._site(original_node, cst.Module([]).code_for_node(original_node), note)
+            self._site(original_node, _cst.code(original_node), note)
         parent = self.get_metadata(ParentNodeProvider, original_node)
         if isinstance(parent, cst.Attribute) and parent.value is original_node:
             return updated_node  # only the outermost attribute of a chain is rewritten
@@ -509,7 +494,7 @@ class _ToAmpinit(cst.CSTTransformer):
         for index, arg in enumerate(updated.args):
             keyword = arg.keyword.value if arg.keyword is not None else None
             if arg.star:
-                code = f"{arg.star}{cst.Module([]).code_for_node(arg.value)}"
+                code = f"{arg.star}{_cst.code(arg.value)}"
                 dropped.append(code)
                 notes.append(f"dropped {code}: the Apex options it holds cannot be read; pass torch's by hand")
             elif keyword is None and index < positional:
@@ -542,7 +527,7 @@ class _ToAmpinit(cst.CSTTransformer):
         details += renames
         message = f"apex {what} -> torch {what}" + (f" ({'; '.join(details)})" if details else "")
         self._site(original, message, "; ".join(notes) or None)
-        return updated.with_changes(args=_fix_commas(kept))
+        return updated.with_changes(args=_cst.last_comma_dropped(kept))
 
     def _drop_named(
         self, original: cst.Call, updated: cst.Call, what: str, names: set[str], positional: int
@@ -559,7 +544,7 @@ class _ToAmpinit(cst.CSTTransformer):
         if effective:
             note = f"dropped Apex-only {', '.join(effective)}: torch's {what} has no such option"
         self._site(original, f"apex {what} -> torch", note)
-        return updated.with_changes(args=_fix_commas(kept))
+        return updated.with_changes(args=_cst.last_comma_dropped(kept))
 
 
 def _is_call_func(transformer: _ToAmpinit, node: cst.CSTNode) -> bool:
@@ -622,19 +607,11 @@ def _rules_is_apex(name: str) -> bool:
     return is_apex(name)
 
 
-def _fix_commas(items: Sequence[Any]) -> list[Any]:
-    """Drop the trailing comma of the last item of an argument or import list."""
-    fixed = list(items)
-    if fixed:
-        fixed[-1] = fixed[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)
-    return fixed
-
-
 def _dedupe(statements: list[cst.SimpleStatementLine]) -> list[cst.SimpleStatementLine]:
     seen: set[str] = set()
     out = []
     for statement in statements:
-        code = cst.Module([]).code_for_node(statement)
+        code = _cst.code(statement)
         if code not in seen:
             seen.add(code)
             out.append(statement)

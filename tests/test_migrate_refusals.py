@@ -1,0 +1,132 @@
+"""The refusals of ``migrate --to torch`` as a table (torch's ``OptimizerInfo``/``ErrorOptimizerInput`` shape):
+every row carries a file it refuses, and each row's file is refused for exactly that row's reason through the
+public ``migrate_source``. The rows are named here too, so that a refusal dropped from the table fails."""
+
+from __future__ import annotations
+
+import libcst as cst
+import pytest
+from libcst.metadata import MetadataWrapper
+
+from ampinit.migrate import migrate_source
+from ampinit.migrate._to_torch import _examples
+from ampinit.migrate._to_torch._analysis import Analysis
+from ampinit.migrate._to_torch._refusals import REFUSALS, Refusal, run
+
+#: Every reason --to torch refuses a file for, in the table's order (the order of the reasons on one line).
+ROWS = [
+    "initialize_twice",
+    "no_initialize",
+    "initialize_not_called",
+    "initialize_star_args",
+    "initialize_not_one_model",
+    "opt_level_half",
+    "opt_level_unknown",
+    "initialize_cast_model_type",
+    "initialize_patch_torch_functions",
+    "initialize_keep_batchnorm_fp32",
+    "initialize_master_weights",
+    "initialize_cast_model_outputs",
+    "initialize_min_loss_scale",
+    "initialize_max_loss_scale",
+    "num_losses",
+    "static_loss_scale",
+    "initialize_in_expression",
+    "initialize_not_alone",
+    "initialize_not_unpacked",
+    "initialize_on_some_paths",
+    "flag_assigned_again",
+    "apex_import_guarded",
+    "amp_use_unreachable",
+    "amp_use_not_native",
+    "scale_loss_not_in_with",
+    "scale_loss_without_as",
+    "scale_loss_one_line",
+    "scale_loss_star_args",
+    "scale_loss_other_optimizer",
+    "loss_id",
+    "delay_unscale",
+    "delay_overflow_check",
+    "master_params_outside_clipping",
+    "master_params_other_optimizer",
+    "master_params_not_alone",
+    "master_params_in_scale_loss",
+    "amp_call_not_called",
+    "load_state_dict_arguments",
+    "amp_state_internals",
+    "loss_scale_read_before_step",
+    "no_step",
+    "step_with_closure",
+    "step_in_expression",
+    "step_not_alone",
+    "step_in_scale_loss",
+    "step_unreachable",
+    "scaler_attribute_slots",
+    "model_assigned_again",
+    "flag_differs_elsewhere",
+    "flag_assigned_elsewhere",
+    "scaler_created_late",
+    "step_before_initialize",
+    "step_without_scale_loss",
+    "backward_outside_scale_loss",
+    "clipping_not_through_amp",
+    "grad_used_by_hand",
+    "master_params_twice",
+    "master_params_without_step",
+]
+
+#: Rows whose file cannot be refused for them alone: a step that cannot mean the initialized optimizer sits in a
+#: function that scales no loss (a scale_loss there could not reach the GradScaler either).
+ALSO = {"step_unreachable": {"step_without_scale_loss"}}
+
+
+def _row(name: str) -> Refusal:
+    found = [row for row in REFUSALS if row.name == name]
+    assert len(found) == 1, f"the table has {len(found)} rows named {name!r}"
+    return found[0]
+
+
+def _refusals(source: str) -> list[str]:
+    analysis = Analysis(MetadataWrapper(cst.parse_module(source)), "amp")
+    return [found.refusal.name for found in run(analysis, REFUSALS)]
+
+
+def test_the_table_holds_every_refusal_once() -> None:
+    assert [row.name for row in REFUSALS] == ROWS
+
+
+def test_the_loop_the_examples_change_migrates() -> None:
+    result = migrate_source(_examples.LOOP, "torch")
+    assert not result.refused and not result.needs_human
+    assert "scaler.scale(loss).backward()" in result.migrated and "apex" not in result.migrated
+
+
+@pytest.mark.parametrize("name", ROWS)
+def test_each_row_refuses_its_example_for_its_reason(name: str) -> None:
+    row = _row(name)
+    assert sorted(set(_refusals(row.example))) == sorted({name} | ALSO.get(name, set()))
+    result = migrate_source(row.example, "torch")
+    assert result.refused and not result.changed
+    messages = [site.message for site in result.needs_human]
+    static = row.reason.split("{")[0]  # the reason's text up to its first filled-in value
+    assert any(message.startswith(static) for message in messages), messages
+    assert len(messages) == 1 + len(ALSO.get(name, ()))
+
+
+def test_a_reason_is_reported_where_its_node_is() -> None:
+    """The site's line is the refused statement's line in the original file, not the file's first line."""
+    result = migrate_source(_examples.DELAY_UNSCALE, "torch")
+    line = next(i for i, text in enumerate(_examples.DELAY_UNSCALE.splitlines(), 1) if "delay_unscale" in text)
+    assert [site.line for site in result.needs_human] == [line]
+
+
+def test_rows_of_one_chain_report_the_first_that_applies() -> None:
+    """``optimizer.step(closure); x = 1`` has a closure and shares its line: one reason, the first row's."""
+    source = _examples.edit(_examples.STEP, "        optimizer.step(closure); ready = True\n")
+    assert _refusals(source) == ["step_with_closure"]
+
+
+def test_an_alone_row_stays_silent_beside_another_reason() -> None:
+    """The clipping with no step after it in its block is refused only in a file no other row refuses."""
+    source = _examples.edit(_examples.STEP, "        optimizer.step(closure)\n", _examples.MASTER_PARAMS_WITHOUT_STEP)
+    assert _refusals(source) == ["step_with_closure"]
