@@ -6,9 +6,6 @@ Every comparison is bitwise: the kernels do the reference's fp32 operations in t
 
 from __future__ import annotations
 
-import importlib
-import os
-from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
@@ -23,19 +20,8 @@ SIZES = [1, 7, 1024, 1025, 3000]
 
 
 @pytest.fixture(scope="module")
-def kernels() -> Iterator[ModuleType]:
-    """``ampinit._triton_master`` with its kernels built for the interpreter (the flag is read at decoration)."""
-    previous = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        import ampinit._triton_master as module
-
-        yield importlib.reload(module)
-    finally:
-        if previous is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = previous
+def kernels(triton_interpreter: ModuleType) -> ModuleType:
+    return triton_interpreter
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import copy
 import gc
-import importlib
 import io
-import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -531,20 +529,8 @@ SIZES = [1, 7, 1024, 1025, 3000]
 
 
 @pytest.fixture(scope="module")
-def kernels() -> Iterator[ModuleType]:
-    """``ampinit._triton_master`` built for the interpreter (the flag is read when the kernels are decorated)."""
-    pytest.importorskip("triton", reason="triton is not installed (pip install triton); the kernels need it")
-    previous = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        import ampinit._triton_master as module
-
-        yield importlib.reload(module)
-    finally:
-        if previous is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = previous
+def kernels(triton_interpreter: ModuleType) -> ModuleType:
+    return triton_interpreter
 
 
 def remainder_state(seed: int, grad_dtype: torch.dtype, scale: float) -> dict[str, list[torch.Tensor]]:
