@@ -99,10 +99,14 @@ def test_scale_flags_non_finite_inputs(position: str, bad: float) -> None:
 def test_scale_flag_is_about_inputs_and_is_never_cleared() -> None:
     inputs = [torch.tensor([3e38], device=device_under_test())]
     noop = flag()
-    mt.multi_tensor_scale(0, noop, [inputs, [torch.empty(1, device=device_under_test())]], 10.0)  # the output overflows, the input is finite
+    mt.multi_tensor_scale(
+        0, noop, [inputs, [torch.empty(1, device=device_under_test())]], 10.0
+    )  # the output overflows, the input is finite
     assert noop.item() == 0
     noop.fill_(1)
-    mt.multi_tensor_scale(0, noop, [[torch.ones(2, device=device_under_test())], [torch.empty(2, device=device_under_test())]], 1.0)
+    mt.multi_tensor_scale(
+        0, noop, [[torch.ones(2, device=device_under_test())], [torch.empty(2, device=device_under_test())]], 1.0
+    )
     assert noop.item() == 1
 
 
@@ -218,7 +222,9 @@ def test_sgd_op_math_and_early_exit(four_lists: bool) -> None:
     g16 = tensors(torch.float16, sizes=(30,), seed=1)
     p32 = tensors(torch.float32, sizes=(30,), seed=2)
     m32 = [torch.ones(30, device=device_under_test())]
-    lists = [g16, p32, m32] + ([[torch.zeros(30, dtype=torch.float16, device=device_under_test())]] if four_lists else [])
+    lists = [g16, p32, m32] + (
+        [[torch.zeros(30, dtype=torch.float16, device=device_under_test())]] if four_lists else []
+    )
     noop = flag().fill_(1)
     before = [t.clone() for lst in lists for t in lst]
     mt.multi_tensor_sgd(0, noop, lists, 0.1, 0.9, 0.0, 0.5, True, False, False, 0.5)

@@ -1112,7 +1112,7 @@ class _Rewrite(cst.CSTTransformer):
         enabled = "False" if plan.level == "O0" else plan.enabled_expression
         options = f", enabled={enabled}" if enabled is not None else ""
         out: list[cst.BaseStatement] = [
-            cst.parse_statement(f'{self.device} = "cuda" if torch.cuda.is_available() else "cpu"'),
+            cst.parse_statement(f"{self.device} = {_device_of(plan.model)}"),
             cst.parse_statement(f"{self.scaler} = torch.amp.GradScaler({self.device}{options})"),
         ]
         out[0] = out[0].with_changes(leading_lines=lines)
@@ -1158,6 +1158,16 @@ class _Rewrite(cst.CSTTransformer):
         if self._amp_call(updated_node, "disable_casts") is not None:
             return cst.parse_expression(f"torch.autocast({self.device}, enabled=False)")
         return updated_node
+
+
+def _device_of(models: str) -> str:
+    """The device type autocast and the GradScaler work on: the model's, as ampinit's own O1 takes it from the
+    model's parameters (``torch.cuda.is_available()`` says nothing about where a model lives). Of a list of
+    models, the first's."""
+    node = cst.parse_expression(models)
+    if isinstance(node, (cst.List, cst.Tuple)) and node.elements:
+        models = _code(node.elements[0].value)
+    return f"next({models}.parameters()).device.type"
 
 
 def _header_trailing(block: cst.With) -> cst.TrailingWhitespace | None:
