@@ -37,12 +37,13 @@ wheels="${WHEELS_DIR:-$repo/.whl}"
 if compgen -G "$wheels/*.whl" > /dev/null; then
     site="$(mktemp -d)"
     echo "== installing $(ls "$wheels"/*.whl | wc -l) wheel(s) from $wheels into $site"
-    if ! "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
+    # A wheel that does not install costs the tests that need it, not the verdict: the check goes on.
+    if "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
         "$wheels"/*.whl; then
-        echo "gpu_check: the wheels in $wheels did not install" >&2
-        exit 2
+        export PYTHONPATH="$PYTHONPATH:$site"
+    else
+        echo "gpu_check: the wheels in $wheels did not install; going on without them" >&2
     fi
-    export PYTHONPATH="$PYTHONPATH:$site"
 fi
 
 if ! "$python" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then

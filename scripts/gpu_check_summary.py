@@ -89,9 +89,11 @@ def suite_summary(logs: Path, rc: int, limit: int | None, seconds: int | None) -
     state = "complete"
     if rc in TIMED_OUT:
         state = "cut"
-    elif rc not in (0, 1) or source == "none":
+    elif rc not in (0, 1):
         # 0/1: pytest finished (1: some tests failed); anything else is an interrupted or crashed run
         state = "crashed"
+    elif source == "none":
+        state = "gave no results"
     elif total is not None and counts.get("tests", 0) < total:
         state = "incomplete"
     return {
