@@ -7,17 +7,18 @@
 #    test under a timeout (pytest-timeout), the whole run under SUITE_TIMEOUT: a cut run still ends with counts;
 # 2. benchmarks/gpu_train_step.py under BENCH_TIMEOUT (a failing variant is a row with its error; the JSON is
 #    rewritten after every variant, so a cut run keeps what it measured);
-# 3. OUT_DIR/summary.json and summary.md (counts, every failure with its reason, each target's verdict), the
-#    logs packed into OUT_DIR/gpu_check_logs.tar.gz (pytest.txt with -rfE, --tb=short and --durations=25,
-#    pytest.xml, the benchmark's JSON/Markdown/log, machine.txt) and verdict.txt: four files in all, so OUT_DIR comes back whole
-#    from a device call (at most 8 files of 16 MiB). The last line printed is the verdict.
+# 3. OUT_DIR/summary.json and summary.md (counts, every failure with its reason, each target's verdict),
+#    verdict.txt, and the logs packed into OUT_DIR/gpu_check_logs.tar.gz (pytest.txt with -rfE, --tb=short and
+#    --durations=25, pytest.xml, the benchmark's JSON/Markdown/log, machine.txt): four files, so OUT_DIR comes
+#    back whole from a device call (at most 8 files of 16 MiB). The last line printed is the verdict.
+# At the default limits the worst case, start-up, summary and packing included, is about 470 s.
 #
 # Exit status: 0 when the suite passed and every target was met, 1 otherwise, 2 when no GPU is usable.
 # PYTHON picks the interpreter (default: python3); it needs torch with CUDA, pytest, pytest-xdist, pytest-timeout,
 # hypothesis, numpy, libcst and expecttest. Wheels in WHEELS_DIR (default: .whl in the checkout) are installed
 # first into a folder of their own (docs/gpu.md says how to fetch libcst's and expecttest's).
-# Limits, in seconds: SUITE_TIMEOUT (default 270), TEST_TIMEOUT per test (default 120; module fixtures that need
-# longer say so with a timeout mark), BENCH_TIMEOUT (default 150), KILL_AFTER (default 20: how long a run cut
+# Limits, in seconds: SUITE_TIMEOUT (default 260), TEST_TIMEOUT per test (default 120; module fixtures that need
+# longer say so with a timeout mark), BENCH_TIMEOUT (default 150), KILL_AFTER (default 15: how long a run cut
 # with SIGINT may take to write its results before it is killed). WORKERS sets the suite's processes (default:
 # half the cores, at most 8); each gets cores/WORKERS threads. BENCH_ARGS is passed on to the benchmark (e.g.
 # BENCH_ARGS="--batch 4" on a GPU with less memory than an H100's 80 GB).
@@ -61,9 +62,9 @@ workers="${WORKERS:-$((default_workers > 0 ? default_workers : 1))}"
 threads=$((cores / workers > 0 ? cores / workers : 1))
 # torch sizes its intra-op pool from these: without them every worker takes all the cores.
 export OMP_NUM_THREADS="$threads" MKL_NUM_THREADS="$threads"
-kill_after="${KILL_AFTER:-20}"
+kill_after="${KILL_AFTER:-15}"
 
-suite_limit="${SUITE_TIMEOUT:-270}"
+suite_limit="${SUITE_TIMEOUT:-260}"
 echo "== 1/2 the suite on cuda: $workers workers x $threads threads, at most ${suite_limit} s (log: pytest.txt)"
 # SIGINT, not SIGTERM: pytest stops as on Ctrl-C and still writes the JUnit file of the tests that ran.
 # pytest-benchmark's notice under xdist is filtered in pyproject.toml, so its plugin may stay loaded.
