@@ -56,7 +56,8 @@ fi
 nvidia-smi >> "$logs/machine.txt" 2>&1 || true
 head -n 1 "$logs/machine.txt"
 
-cores="$(nproc)"
+# nproc counts the cores this process may use, but would echo an OMP_NUM_THREADS already set.
+cores="$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)"
 default_workers=$((cores / 2 > 8 ? 8 : cores / 2))
 workers="${WORKERS:-$((default_workers > 0 ? default_workers : 1))}"
 threads=$((cores / workers > 0 ? cores / workers : 1))

@@ -270,7 +270,7 @@ def test_a_suite_cut_by_its_limit_still_gives_counts_and_a_verdict(tmp_path: Pat
     args, threads = (tmp_path / "pytest_args.txt").read_text().splitlines()
     for option in ("--device cuda", "-n 2 --dist loadfile", "--timeout 120", "-rfE --tb=short --durations=25"):
         assert option in args
-    assert threads == str(max(1, (os.cpu_count() or 1) // 2))
+    assert threads == str(max(1, len(os.sched_getaffinity(0)) // 2))
 
 
 def test_a_suite_that_ignores_the_cut_is_killed_and_the_check_still_ends(tmp_path: Path) -> None:
