@@ -622,6 +622,9 @@ def test_sgd_remainder_kernel_matches_the_reference(
         )
 
 
+# Every bit pattern through Triton's interpreter: about two minutes on a busy 2-core machine, over the default
+# per-test timeout of scripts/gpu_check.sh.
+@pytest.mark.timeout(360)
 def test_the_kernels_split_and_join_every_pattern_like_the_reference(kernels: ModuleType) -> None:
     # An SGD step with lr=0 leaves every master as it is (p + -0.0 == p, NaN stays NaN): what remains is the
     # kernel's join and split, over every low half of every upper half in HIGH_HALVES.
