@@ -17,9 +17,9 @@
 # PYTHON picks the interpreter (default: python3); it needs torch with CUDA, pytest, pytest-xdist, pytest-timeout,
 # hypothesis, numpy, libcst and expecttest. Wheels in WHEELS_DIR (default: .whl in the checkout) are installed
 # first into a folder of their own (docs/gpu.md says how to fetch libcst's and expecttest's).
-# Limits, in seconds: SUITE_TIMEOUT (default 260), TEST_TIMEOUT per test (default 120; tests and module fixtures that need
-# longer say so with a timeout mark), BENCH_TIMEOUT (default 150), KILL_AFTER (default 15: how long a run cut
-# with SIGINT may take to write its results before it is killed). WORKERS sets the suite's processes (default:
+# Limits, in seconds: SUITE_TIMEOUT (default 260), TEST_TIMEOUT per test (default 120; tests and module
+# fixtures that need longer say so with a timeout mark), BENCH_TIMEOUT (default 150), KILL_AFTER (default 15:
+# how long a run cut with SIGINT may take to write its results before it is killed). WORKERS sets the suite's processes (default:
 # half the cores, at most 8); each gets cores/WORKERS threads. BENCH_ARGS is passed on to the benchmark (e.g.
 # BENCH_ARGS="--batch 4" on a GPU with less memory than an H100's 80 GB).
 set -uo pipefail
