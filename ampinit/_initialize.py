@@ -16,7 +16,7 @@ from ampinit._opt_levels import Properties
 from ampinit._options import DEFAULT_MAX_LOSS_SCALE, AmpOptions, resolve_options
 from ampinit._remainder_masters import optimizer_kind
 from ampinit._session import AmpSession, AmpStats
-from ampinit._types import HALF_DTYPES, MODEL_DTYPES, CastPolicyName, Optimizers
+from ampinit._types import HALF_DTYPES, MODEL_DTYPES, CastPolicyName, Optimizers, OptLevel
 
 # What initialize returns has the shape it was given: a model or a list of models, and so for optimizers.
 _Models = TypeVar("_Models", bound="nn.Module | Sequence[nn.Module]")
@@ -31,12 +31,14 @@ _NOT_INITIALIZED = (
 
 # The two overloads give the return type its input's shape; typing needs each to spell out the whole signature,
 # so the three signatures below repeat one another by necessity (and must change together).
+# opt_level: the overloads take the OptLevel literal, so that mypy flags opt_level="O6" where it is written; the
+# implementation takes any str (a level read from a config file) and refuses an unknown one at runtime, by name.
 @overload
 def initialize(
     models: _Models,
     optimizers: None = None,
     enabled: bool = True,
-    opt_level: str = "O1",
+    opt_level: OptLevel = "O1",
     cast_model_type: torch.dtype | bool | None = None,
     patch_torch_functions: bool | str | None = None,
     keep_batchnorm_fp32: bool | str | None = None,
@@ -62,7 +64,7 @@ def initialize(
     models: _Models,
     optimizers: _Optimizers,
     enabled: bool = True,
-    opt_level: str = "O1",
+    opt_level: OptLevel = "O1",
     cast_model_type: torch.dtype | bool | None = None,
     patch_torch_functions: bool | str | None = None,
     keep_batchnorm_fp32: bool | str | None = None,

@@ -14,12 +14,18 @@ foreach and fused kernels are bound once, under public names and with torch's ow
 device or a torch build may lack have a plain-torch fallback (the unscale and scale-update kernels,
 ``_foreach_copy_``, ``_fused_adagrad_`` off CPU before torch 2.9). Nothing here reads a tensor value on the host.
 One measured exception to "one kernel per group": :func:`check_finite_` sums large bf16 CPU tensors one by one.
+
+torch's kernels do not take the same dtypes on every device: :data:`KERNEL_DTYPES` says, from ATen's dispatch
+macros, which kernel takes which dtype on which device type; the unscale path routes by it (:func:`takes`), and
+``tests/test_kernel_dtypes.py`` records every private kernel call of a CPU run and fails on one that CUDA would
+refuse.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -34,7 +40,7 @@ _HAS_FOREACH_COPY = hasattr(torch, "_foreach_copy_")
 _HAS_UPDATE_SCALE_KERNEL = hasattr(torch, "_amp_update_scale_")
 
 # -- torch's foreach and fused kernels, under public names ---------------------------------------------------
-# Present in every torch ampinit supports (>= 2.13); bound here so that the rest of the package never spells a
+# Present in every torch ampinit supports (>= 2.11); bound here so that the rest of the package never spells a
 # private torch name.
 foreach_add = torch._foreach_add
 foreach_add_ = torch._foreach_add_
@@ -56,6 +62,157 @@ fused_adagrad_ = torch._fused_adagrad_
 # torch._fused_adagrad_ has had a CPU kernel since it appeared (torch 2.4) and a CUDA kernel only since 2.9; on
 # other devices it has none, and the caller runs the same update on foreach ops.
 FUSED_ADAGRAD_CUDA_SINCE = (2, 9)
+
+# -- which kernel takes which dtype on which device ----------------------------------------------------------
+_FLOATS = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+_FLOATS_AND_HALF = frozenset({torch.float16, torch.float32, torch.float64})  # AT_DISPATCH_FLOATING_TYPES_AND_HALF
+
+
+@dataclass(frozen=True)
+class KernelDtypes:
+    """What one private torch kernel accepts on one device type, as ATen's source says (``source``).
+
+    ``lists`` names (as in the op's schema) the tensor-list arguments whose dtype the kernel dispatches on;
+    ``dtypes`` is what that dispatch takes (``None``: any dtype, because a dtype the fast kernel lacks falls back
+    to per-tensor ops instead of failing). ``one_dtype``: every tensor of those lists must share one dtype, or
+    the kernel refuses the call. ``fixed``: arguments (a tensor, or each tensor of a list) read as exactly this
+    dtype.
+    """
+
+    lists: tuple[str, ...]
+    dtypes: frozenset[torch.dtype] | None
+    one_dtype: bool
+    fixed: Mapping[str, torch.dtype] = field(default_factory=dict)
+    source: str = ""
+
+
+UNSCALE = "_amp_foreach_non_finite_check_and_unscale_"
+UPDATE_SCALE = "_amp_update_scale_"
+
+# Read from ATen (aten/src/ATen/native/...) for torch 2.11 to 2.14. The release tags themselves could not be
+# fetched here (pytorch/pytorch's snapshot is over the size limit), so each row was read at the commits the source
+# index holds, named in the row: cyyever/pytorch is a fork of pytorch main at 2.15.0a0; ROCm/pytorch ee04104 is
+# torch 2.9 (ROCm builds hipify the same .cu files); pytorch/pytorch commits are older mains whose macro each
+# newer read repeats. The 2.11 wheel's own headers (ATen/native/ForeachUtils.h: check_fast_path_restrictions)
+# agree, and torch 2.11 on an H100 refused bf16 in the unscale kernel exactly as its row says (issue 21).
+_STEP_FLAGS = {"grad_scale": torch.float32, "found_inf": torch.float32, "lr": torch.float32}
+_FOREACH = (
+    "the fast multi-tensor path dispatches every float type, Half and BFloat16 included (add/sub/mul/div/zero_: "
+    "AT_DISPATCH_ALL_TYPES_AND_COMPLEX_AND3(Bool, Half, BFloat16); addcmul_: ..._AND2(Half, BFloat16); sqrt: "
+    "AT_DISPATCH_FLOATING_AND_COMPLEX_TYPES_AND2(Half, BFloat16); norm: AT_DISPATCH_FLOATING_TYPES_AND2(Half, "
+    "BFloat16)), and a dtype, mix of dtypes or layout it lacks takes the per-tensor slow path (!can_use_fast_route "
+    "-> foreach_tensor_*_slow), so no dtype is refused"
+)
+KERNEL_DTYPES: dict[tuple[str, str], KernelDtypes] = {
+    (UNSCALE, "cuda"): KernelDtypes(
+        ("self",),
+        _FLOATS_AND_HALF,
+        one_dtype=False,
+        fixed={"found_inf": torch.float32, "inv_scale": torch.float32},
+        source="cuda/AmpKernels.cu, _amp_foreach_non_finite_check_and_unscale_cuda_: "
+        "AT_DISPATCH_FLOATING_TYPES_AND_HALF on the multi-tensor list and on its single-tensor fallback for "
+        "mixed dtypes; TORCH_CHECK found_inf and "
+        "inv_scale scalar_type() == Float (ROCm/pytorch ee04104; the same macro at pytorch/pytorch 0050de5, torch 1.x)",
+    ),
+    (UNSCALE, "cpu"): KernelDtypes(
+        ("self",),
+        _FLOATS,
+        one_dtype=False,
+        fixed={"found_inf": torch.float32, "inv_scale": torch.float32},
+        source="cpu/AmpGradScalerKernels.cpp, _amp_foreach_non_finite_check_and_unscale_cpu_kernel: "
+        "AT_DISPATCH_REDUCED_FLOATING_TYPES (Half, BFloat16) and AT_DISPATCH_FLOATING_TYPES, per tensor "
+        "(cyyever/pytorch ff536a3)",
+    ),
+    (UPDATE_SCALE, "cuda"): KernelDtypes(
+        (),
+        None,
+        one_dtype=False,
+        fixed={"self": torch.float32, "growth_tracker": torch.int32, "found_inf": torch.float32},
+        source="cuda/AmpKernels.cu, _amp_update_scale_cuda_: TORCH_CHECK current_scale and found_inf Float, "
+        "growth_tracker Int (ROCm/pytorch ee04104)",
+    ),
+    (UPDATE_SCALE, "cpu"): KernelDtypes(
+        (),
+        None,
+        one_dtype=False,
+        fixed={"self": torch.float32, "growth_tracker": torch.int32, "found_inf": torch.float32},
+        source="cpu/AmpGradScalerKernels.cpp, _amp_update_scale_cpu_kernel: the same three TORCH_CHECKs "
+        "(cyyever/pytorch ff536a3)",
+    ),
+    **{
+        (adam, "cuda"): KernelDtypes(
+            ("self", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs"),
+            _FLOATS,
+            one_dtype=True,
+            fixed={**_STEP_FLAGS, "state_steps": torch.float32},
+            source="cuda/FusedAdamKernel.cu, _fused_adam_kernel_cuda_: TORCH_CHECK(check_fast_path_restrictions("
+            "{params, grads, exp_avgs, exp_avg_sqs[, max_exp_avg_sqs]}), 'must have same dtype, device, and layout') "
+            "(pytorch/pytorch 08f7dfb); cuda/fused_adam_impl.cu (and fused_adamw_impl.cu), _fused_adam_cuda_impl_: "
+            "AT_DISPATCH_FLOATING_TYPES_AND2(kHalf, kBFloat16, params[0].scalar_type()), grad_scale/found_inf/lr "
+            "read as float (pytorch/pytorch 11f118d); state_steps are read through a float* with no check "
+            "(MultiTensorApply.cuh, multi_tensor_apply_for_fused_optimizer, in the 2.11 wheel)",
+        )
+        for adam in ("_fused_adam_", "_fused_adamw_")
+    },
+    ("_fused_sgd_", "cuda"): KernelDtypes(
+        ("self", "grads", "momentum_buffer_list"),
+        _FLOATS,
+        one_dtype=True,
+        fixed=_STEP_FLAGS,
+        source="cuda/FusedSgdKernel.cu, _fused_sgd_kernel_cuda_ / _fused_sgd_with_momentum_kernel_cuda_: "
+        "TORCH_CHECK(check_fast_path_restrictions({params, grads[, momentum_buffer_list]})), "
+        "AT_DISPATCH_FLOATING_TYPES_AND2(kHalf, kBFloat16, params[0].scalar_type()) (cyyever/pytorch ff536a3)",
+    ),
+    ("_fused_adagrad_", "cuda"): KernelDtypes(
+        ("self", "grads", "state_sums"),
+        _FLOATS,
+        one_dtype=True,
+        fixed={**_STEP_FLAGS, "state_steps": torch.float32},
+        source="cuda/FusedAdagradKernel.cu, _fused_adagrad_kernel_cuda_: TORCH_CHECK(check_fast_path_restrictions("
+        "{params, grads, state_sums})) (pytorch/pytorch ddde5f9); cuda/fused_adagrad_impl.cu: "
+        "AT_DISPATCH_FLOATING_TYPES_AND2(kHalf, kBFloat16, params[0].scalar_type()) (pytorch/pytorch 7095778)",
+    ),
+    **{
+        (op, "cuda"): KernelDtypes(
+            ("self",),
+            None,
+            one_dtype=False,
+            source=f"cuda/{where}: {_FOREACH} (cyyever/pytorch {commit})",
+        )
+        for op, where, commit in (
+            ("_foreach_add", "ForeachBinaryOpList.cu, ForeachBinaryOpScalar.cu", "0d18888, 4b33b20"),
+            ("_foreach_add_", "ForeachBinaryOpList.cu, ForeachBinaryOpScalar.cu", "0d18888, 4b33b20"),
+            ("_foreach_sub_", "ForeachBinaryOpList.cu, ForeachBinaryOpScalar.cu", "0d18888, 4b33b20"),
+            ("_foreach_mul", "ForeachBinaryOpList.cu, ForeachBinaryOpScalarTensor.cu", "0d18888"),
+            ("_foreach_mul_", "ForeachBinaryOpList.cu, ForeachBinaryOpScalarTensor.cu", "0d18888"),
+            ("_foreach_div", "ForeachBinaryOpList.cu, ForeachBinaryOpScalarTensor.cu", "0d18888"),
+            ("_foreach_div_", "ForeachBinaryOpList.cu, ForeachBinaryOpScalarTensor.cu", "0d18888"),
+            ("_foreach_addcmul_", "ForeachPointwiseOp.cu", "4b33b20"),
+            ("_foreach_sqrt", "ForeachUnaryOp.cu", "06f3639"),
+            ("_foreach_sqrt_", "ForeachUnaryOp.cu", "06f3639"),
+            ("_foreach_zero_", "ForeachUnaryOp.cu", "06f3639"),
+            ("_foreach_norm", "ForeachReduceOp.cu", "0cecc5c"),
+            (
+                "_foreach_copy_",
+                "ForeachBinaryOpList.cu, foreach_tensor_copy_list_kernel_cuda_ (AT_DISPATCH_ALL_TYPES_AND_COMPLEX_AND7 "
+                "x AT_DISPATCH_SOURCE_TYPES, every float type both sides)",
+                "0d18888",
+            ),
+        )
+    },
+}
+
+
+def takes(kernel: str, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch's ``kernel`` (ATen's name) runs a ``dtype`` tensor list on ``device`` (:data:`KERNEL_DTYPES`).
+
+    A device type with no row is not known to have the kernel for that dtype, so the answer is no and the caller
+    takes its plain-torch route.
+    """
+    if kernel == UNSCALE and not _HAS_UNSCALE_KERNEL:
+        return False  # pragma: no cover - only on a torch without the private kernel
+    rule = KERNEL_DTYPES.get((kernel, device.type))
+    return rule is not None and (rule.dtypes is None or dtype in rule.dtypes)
 
 
 def _major_minor(version: str) -> tuple[int, int]:
@@ -132,9 +289,14 @@ def unscale_and_check_(grads: Sequence[Tensor], found_inf: Tensor, inv_scale: Te
     unscale-and-check path of the package: the loss scalers, Apex's ``amp_C`` ops and the master step all
     come here (and :func:`check_finite_` when there is nothing to multiply).
     """
-    for (device, _), (group,) in grouped(grads):
+    for (device, (dtype,)), (group,) in grouped(grads):
         flag = _flag_on(found_inf, device)
-        _unscale_kernel(group, flag, to_device(inv_scale, device).reshape(1))
+        scale = to_device(inv_scale, device).reshape(1)
+        if takes(UNSCALE, device, dtype):
+            torch._amp_foreach_non_finite_check_and_unscale_(group, flag, scale)
+        else:
+            _check_by_norms(group, flag)
+            foreach_mul_(group, scale.reshape(()))
         _fold_flag(found_inf, flag)
 
 
@@ -146,7 +308,8 @@ def check_finite_(grads: Sequence[Tensor], found_inf: Tensor, one: Tensor) -> No
     """Set ``found_inf`` to 1.0 if any grad is inf or NaN, leaving every grad's value as it is (no scale).
 
     Mostly the unscale kernel with ``one`` (a persistent one-element 1.0, so the step allocates nothing) as its
-    multiplier. The exception is bf16 on CPU: torch's CPU unscale kernel
+    multiplier. Where that kernel refuses the dtype (bf16 on CUDA: :data:`KERNEL_DTYPES`), one inf-norm
+    reduction per group reads the grads once instead. The other exception is bf16 on CPU: torch's CPU unscale kernel
     converts bf16 element by element, and on the Intel Xeon with AMX-BF16 it costs 1.07x an fp32 fused AdamW
     step over as many elements (fp16: 0.37x, fp32: 0.36x; ``benchmarks/README.md``). A plain ``sum()`` reads
     the same bf16 grads once, vectorised, in 0.22x, and is non-finite exactly when a term is: an inf or NaN term
@@ -157,15 +320,30 @@ def check_finite_(grads: Sequence[Tensor], found_inf: Tensor, one: Tensor) -> No
     """
     for (device, (dtype,)), (group,) in grouped(grads):
         flag = _flag_on(found_inf, device)
-        if device.type == "cpu" and dtype == torch.bfloat16:
+        if not takes(UNSCALE, device, dtype):
+            _check_by_norms(group, flag)
+            group = []
+        elif device.type == "cpu" and dtype == torch.bfloat16:
             large = [g for g in group if g.numel() >= _SUM_CHECK_MIN_NUMEL]
             group = [g for g in group if g.numel() < _SUM_CHECK_MIN_NUMEL]
             if large:
                 sums = torch.stack([g.sum() for g in large])
                 flag.add_(sums.isfinite().logical_not().any()).clamp_(max=1.0)
         if group:
-            _unscale_kernel(group, flag, to_device(one, device).reshape(1))
+            torch._amp_foreach_non_finite_check_and_unscale_(group, flag, to_device(one, device).reshape(1))
         _fold_flag(found_inf, flag)
+
+
+def _check_by_norms(group: list[Tensor], flag: Tensor) -> None:
+    """Raise ``flag`` if a tensor of ``group`` holds an inf or NaN, for dtypes the unscale kernel refuses.
+
+    The inf-norm is the largest magnitude, NaN propagating (``max_propagate_nan`` in ATen's kernel), so it is
+    finite exactly when every element is. ATen refuses the inf-norm of an empty tensor, which has nothing to check.
+    """
+    nonempty = [g for g in group if g.numel()]
+    if nonempty:
+        norms = torch.stack(list(foreach_norm(nonempty, ord=float("inf"))))
+        flag.add_(norms.isfinite().logical_not().any()).clamp_(max=1.0)
 
 
 def _flag_on(found_inf: Tensor, device: torch.device) -> Tensor:
@@ -175,21 +353,6 @@ def _flag_on(found_inf: Tensor, device: torch.device) -> Tensor:
 def _fold_flag(found_inf: Tensor, flag: Tensor) -> None:
     if flag is not found_inf:
         found_inf.add_(to_device(flag, found_inf.device)).clamp_(max=1.0)
-
-
-def _unscale_kernel(group: list[Tensor], flag: Tensor, scale: Tensor) -> None:
-    if _HAS_UNSCALE_KERNEL:
-        torch._amp_foreach_non_finite_check_and_unscale_(group, flag, scale)
-    else:  # pragma: no cover - only on a torch without the private kernel
-        _unscale_and_check_reference(group, flag, scale)
-
-
-def _unscale_and_check_reference(grads: list[Tensor], found_inf: Tensor, inv_scale: Tensor) -> None:
-    """The plain-torch meaning of the fused kernel above (also its fallback)."""
-    norms = foreach_norm(grads, ord=float("inf")) if grads else []
-    if norms:
-        found_inf.add_(torch.stack(list(norms)).float().isfinite().logical_not().any()).clamp_(max=1.0)
-    foreach_mul_(grads, inv_scale.reshape(()))
 
 
 def copy_(destinations: Sequence[Tensor], sources: Sequence[Tensor]) -> None:
@@ -206,11 +369,17 @@ def copy_(destinations: Sequence[Tensor], sources: Sequence[Tensor]) -> None:
 def mul_(tensors: Sequence[Tensor], factor: Tensor) -> None:
     """``t *= factor`` for each tensor, ``factor`` being a 0-d tensor (kept on device: no host sync).
 
-    Runs on the unscale kernel with ``factor`` as its multiplier and a scratch flag: on CPU,
-    ``torch._foreach_mul_`` by a tensor takes a slow per-tensor path (about 10x the time of this kernel).
+    Runs on the unscale kernel with ``factor`` as its multiplier and a scratch flag where the kernel takes the
+    dtype: on CPU, ``torch._foreach_mul_`` by a tensor takes a slow per-tensor path (about 10x the time of this
+    kernel). Elsewhere (bf16 on CUDA) it is ``torch._foreach_mul_``, with no check to pay for.
     """
-    scratch = torch.zeros(1, dtype=torch.float32, device=factor.device)
-    unscale_and_check_(tensors, scratch, factor)
+    for (device, (dtype,)), (group,) in grouped(tensors):
+        scale = to_device(factor, device).reshape(1)
+        if takes(UNSCALE, device, dtype):
+            scratch = torch.zeros(1, dtype=torch.float32, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(group, scratch, scale)
+        else:
+            foreach_mul_(group, scale.reshape(()))
 
 
 def add_(tensors: Sequence[Tensor], others: Sequence[Tensor]) -> None:

@@ -3,6 +3,7 @@
 * ``ampinit run script.py [args...]``: run a script as ``python script.py args...`` would (``sys.argv``,
   ``__main__``, ``sys.path[0]``), with ``import apex`` / ``import amp_C`` resolving to ampinit's Apex aliases;
 * ``ampinit migrate PATH... [--write] [--diff] [--to ampinit|torch]``: rewrite Apex code (see docs/migration.md);
+  exits 1 when a file was refused (left unchanged), naming each with its reason on stderr;
 * ``ampinit demo``: train two small tasks at every opt level and report measured figures (docs/quickstart.md);
 * ``ampinit doctor``: what this machine offers for mixed precision and which level to pick.
 """
@@ -87,7 +88,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if result.diff:
                     sys.stdout.write(result.diff)
         sys.stdout.write(report.summary(written=args.write) + "\n")
-        return 0
+        # a refused file is left as it was: a script or CI step that migrates must not take that for success
+        refused = [result for result in report.files if result.refused]
+        for result in refused:
+            reason = result.needs_human[0].message if result.needs_human else "no reason recorded"
+            sys.stderr.write(f"ampinit migrate: {result.path}: refused, left unchanged: {reason}\n")
+        return 1 if refused else 0
     if hasattr(args, "func"):  # demo, doctor
         code: int = args.func(args)
         return code

@@ -1,11 +1,15 @@
 """``ampinit doctor``: what this machine offers for mixed precision, measured, and which opt level to use.
 
 Everything reported is read from this torch build or measured in this process: the torch version, the devices,
-the CPU flags that decide bf16/fp16 speed, the autocast dtypes each device accepts, how fast a small training
-step (an MLP: forward, loss, backward, AdamW step; repeated, the dtypes interleaved, the median kept) runs under
-fp32, bf16 autocast and fp16 autocast, an fp16 probe of the operations that can be slow where matmuls are not
-(a matmul and a convolution forward + backward, each against fp32), whether torch's fused optimizer kernels run
-here, and a recommendation that follows from those figures.
+the CPU flags that decide bf16/fp16 speed, the autocast dtypes each device accepts, an fp16 probe of the
+operations that can be slow where matmuls are not (a matmul and a convolution forward + backward, each against
+fp32), whether torch's fused optimizer kernels run here, and how fast the opt levels train the demo's small MLP.
+
+That last figure is the demo's own measurement (:func:`ampinit.demo.run.train_interleaved`: the levels
+interleaved in blocks, per-step times, the median after the warm-up steps, the interquartile spread), and the
+recommendation is the demo's verdict (:func:`ampinit.demo.verdict.choose_level`) on it, so that the doctor and
+``ampinit demo`` cannot disagree by method: on a loaded machine the recommendation is tentative, and where the
+noise check rejects a figure it would rest on, there is none.
 """
 
 from __future__ import annotations
@@ -13,7 +17,6 @@ from __future__ import annotations
 import copy
 import os
 import platform
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -22,15 +25,18 @@ from typing import Any
 import torch
 
 from ampinit._version import __version__
-from ampinit.demo.machine import busy_reasons, cpu_flags, cpu_model, load_average, relative_spread
+from ampinit.demo.machine import NOISY_SPREAD, busy_reasons, cpu_flags, cpu_model, load_average, load_reasons
+from ampinit.demo.run import Clock, RunResult, _fill_speedups, _make_task, train_interleaved, warm_up
+from ampinit.demo.verdict import LevelOutcome, Verdict, choose_level
 
 #: fp16 work at least this many times slower than fp32 counts as emulated (no fp16 arithmetic units).
 SLOW_FP16 = 2.0
-#: A compute dtype must make the training step at least this many times faster than fp32 to be recommended.
-MIN_SPEEDUP = 1.15
-#: Timed rounds of the training step at least, whatever the budget.
-MIN_ROUNDS = 5
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: The demo task the levels are timed on (its ``--quick`` size), in blocks of ``BLOCK`` steps per level.
+TASK = "mlp"
+BLOCK = 5
+#: Steps per level at least, whatever the budget (four blocks: enough for a median and a spread), and at most.
+MIN_STEPS = 4 * BLOCK
+MAX_STEPS = 1000
 
 
 @dataclass
@@ -38,11 +44,16 @@ class DeviceReport:
     device: str
     name: str
     autocast_dtypes: list[str]
-    #: Median ms of one training step per compute dtype ("float32": no autocast).
+    #: Steps every level trained (the same for all).
+    steps: int
+    #: Median ms of one training step of the demo's quick MLP per opt level.
     step_ms: dict[str, float]
     #: Interquartile range / median of those step times.
     step_spread: dict[str, float]
-    speedup_vs_fp32: dict[str, float]
+    speedup_vs_o0: dict[str, float]
+    #: Training loss at the last common step, and test accuracy, per level (what "trains like fp32" reads).
+    loss: dict[str, float]
+    accuracy: dict[str, float]
     #: fp16 time / fp32 time per probed operation ("matmul", "conv fwd+bwd"); empty where not probed.
     fp16_probe: dict[str, float]
     fused_optimizers: dict[str, bool]
@@ -59,8 +70,11 @@ class Report:
     load_average: float | None = None
     devices: list[DeviceReport] = field(default_factory=list)
     busy: list[str] = field(default_factory=list)
-    recommendation: str = ""
+    #: The level to use, or ``None`` where the measurement cannot support one (``reason`` says why).
+    recommendation: str | None = None
     reason: str = ""
+    #: Measured on a loaded machine: rerun when it is idle before relying on it.
+    tentative: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -97,62 +111,42 @@ def _autocast_dtypes(device: str) -> list[str]:
     return accepted
 
 
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
+def _levels(dtypes: list[str], fp16_emulated: bool) -> list[str]:
+    """O0 and the levels this device can run fast enough to be worth timing: the bf16 ones where autocast takes
+    bf16, the fp16 ones where it takes fp16 and fp16 is not emulated (an emulated fp16 step would spend the
+    budget, and the probe already rules those levels out)."""
+    levels = ["O0"]
+    if "bfloat16" in dtypes:
+        levels += ["O4", "O5"]
+    if "float16" in dtypes and not fp16_emulated:
+        levels += ["O1", "O2"]
+    return levels
 
 
-def _step_functions(device: str, dtypes: list[str]) -> dict[str, Callable[[], None]]:
-    """One training step of a small MLP per compute dtype, each on its own copy of the same model: forward and
-    loss under autocast (none for fp32), backward, AdamW step: what O0, O4 (bf16) and O1 (fp16) compute."""
-    from ampinit.demo.tasks import make_mlp
-
-    batch, features = (128, 256) if device == "cpu" else (1024, 2048)
-    work = make_mlp(0, batch_size=batch, features=features, depth=2)
-    inputs, target = work.inputs.to(device), work.target.to(device)
-    steps: dict[str, Callable[[], None]] = {}
-    for name in dtypes:
-        model = copy.deepcopy(work.model).to(device)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-        def step(
-            model: torch.nn.Module = model, optimizer: torch.optim.Optimizer = optimizer, name: str = name
-        ) -> None:
-            optimizer.zero_grad(set_to_none=True)
-            with torch.autocast(device, dtype=_DTYPES[name], enabled=name != "float32"):
-                loss = work.loss_fn(model(inputs), target)
-            loss.backward()  # type: ignore[no-untyped-call]
-            optimizer.step()
-
-        steps[name] = step
-    return steps
-
-
-def _training_step_ms(device: str, dtypes: list[str], budget_s: float) -> tuple[dict[str, float], dict[str, float]]:
-    """Median ms per step and the spread of the step times, per compute dtype, timed in interleaved rounds (the
-    order rotated each round) for ``budget_s`` seconds and at least ``MIN_ROUNDS`` rounds. A dtype whose steps
-    have used half the budget (fp16 where it is emulated) stops being timed after ``MIN_ROUNDS`` rounds."""
-    steps = _step_functions(device, dtypes)
-    for step in steps.values():  # warm-up: first-call allocations, kernel selection
-        step()
-        step()
-    samples: dict[str, list[float]] = {name: [] for name in steps}
-    names = list(steps)
-    deadline = time.perf_counter() + budget_s
-    rounds = 0
-    while rounds < MIN_ROUNDS or time.perf_counter() < deadline:
-        shift = rounds % len(names)
-        for name in names[shift:] + names[:shift]:
-            if len(samples[name]) >= MIN_ROUNDS and sum(samples[name]) > budget_s / 2:
-                continue
-            _sync(device)
-            start = time.perf_counter()
-            steps[name]()
-            _sync(device)
-            samples[name].append(time.perf_counter() - start)
-        rounds += 1
-    medians = {name: statistics.median(v) * 1e3 for name, v in samples.items()}
-    return medians, {name: relative_spread(v) for name, v in samples.items()}
+def measure_levels(device: str, levels: list[str], budget_s: float, clock: Clock) -> list[RunResult]:
+    """Train the demo's ``--quick`` MLP at each level, timed exactly as the demo times it, for ``budget_s``
+    seconds (and ``MIN_STEPS`` steps at least)."""
+    where = torch.device(device)
+    task = _make_task(TASK, True, where)
+    warm_up(task, 0, where)
+    runs = train_interleaved(
+        task,
+        levels,
+        steps=MAX_STEPS,
+        block=BLOCK,
+        seconds=budget_s,
+        seed=0,
+        device=where,
+        clock=clock,
+        min_steps=MIN_STEPS,
+    )
+    try:
+        results = [run.finish(MAX_STEPS) for run in runs]
+    finally:
+        for run in runs:
+            run.shutdown()
+    _fill_speedups(results)
+    return results
 
 
 def _fastest(run: Callable[[], object], tries: int) -> float:
@@ -217,39 +211,34 @@ def _fused_optimizers(device: str) -> dict[str, bool]:
     return works
 
 
-def _recommend(devices: list[DeviceReport]) -> tuple[str, str]:
-    best = devices[-1]  # an accelerator when there is one
-    bf16 = best.speedup_vs_fp32.get("bfloat16", 0.0)
-    fp16 = best.speedup_vs_fp32.get("float16", 0.0)
-    slow = {op: ratio for op, ratio in best.fp16_probe.items() if ratio >= SLOW_FP16}
-    fp16_note = ""
-    if slow:
-        ops = ", ".join(f"{op} {ratio:.1f}x" for op, ratio in slow.items())
-        fp16_note = (
-            f" fp16 is emulated here for some operations (fp16 time / fp32 time: {ops}): avoid O1-O3, above all "
-            "for convolutional models."
-        )
-    step = f"a small MLP training step on {best.device}"
-    if bf16 >= MIN_SPEEDUP and "bfloat16" in best.autocast_dtypes:
-        return "O5", (
-            f"{step} ran {bf16:.2f}x as fast with bf16 autocast as in fp32 here, and bf16 keeps fp32's exponent "
-            "range (no loss scaling needed). O5 trains a bf16 model with fp32 master weights; choose O4 to keep "
-            "fp32 weights with a bf16 cast policy instead." + fp16_note
-        )
-    if fp16 >= MIN_SPEEDUP and "float16" in best.autocast_dtypes and not slow:
-        return "O1", (
-            f"{step} ran {fp16:.2f}x as fast with fp16 autocast as in fp32 here, and bf16 gave {bf16:.2f}x. "
-            "O1 (fp16 cast policy, dynamic loss scaling) is the safe start; O2 is faster still."
-        )
-    return "O0", (
-        f"{step} was not clearly faster than fp32 with bf16 ({bf16:.2f}x) or fp16 ({fp16:.2f}x) autocast here "
-        f"(at least {MIN_SPEEDUP:.2f}x needed), so mixed precision would cost accuracy for little speed: use O0 "
-        "on this machine." + fp16_note
+def _fp16_note(probe: dict[str, float]) -> str:
+    slow = {op: ratio for op, ratio in probe.items() if ratio >= SLOW_FP16}
+    if not slow:
+        return ""
+    ops = ", ".join(f"{op} {ratio:.1f}x" for op, ratio in slow.items())
+    return (
+        f" fp16 is emulated here for some operations (fp16 time / fp32 time: {ops}): avoid O1-O3, above all for "
+        "convolutional models."
     )
 
 
-def diagnose(budget_s: float = 2.0) -> Report:
-    """Measure and describe this machine; ``budget_s`` bounds the training-step benchmark per device."""
+def recommend(device: DeviceReport, loaded: bool) -> Verdict:
+    """The demo's verdict on the doctor's measurement of ``device``: tentative when ``loaded``, none when the noise
+    check rejected a figure it would rest on."""
+    outcomes = [
+        LevelOutcome(TASK, level, device.loss[level], device.accuracy[level], device.speedup_vs_o0.get(level))
+        for level in device.step_ms
+    ]
+    noisy = {(TASK, level) for level, spread in device.step_spread.items() if spread > NOISY_SPREAD}
+    verdict = choose_level(outcomes, busy=loaded, noisy=noisy)
+    return Verdict(verdict.level, verdict.reason + _fp16_note(device.fp16_probe), verdict.tentative)
+
+
+def diagnose(
+    budget_s: float = 2.0, clock: Clock = time.perf_counter, load: Callable[[], float | None] = load_average
+) -> Report:
+    """Measure and describe this machine; ``budget_s`` bounds the training-step benchmark per device. ``clock``
+    times the steps and ``load`` reads the load average (both replaceable, for tests)."""
     report = Report(
         ampinit=__version__,
         torch=torch.__version__,
@@ -257,27 +246,37 @@ def diagnose(budget_s: float = 2.0) -> Report:
         cpu_capability=str(torch.backends.cpu.get_cpu_capability()),
         threads=torch.get_num_threads(),
         cpu_flags=cpu_flags(),
-        load_average=load_average(),
+        load_average=load(),
     )
     devices = _devices()
     for device in devices:
-        dtypes = ["float32", *(d for d in ("bfloat16", "float16") if d in _autocast_dtypes(device))]
-        medians, spreads = _training_step_ms(device, dtypes, budget_s / len(devices))
+        dtypes = _autocast_dtypes(device)
+        probe = fp16_probe(device)
+        emulated = any(ratio >= SLOW_FP16 for ratio in probe.values())
+        results = measure_levels(device, _levels(dtypes, emulated), budget_s / len(devices), clock)
+        steps = min(result.steps for result in results)
         report.devices.append(
             DeviceReport(
                 device=device,
                 name=_device_name(device),
-                autocast_dtypes=_autocast_dtypes(device),
-                step_ms=medians,
-                step_spread=spreads,
-                speedup_vs_fp32={d: medians["float32"] / t for d, t in medians.items() if d != "float32"},
-                fp16_probe=fp16_probe(device),
+                autocast_dtypes=dtypes,
+                steps=steps,
+                step_ms={r.level: r.ms_per_step for r in results},
+                step_spread={r.level: r.step_time_spread for r in results},
+                speedup_vs_o0={r.level: r.speedup_vs_o0 for r in results if r.speedup_vs_o0 is not None},
+                loss={r.level: r.losses[steps - 1] for r in results},
+                accuracy={r.level: r.accuracy for r in results},
+                fp16_probe=probe,
                 fused_optimizers=_fused_optimizers(device),
             )
         )
-    cpu_spreads = {f"step {d}": s for d, s in report.devices[0].step_spread.items()}
-    report.busy = busy_reasons(report.load_average, load_average(), os.cpu_count() or 1, report.threads, cpu_spreads)
-    report.recommendation, report.reason = _recommend(report.devices)
+    spreads = {f"{dev.device} {level}": spread for dev in report.devices for level, spread in dev.step_spread.items()}
+    load_after = load()
+    cpus = os.cpu_count() or 1
+    report.busy = busy_reasons(report.load_average, load_after, cpus, report.threads, spreads)
+    loaded = bool(load_reasons(report.load_average, load_after, cpus, report.threads))
+    verdict = recommend(report.devices[-1], loaded)  # an accelerator when there is one
+    report.recommendation, report.reason, report.tentative = verdict.level, verdict.reason, verdict.tentative
     return report
 
 
@@ -293,10 +292,16 @@ def format_report(report: Report) -> str:
     for dev in report.devices:
         lines.append(f"[{dev.device}] {dev.name}")
         lines.append(f"  autocast dtypes : {', '.join(dev.autocast_dtypes) or 'none'}")
-        timings = ", ".join(f"{d} {ms:.2f} ms (spread {dev.step_spread[d]:.0%})" for d, ms in dev.step_ms.items())
-        lines.append(f"  training step   : {timings}  [small MLP, median of interleaved repeats]")
-        speedups = ", ".join(f"{d} {s:.2f}x" for d, s in dev.speedup_vs_fp32.items())
-        lines.append(f"  speed vs fp32   : {speedups or 'no autocast dtype'}")
+        timings = ", ".join(
+            f"{level} {ms:.2f} ms (spread {dev.step_spread[level]:.0%})" for level, ms in dev.step_ms.items()
+        )
+        lines.append(f"  training step   : {timings}")
+        lines.append(
+            f"                    [the demo's quick MLP, {dev.steps} steps per level, levels interleaved in blocks of "
+            f"{BLOCK}, median ms/step after the warm-up: as `ampinit demo` measures]"
+        )
+        speedups = ", ".join(f"{level} {s:.2f}x" for level, s in dev.speedup_vs_o0.items() if level != "O0")
+        lines.append(f"  speed vs O0     : {speedups or 'no mixed-precision level runs here'}")
         if dev.fp16_probe:
             probe = ", ".join(f"{op} {ratio:.2f}x" for op, ratio in dev.fp16_probe.items())
             lines.append(f"  fp16 time / fp32: {probe}  [one thread; above {SLOW_FP16:.0f}x: emulated fp16]")
@@ -305,5 +310,11 @@ def format_report(report: Report) -> str:
     if report.busy:
         lines += ["", "!! THIS MACHINE IS BUSY: the timings above are not trustworthy; rerun when it is idle."]
         lines += [f"!!   - {reason}" for reason in report.busy]
-    lines += ["", f"Recommended opt level: {report.recommendation}", f"  why: {report.reason}"]
+    if report.recommendation is None:
+        head = "Recommended opt level: none"
+    else:
+        head = f"Recommended opt level: {report.recommendation}"
+        if report.tentative:
+            head += " (TENTATIVE: measured on a busy machine, rerun when it is idle)"
+    lines += ["", head, f"  why: {report.reason}"]
     return "\n".join(lines)

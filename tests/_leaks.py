@@ -3,7 +3,8 @@ conftest.py: two snapshots taken around a test must be equal.
 
 Covered: torch's thread-wide state (autocast per device and its cache, default dtype, grad mode), CUDA's
 sync-debug mode (on a CUDA run), whether ``ampinit._triton_master`` is built for Triton's interpreter, the user's
-pending function registrations and the patches they applied (``register_*_function``), the autocast kernels
+pending function registrations and every function patched (``register_*_function``, list edits, Apex's tensor
+rules), the autocast kernels
 registered through ``torch.library``, the cast-policy scopes of this thread, Apex's O1 lists as ``apex.amp.lists``
 holds them, the Apex import alias
 (``sys.modules`` entries and the finder on ``sys.meta_path``), and ``sys.meta_path`` itself. Live amp sessions
@@ -52,7 +53,13 @@ def _function_registrations() -> dict[str, Any]:
     with registry.lock:
         pending = [(id(r.module), r.name, r.kind) for r in registry.pending]
         applied = registry.applied
-    return {"pending registrations": pending, "sessions holding function patches": applied}
+        patched = registry.patches.patched()
+    return {
+        "pending registrations": pending,
+        "sessions holding function patches": applied,
+        # registrations, list edits and Apex's tensor rules (``.cpu``, ``exp_``...) alike
+        "patched functions (module id, name, wrappers)": patched,
+    }
 
 
 def _cast_policy_state() -> dict[str, Any]:

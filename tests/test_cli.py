@@ -28,7 +28,7 @@ def test_python_dash_m() -> None:
 def test_doctor_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["doctor", "--budget", "0.1"]) == 0
     out = capsys.readouterr().out
-    assert "Recommended opt level: O" in out and "autocast dtypes" in out
+    assert "Recommended opt level: " in out and "autocast dtypes" in out
 
 
 def test_demo_subcommand_quick(tmp_path: pytest.TempPathFactory, capsys: pytest.CaptureFixture[str]) -> None:
@@ -77,3 +77,32 @@ def test_import_ampinit_leaves_sympy_and_dtensor_alone() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("flag", ["--help", "--version"])
+def test_help_and_version_answer_without_importing_torch(flag: str) -> None:
+    # As `ampinit FLAG` and `python -m ampinit FLAG` run it: the package and the command line load, then argparse
+    # answers and exits; torch (seconds to import) must not have been loaded by then.
+    code = (
+        "import sys, runpy\n"
+        f"sys.argv = ['ampinit', {flag!r}]\n"
+        "try:\n"
+        "    runpy.run_module('ampinit', run_name='__main__', alter_sys=True)\n"
+        "except SystemExit as exit:\n"
+        "    assert exit.code == 0, exit.code\n"
+        "print(sorted(name for name in sys.modules if name == 'torch' or name.startswith('torch.')))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    *answer, loaded = result.stdout.strip().splitlines()
+    assert loaded == "[]"
+    assert ("usage: ampinit" in answer[0]) if flag == "--help" else (answer == [f"ampinit {ampinit.__version__}"])
+
+
+def test_public_names_load_on_first_use() -> None:
+    import ampinit._initialize
+    import ampinit._session
+
+    assert ampinit.initialize is ampinit._initialize.initialize and ampinit.AmpStats is ampinit._session.AmpStats
+    assert all(getattr(ampinit, name) is not None for name in ampinit.__all__)
+    with pytest.raises(AttributeError, match="no attribute 'initialise'"):
+        ampinit.initialise  # noqa: B018

@@ -10,6 +10,7 @@ from torch import nn
 
 import ampinit
 from ampinit.compat.apex import amp, amp_C
+from ampinit.compat.apex.amp.amp import cast_devices
 from ampinit.compat.apex.multi_tensor_apply import multi_tensor_applier
 from ampinit.compat.apex.optimizers import FusedSGD
 from ampinit.compat.apex.parallel.LARC import LARC
@@ -70,6 +71,23 @@ def test_disable_casts_region(handle: object) -> None:
     with amp.disable_casts():
         assert torch.mm(x, x).dtype == torch.float32
     assert torch.mm(x, x).dtype == (torch.float16 if cast_by_amp_init(x.device) else torch.float32)
+
+
+def test_cpu_is_float(handle: object) -> None:
+    """TestTensorCasts.test_cpu_is_float: ``x.cpu()`` of an fp32 or fp16 tensor is a FloatTensor (on the device
+    ``amp.init()`` casts: CUDA where there is one, as in Apex's test)."""
+    device = cast_devices()[0]
+    for dtype in (torch.float32, torch.float16):
+        assert torch.randn(4, 4, device=device).to(dtype).cpu().type() == "torch.FloatTensor"
+
+
+def test_inplace_exp_is_error_for_half(handle: object) -> None:
+    """test_promotion's test_inplace_exp_is_error_for_half: fp32 ``exp_`` runs, fp16 ``exp_`` is refused."""
+    xs = torch.randn(4)
+    xs.exp_()
+    assert xs.type() == "torch.FloatTensor"
+    with pytest.raises(NotImplementedError):
+        torch.randn(4, dtype=torch.half).exp_()
 
 
 # -- test_cache ------------------------------------------------------------------------------------------------

@@ -104,7 +104,8 @@ def test_legacy_names_resolve_through_the_import_alias(alias: None) -> None:
     fused_layer_norm = importlib.import_module("apex.normalization.fused_layer_norm")
     assert normalization.FusedLayerNorm is fused_layer_norm.FusedLayerNorm is FusedLayerNorm
     assert importlib.import_module("apex_C").flatten is compat.apex_C.flatten
-    assert importlib.import_module("apex.optimizers").FP16_Optimizer is compat.fp16_utils.FP16_Optimizer
+    with pytest.warns(FutureWarning, match="2018-12..2019-10"):
+        assert importlib.import_module("apex.optimizers").FP16_Optimizer is compat.fp16_utils.FP16_Optimizer
     assert importlib.import_module("apex.parallel.distributed").flat_dist_call is not None
     from amp_C import multi_tensor_l2norm  # type: ignore[import-not-found]
 

@@ -16,12 +16,28 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 
 
+# A path to the machine the docs were written on rather than to the repository: the workspace's shared folder, or
+# an absolute path (other than /tmp, where examples write their output).
+OUTSIDE = re.compile(r"(?<![\w.-])(?:shared/[\w.-]+(?:/[\w.-]+)*|/(?!tmp/)[\w.-]+(?:/[\w.-]+)+)")
+
+
 @pytest.mark.parametrize("page", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_relative_links_resolve(page: Path) -> None:
     for target in LINK.findall(page.read_text(encoding="utf-8")):
         if target.startswith(("http://", "https://", "mailto:")):
             continue
         assert (page.parent / target).exists(), f"{page.name} links to missing {target}"
+        assert (page.parent / target).resolve().is_relative_to(ROOT), f"{page.name} links outside the repo: {target}"
+
+
+@pytest.mark.parametrize(
+    "page", DOCS + sorted((ROOT / "examples").rglob("*.md")), ids=lambda p: str(p.relative_to(ROOT))
+)
+def test_no_path_leaves_the_repository(page: Path) -> None:
+    """A reader of a clone has the repository only: no doc names a file of the workspace it was written in."""
+    text = page.read_text(encoding="utf-8")
+    found = [m.group(0) for m in OUTSIDE.finditer(text) if not text[: m.start()].endswith(("http:/", "https:/"))]
+    assert not found, f"{page.name} names paths outside the repository: {found}"
 
 
 def test_readme_example_runs(capsys: pytest.CaptureFixture[str]) -> None:
@@ -57,8 +73,10 @@ def test_readme_opens_with_the_demo_and_the_test_command() -> None:
     commands = [line for line in first_block.group(1).splitlines() if not line.startswith("#")]
     assert commands == [
         "cd ampinit",
-        'pip install torch==2.13.0 && pip install -e ".[demo]" && ampinit demo',
-        'pip install torch==2.13.0 && pip install -e ".[test,dev]" && python -m pytest -q',
+        'pip install torch==2.13.0 && pip install -e ".[demo]" --config-settings editable_mode=strict '
+        "&& ampinit demo --quick",
+        'pip install torch==2.13.0 && pip install -e ".[test,dev]" --config-settings editable_mode=strict '
+        "&& python -m pytest -q",
     ]
 
 

@@ -26,6 +26,7 @@ def test_public_surface_is_pinned() -> None:
             "AmpStats",
             "DynamicLossScale",
             "LossScaleAtMinimumError",
+            "OptLevel",
             "Properties",
             "__version__",
             "current_session",

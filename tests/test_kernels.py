@@ -65,9 +65,7 @@ def test_unscale_and_check_matches_its_plain_reference(dtype: torch.dtype) -> No
         torch.testing.assert_close(g.float(), e.to(g.dtype).float(), rtol=0, atol=0)
     grads[1][2, 1] = float("nan")
     _kernels.unscale_and_check_(grads, found, torch.tensor(1.0))
-    reference_flag = torch.zeros(1)
-    _kernels._unscale_and_check_reference([g.clone() for g in grads], reference_flag, torch.ones(1))
-    assert found.item() == reference_flag.item() == 1.0
+    assert found.item() == 1.0
     _kernels.unscale_and_check_([grads[0]], found, torch.tensor(1.0))
     assert found.item() == 1.0  # raised, never cleared
 
@@ -91,3 +89,67 @@ def test_copy_add_mul_and_flatten() -> None:
     flat = _kernels.flatten_dense_tensors(src)
     assert flat.tolist() == [0.0, 1.0, 2.0, 1.5, -2.0]
     assert [t.tolist() for t in _kernels.unflatten_dense_tensors(flat, src)] == [t.tolist() for t in src]
+
+
+# -- the route for a dtype the unscale kernel refuses (bf16 on CUDA) ------------------------------------------
+@pytest.fixture
+def without_cpu_unscale_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CPU treated as a device whose unscale kernel takes no dtype, so every group takes the other route."""
+    table = {key: rule for key, rule in _kernels.KERNEL_DTYPES.items() if key != (_kernels.UNSCALE, "cpu")}
+    monkeypatch.setattr(_kernels, "KERNEL_DTYPES", table)
+
+
+def _grads(dtype: torch.dtype) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    return [
+        torch.randn(7, generator=gen).to(dtype),
+        torch.empty(0, dtype=dtype),
+        torch.randn(2, 3, generator=gen).to(dtype),
+    ]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), float("-inf")])
+@pytest.mark.usefixtures("without_cpu_unscale_kernel")
+def test_unscale_route_without_the_kernel_is_the_kernels_rule(dtype: torch.dtype, bad: float | None) -> None:
+    assert not _kernels.takes(_kernels.UNSCALE, torch.device("cpu"), dtype)
+    grads = _grads(dtype)
+    if bad is not None:
+        grads[2][1, 2] = bad
+    # The kernel's rule, written out: flag any non-finite input, and multiply in fp32, rounding once.
+    expected_flag = float(any(not torch.isfinite(g).all() for g in grads))
+    expected = [(g.float() * (1 / 3)).to(dtype) for g in grads]
+    found = torch.zeros(1)
+    _kernels.unscale_and_check_(grads, found, torch.tensor(1 / 3))
+    assert found.item() == expected_flag
+    for g, e in zip(grads, expected):
+        torch.testing.assert_close(g, e, rtol=0, atol=0, equal_nan=True)
+
+    before = [g.clone() for g in grads]
+    checked = torch.zeros(1)
+    _kernels.check_finite_(grads, checked, torch.ones(1))
+    assert checked.item() == expected_flag
+    for g, b in zip(grads, before):
+        torch.testing.assert_close(g, b, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.usefixtures("without_cpu_unscale_kernel")
+def test_mul_route_without_the_kernel_rounds_once() -> None:
+    grads = _grads(torch.bfloat16)
+    expected = [(g.float() * 0.1).to(torch.bfloat16) for g in grads]
+    _kernels.mul_(grads, torch.tensor(0.1))
+    for g, e in zip(grads, expected):
+        torch.testing.assert_close(g, e, rtol=0, atol=0)
+
+
+def test_the_unscale_kernel_takes_bf16_on_cpu_and_not_on_cuda() -> None:
+    # ATen's AmpKernels.cu dispatches AT_DISPATCH_FLOATING_TYPES_AND_HALF; AmpGradScalerKernels.cpp adds the
+    # reduced floating types (issue 21: O5 died on its first CUDA step).
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert all(_kernels.takes(_kernels.UNSCALE, cpu, d) for d in (torch.float16, torch.bfloat16, torch.float32))
+    assert [_kernels.takes(_kernels.UNSCALE, cuda, d) for d in (torch.float16, torch.bfloat16, torch.float32)] == [
+        True,
+        False,
+        True,
+    ]
+    assert not _kernels.takes(_kernels.UNSCALE, torch.device("meta"), torch.float32)

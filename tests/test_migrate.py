@@ -90,9 +90,11 @@ def test_every_rule_has_a_golden_site() -> None:
 def test_write_report_and_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     script = tmp_path / "train.py"
     script.write_text((GOLDEN / "o2_refused.before.txt").read_text(encoding="utf-8"), encoding="utf-8")
-    assert main(["migrate", str(tmp_path), "--to", "torch"]) == 0
-    out = capsys.readouterr().out
+    assert main(["migrate", str(tmp_path), "--to", "torch"]) == 1  # a refused file is no success
+    captured = capsys.readouterr()
+    out = captured.out
     assert "1 file(s) scanned, 0 would change, 0 site(s) rewritten, 4 site(s) need a human, 1 file(s) refused" in out
+    assert f"ampinit migrate: {script}: refused, left unchanged: " in captured.err
     assert "from apex import amp" in script.read_text(encoding="utf-8")
     assert main(["migrate", str(script), "--write", "--diff"]) == 0
     out = capsys.readouterr().out

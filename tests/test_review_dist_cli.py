@@ -50,7 +50,7 @@ def test_migrate_a_file_python_cannot_parse_does_not_abort_the_run(
     must be reported as left unchanged, with the reason, and the other files migrated."""
     (tmp_path / "a_py2.py").write_text('from apex import amp\nprint "x"\n', encoding="utf-8")
     (tmp_path / "b.py").write_text(APEX_SCRIPT, encoding="utf-8")
-    assert main(["migrate", str(tmp_path), "--write"]) == 0
+    assert main(["migrate", str(tmp_path), "--write"]) == 1  # a refused file makes the exit status 1
     out = capsys.readouterr().out
     assert "a_py2.py (refused, left unchanged)" in out and "cannot be parsed" in out
     assert (tmp_path / "a_py2.py").read_text(encoding="utf-8") == 'from apex import amp\nprint "x"\n'
@@ -64,7 +64,7 @@ def test_migrate_a_file_that_is_not_utf8_is_reported_not_a_traceback(
     """Bytes that are not UTF-8 (and no coding cookie) raised UnicodeDecodeError out of ``ampinit migrate``."""
     bad = tmp_path / "bad.py"
     bad.write_bytes(b'from apex import amp\nname = "\xff\xfe"\n')
-    assert main(["migrate", str(bad)]) == 0
+    assert main(["migrate", str(bad)]) == 1
     out = capsys.readouterr().out
     assert "bad.py (refused, left unchanged)" in out and "cannot be decoded" in out
 

@@ -17,6 +17,9 @@ A :class:`CastPolicy` does four things:
   user's ``disable_casts()``);
 * ``clear_cache()``: forget cached weight casts (the session calls it at every ``scale_loss`` exit and step;
   the policy itself also clears at the entry of each outermost model forward).
+
+For sessions made through the Apex API, ``follow_apex_tensor_rules()`` adds Apex's tensor rules (``apex_tensor``:
+``.cpu()`` of a half tensor gives float32, in-place fp32-list functions refuse fp16) until ``deactivate()``.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from ampinit._casting import arguments, lists, scopes, user_functions
+from ampinit._casting import apex_tensor, arguments, lists, scopes, user_functions
 from ampinit._casting.kernels import AUTOCAST_KEYS, KERNELS
 from ampinit._casting.lists import Policy
 from ampinit._hooks import SessionHook
@@ -73,6 +76,7 @@ class CastPolicy:
         self._local = threading.local()
         self._acquired: list[str] = []
         self._restore_user_functions: Callable[[], None] | None = None
+        self._stop_apex_tensor_rules: Callable[[], None] | None = None
 
     @property
     def active(self) -> bool:
@@ -131,11 +135,16 @@ class CastPolicy:
             self._thread = None
         finally:
             try:
-                if self._restore_user_functions is not None:
-                    self._restore_user_functions()
-                    self._restore_user_functions = None
+                if self._stop_apex_tensor_rules is not None:
+                    stop, self._stop_apex_tensor_rules = self._stop_apex_tensor_rules, None
+                    stop()
             finally:
-                self._release_kernels()
+                try:
+                    if self._restore_user_functions is not None:
+                        self._restore_user_functions()
+                        self._restore_user_functions = None
+                finally:
+                    self._release_kernels()
 
     def cache_outside_forwards(self) -> None:
         """Cache weight casts in the activating thread outside model forwards too, until the session clears them.
@@ -146,6 +155,19 @@ class CastPolicy:
         """
         if self.active and threading.get_ident() == self._thread:
             torch.set_autocast_cache_enabled(True)
+
+    def follow_apex_tensor_rules(self) -> None:
+        """Also apply Apex's O1 tensor rules while this policy is in force, until :meth:`deactivate`.
+
+        For sessions made through the Apex API (``apex.amp``), whose code may depend on them: ``.cpu()`` of a half
+        tensor gives float32, and the in-place forms of Apex's fp32 functions refuse fp16 tensors
+        (``apex_tensor``). Apex had them at fp16 only, so a bf16 policy (O4) keeps autocast's behaviour.
+        """
+        if not self.active:
+            raise RuntimeError("CastPolicy.follow_apex_tensor_rules() needs an active policy: call activate() first")
+        if self.dtype != torch.float16 or self._stop_apex_tensor_rules is not None:
+            return
+        self._stop_apex_tensor_rules = apex_tensor.follow(self, lists.current_lists())
 
     def check_thread(self) -> None:
         """Raise unless :meth:`deactivate` can run in the calling thread (the one that activated the policy).

@@ -94,7 +94,8 @@ def promote_function(fn: F) -> F:
     return _cast_wrapper(fn, "promote")
 
 
-_DECORATORS: dict[CastKind, Callable[[Callable[..., Any]], Callable[..., Any]]] = {
+Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
+_DECORATORS: dict[CastKind, Decorator] = {
     "half": half_function,
     "float": float_function,
     "promote": promote_function,
@@ -111,29 +112,34 @@ class _Registration:
 
 @dataclass
 class _Chain:
-    """The session patches of one ``module.name``: the original, and each open session's cast in applying order."""
+    """The session patches of one ``module.name``: the original, and each open session's wrapper in applying order."""
 
     module: Any
     name: str
     had_own: bool  # the name was in ``vars(module)`` (else it came from a class, and is deleted again)
     previous: Any  # ``vars(module)[name]`` before the first patch
     original: Callable[..., Any]  # ``getattr(module, name)`` before the first patch: what the casts wrap
-    kinds: list[tuple[object, CastKind]]
+    decorators: list[tuple[object, Decorator]]
     installed: Any = None
 
 
 class _Patches:
     """Every session's patches of ``module.name``, shared, so that sessions may close in any order.
 
-    The attribute holds the original wrapped by the open sessions' casts in the order they were applied; closing
-    a session rebuilds the chain from the others' (one session's undo putting back what it found would drop a
-    later session's patch while it is open, and reinstall its own after the later one closed).
+    The attribute holds the original wrapped by the open sessions' wrappers (casts, and Apex's tensor rules,
+    ``apex_tensor``) in the order they were applied; closing a session rebuilds the chain from the others' (one
+    session's undo putting back what it found would drop a later session's patch while it is open, and reinstall
+    its own after the later one closed).
     """
 
     def __init__(self) -> None:
         self._chains: dict[tuple[int, str], _Chain] = {}
 
-    def push(self, module: Any, name: str, kind: CastKind) -> tuple[tuple[int, str], object]:
+    def patched(self) -> list[tuple[int, str, int]]:
+        """``(id(module), name, number of wrappers)`` for every function patched now (for the tests' leak check)."""
+        return sorted((id(chain.module), chain.name, len(chain.decorators)) for chain in self._chains.values())
+
+    def push(self, module: Any, name: str, decorator: Decorator) -> tuple[tuple[int, str], object]:
         key = (id(module), name)
         chain = self._chains.get(key)
         if chain is None:
@@ -141,15 +147,15 @@ class _Patches:
             chain = _Chain(module, name, name in namespace, namespace.get(name), getattr(module, name), [])
             self._chains[key] = chain
         token = object()
-        chain.kinds.append((token, kind))
+        chain.decorators.append((token, decorator))
         self._install(chain)
         return key, token
 
     def pop(self, key: tuple[int, str], token: object) -> None:
         chain = self._chains[key]
-        chain.kinds = [(t, k) for t, k in chain.kinds if t is not token]
+        chain.decorators = [(t, d) for t, d in chain.decorators if t is not token]
         ours = vars(chain.module).get(chain.name) is chain.installed
-        if chain.kinds:
+        if chain.decorators:
             if ours:  # someone who rebound it after us keeps their binding
                 self._install(chain)
             return
@@ -162,8 +168,8 @@ class _Patches:
     @staticmethod
     def _install(chain: _Chain) -> None:
         value = chain.original
-        for _, kind in chain.kinds:
-            value = _DECORATORS[kind](value)
+        for _, decorator in chain.decorators:
+            value = decorator(value)
         setattr(chain.module, chain.name, value)
         chain.installed = value
 
@@ -208,7 +214,8 @@ class _Registry:
         try:
             with self.lock:
                 for registration in registrations:
-                    applied.append(self.patches.push(registration.module, registration.name, registration.kind))
+                    decorator = _DECORATORS[registration.kind]
+                    applied.append(self.patches.push(registration.module, registration.name, decorator))
         except BaseException:
             try:
                 undo()
@@ -228,6 +235,27 @@ class _Registry:
                 self._release()
 
         return restore
+
+    def wrap(self, patches: Sequence[tuple[object, str, Decorator]]) -> Callable[[], None]:
+        """Wrap each ``module.name`` with its decorator, in the shared chains; return the function that undoes them.
+
+        For a session's own wrappers (Apex's tensor rules), which, unlike registrations, nothing has to consume.
+        """
+        applied: list[tuple[tuple[int, str], object]] = []
+
+        def undo() -> None:
+            with self.lock:
+                while applied:
+                    self.patches.pop(*applied.pop())
+
+        try:
+            with self.lock:
+                for module, name, decorator in patches:
+                    applied.append(self.patches.push(module, name, decorator))
+        except BaseException:
+            undo()
+            raise
+        return undo
 
     def _release(self) -> None:
         with self.lock:

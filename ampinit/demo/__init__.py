@@ -8,6 +8,21 @@ Run it as ``ampinit demo`` or ``python -m ampinit.demo`` (``--quick`` for a 30-s
 The task builders (also used by the benchmarks) are in :mod:`ampinit.demo.tasks`.
 """
 
-from ampinit.demo.run import DemoConfig, DemoReport, RunResult, TaskReport, quick_config, run_demo
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ampinit.demo.run import DemoConfig, DemoReport, RunResult, TaskReport, quick_config, run_demo
 
 __all__ = ["DemoConfig", "DemoReport", "RunResult", "TaskReport", "quick_config", "run_demo"]
+
+
+def __getattr__(name: str) -> object:
+    # `ampinit --help` loads this package for the demo's parser: the demo itself (and torch) loads on first use.
+    if name in __all__:
+        found = getattr(importlib.import_module("ampinit.demo.run"), name)
+        globals()[name] = found
+        return found
+    raise AttributeError(f"module 'ampinit.demo' has no attribute {name!r}")

@@ -3,6 +3,7 @@ bf16/fp16 speed, the load average, and whether step times were too noisy (or the
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 from collections.abc import Sequence
@@ -48,11 +49,30 @@ def load_average() -> float | None:
 
 
 def relative_spread(samples: Sequence[float]) -> float:
-    """Interquartile range over median: 0 for identical step times, ~0.1 on a quiet machine."""
+    """Interquartile range over median: 0 for identical step times, ~0.1 on a quiet machine; infinite for fewer
+    than 4 samples, where no spread can be measured (so the noise check rejects them)."""
     if len(samples) < 4:
-        return 0.0
+        return math.inf
     q1, _, q3 = statistics.quantiles(samples, n=4)
     return (q3 - q1) / statistics.median(samples)
+
+
+def load_reasons(load_before: float | None, load_after: float | None, cpus: int, threads: int) -> list[str]:
+    """Why other processes may have slowed the timings (empty when the load average was low). ``load_after``
+    includes this run's own ``threads``, which are subtracted."""
+    others = max(load_before or 0.0, (load_after or 0.0) - threads)
+    if others < BUSY_LOAD_FRACTION * cpus:
+        return []
+    return [
+        f"other processes kept about {others:.1f} of {cpus} CPUs busy (load average before the run "
+        f"{_fmt(load_before)}, after {_fmt(load_after)} with this run's {threads} threads)"
+    ]
+
+
+def noisy_runs(spreads: dict[str, float]) -> list[str]:
+    """The runs (``spreads`` maps a run's name to the relative spread of its step times) whose timing the noise
+    check rejects: its median is no figure to compare speeds with."""
+    return [name for name, spread in spreads.items() if spread > NOISY_SPREAD]
 
 
 def busy_reasons(
@@ -62,24 +82,16 @@ def busy_reasons(
     threads: int,
     spreads: dict[str, float],
 ) -> list[str]:
-    """Why the timings should not be trusted; empty when the machine looked quiet.
-
-    ``load_after`` includes the demo's own ``threads``, which are subtracted; ``spreads`` maps a run's name
-    (``"mlp O5"``) to the relative spread of its step times.
-    """
-    reasons = []
-    others = max(load_before or 0.0, (load_after or 0.0) - threads)
-    if others >= BUSY_LOAD_FRACTION * cpus:
-        reasons.append(
-            f"other processes kept about {others:.1f} of {cpus} CPUs busy (load average before the run "
-            f"{_fmt(load_before)}, after {_fmt(load_after)} with this run's {threads} threads)"
-        )
-    noisy = {name: spread for name, spread in spreads.items() if spread > NOISY_SPREAD}
+    """Why the timings should not be trusted: the load (:func:`load_reasons`) and the runs the noise check
+    rejected (:func:`noisy_runs`); empty when the machine looked quiet. ``spreads`` maps a run's name
+    (``"mlp O5"``) to the relative spread of its step times."""
+    reasons = load_reasons(load_before, load_after, cpus, threads)
+    noisy = noisy_runs(spreads)
     if noisy:
-        worst = max(noisy, key=noisy.__getitem__)
+        worst = max(noisy, key=spreads.__getitem__)
         reasons.append(
             f"step times varied by more than {NOISY_SPREAD:.0%} (interquartile range / median) in "
-            f"{len(noisy)} of {len(spreads)} runs, up to {noisy[worst]:.0%} in {worst}"
+            f"{len(noisy)} of {len(spreads)} runs, up to {spreads[worst]:.0%} in {worst}"
         )
     return reasons
 

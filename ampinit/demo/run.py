@@ -30,7 +30,7 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TextIO
@@ -42,12 +42,21 @@ import ampinit
 from ampinit import amp
 from ampinit._opt_levels import FUNCTION_CAST_LEVELS as THREAD_CAST_LEVELS  # their session casts in its whole thread
 from ampinit._types import OPT_LEVELS as _OPT_LEVELS
-from ampinit.demo.machine import busy_reasons, cpu_flags, cpu_model, load_average, relative_spread
+from ampinit._types import OptLevel
+from ampinit.demo._names import TASKS
+from ampinit.demo.machine import (
+    NOISY_SPREAD,
+    busy_reasons,
+    cpu_flags,
+    cpu_model,
+    load_average,
+    load_reasons,
+    relative_spread,
+)
 from ampinit.demo.tasks import checkerboard, coordinate_grid, make_checkerboard, make_classifier
 from ampinit.demo.verdict import LevelOutcome, choose_level
 
 OPT_LEVELS: tuple[str, ...] = _OPT_LEVELS
-TASKS: tuple[str, ...] = ("checkerboard", "mlp")
 DEVICES: tuple[str, ...] = ("cpu", "cuda")
 FP16_LEVELS: tuple[str, ...] = ("O1", "O2", "O3")
 #: Steps at the start of a run left out of the ms/step median (first-call allocations, kernel selection).
@@ -110,6 +119,12 @@ def check_levels(levels: Sequence[str]) -> None:
         if level not in OPT_LEVELS:
             hint = " (the prefix is the letter O, not the number zero)" if level[:1] == "0" else ""
             raise ValueError(f"unknown opt level {level!r}{hint}; allowed: {', '.join(OPT_LEVELS)}")
+
+
+def opt_level(level: str) -> OptLevel:
+    """``level`` as the :data:`OptLevel` literal ``initialize`` is typed with; ``ValueError`` for an unknown one."""
+    check_levels([level])
+    return _OPT_LEVELS[_OPT_LEVELS.index(level)]
 
 
 # -- results ---------------------------------------------------------------------------------------------------
@@ -369,8 +384,57 @@ def _first_layer(model: nn.Module) -> nn.Module:
 
 
 # -- progress --------------------------------------------------------------------------------------------------
+Clock = Callable[[], float]
+
+
+class Eta:
+    """How long the rest of an interleaved run takes, at the pace so far, stopping where the run will stop.
+
+    ``done`` counts steps every level has taken, a round in progress as a fraction (after 2 of 6 levels ran a
+    block of 10 steps, 3.33 more steps are done). The run ends at ``total`` steps, or earlier when the time budget
+    (``seconds``) stops it: :func:`train_interleaved` does not start a round that would end past the budget, so
+    the estimate never counts a step the budget will not let run.
+    """
+
+    def __init__(self, total: int, block: int, seconds: float | None, min_steps: int, clock: Clock) -> None:
+        self.total, self.block, self.min_steps, self.clock = total, block, min_steps, clock
+        self.start = clock()
+        self.deadline = None if seconds is None else self.start + seconds
+
+    def end_step(self, done: float) -> int:
+        """The step count the run will stop at, as far as the pace so far tells."""
+        if self.deadline is None or done <= 0:
+            return self.total
+        now = self.clock()
+        per_step = (now - self.start) / done
+        # The round in progress always finishes, and the run takes its minimum steps whatever the budget.
+        floor = max(math.ceil(done / self.block) * self.block, math.ceil(self.min_steps / self.block) * self.block)
+        fits = done + max(0.0, self.deadline - now) / per_step if per_step > 0 else float(self.total)
+        return min(self.total, max(floor, int(fits // self.block) * self.block))
+
+    def remaining_s(self, done: float) -> float | None:
+        """Seconds left, or ``None`` before the first block gives a pace."""
+        if done <= 0:
+            return None
+        per_step = (self.clock() - self.start) / done
+        return max(0.0, self.end_step(done) - done) * per_step
+
+    def text(self, done: float) -> str:
+        remaining = self.remaining_s(done)
+        if remaining is None:
+            return "time left: measuring"
+        end = self.end_step(done)
+        until = f" (the time budget stops it at step {end})" if end < self.total else ""
+        return f"about {_clock_time(remaining)} left{until}"
+
+
+def _clock_time(seconds: float) -> str:
+    minutes, secs = divmod(round(seconds), 60)
+    return f"{minutes}:{secs:02d}"
+
+
 class Progress(Protocol):
-    def update(self, step: int, loss: float) -> None: ...
+    def update(self, done: float, loss: float) -> None: ...
 
     def close(self) -> None: ...
 
@@ -378,58 +442,72 @@ class Progress(Protocol):
 class _LineProgress:
     """The fallback without tqdm: one line at 0%, 25%, 50%, 75% and 100% of the run."""
 
-    def __init__(self, label: str, total: int, stream: TextIO) -> None:
-        self.label, self.total, self.stream = label, total, stream
-        self._marks = {max(1, math.ceil(total * q / 4)) for q in range(1, 5)} | {1}
+    def __init__(self, label: str, total: int, stream: TextIO, eta: Eta | None) -> None:
+        self.label, self.total, self.stream, self.eta = label, total, stream, eta
+        self._marks = sorted({max(1, math.ceil(total * q / 4)) for q in range(1, 5)} | {1})
 
-    def update(self, step: int, loss: float) -> None:
-        if step in self._marks:
-            self.stream.write(f"{self.label}: step {step}/{self.total}  loss {loss:.4f}\n")
-            self.stream.flush()
+    def update(self, done: float, loss: float) -> None:
+        reached = [mark for mark in self._marks if mark <= done]
+        if not reached:
+            return
+        del self._marks[: len(reached)]
+        left = f"  {self.eta.text(done)}" if self.eta is not None else ""
+        self.stream.write(f"{self.label}: step {int(done)}/{self.total}  loss {loss:.4f}{left}\n")
+        self.stream.flush()
 
     def close(self) -> None:
         pass
 
 
 class _TqdmProgress:
-    def __init__(self, label: str, total: int, stream: TextIO) -> None:
+    """A tqdm bar that moves after every level's block and shows :class:`Eta`'s estimate, not tqdm's own (which
+    knows nothing of the time budget)."""
+
+    def __init__(self, label: str, total: int, stream: TextIO, eta: Eta | None) -> None:
         from tqdm import tqdm
 
-        self._bar = tqdm(total=total, desc=label, file=stream, leave=True, dynamic_ncols=True, mininterval=0.2)
+        self.total, self.eta = total, eta
+        bar_format = "{desc}: {percentage:3.0f}%|{bar}|{postfix}"
+        self._bar = tqdm(
+            total=total, desc=label, file=stream, leave=True, dynamic_ncols=True, mininterval=0.2, bar_format=bar_format
+        )
 
-    def update(self, step: int, loss: float) -> None:
-        self._bar.update(step - self._bar.n)
-        if step % 10 == 0 or step == self._bar.total:
-            self._bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+    def update(self, done: float, loss: float) -> None:
+        if self.eta is not None:  # the bar fills up to where the run will stop, the budget counted
+            self._bar.total = self.eta.end_step(done)
+        self._bar.update(done - self._bar.n)
+        left = f", {self.eta.text(done)}" if self.eta is not None else ""
+        self._bar.set_postfix_str(f"step {int(done)}/{self.total}, loss {loss:.4f}{left}")
 
     def close(self) -> None:
         self._bar.close()
 
 
 class _NoProgress:
-    def update(self, step: int, loss: float) -> None:
+    def update(self, done: float, loss: float) -> None:
         pass
 
     def close(self) -> None:
         pass
 
 
-def make_progress(enabled: bool, label: str, total: int, stream: TextIO) -> Progress:
-    """A tqdm bar when tqdm is installed, else plain lines; nothing when ``enabled`` is false."""
+def make_progress(enabled: bool, label: str, total: int, stream: TextIO, eta: Eta | None = None) -> Progress:
+    """A tqdm bar when tqdm is installed, else plain lines; nothing when ``enabled`` is false. With ``eta``, each
+    update says how long the rest will take."""
     if not enabled:
         return _NoProgress()
     try:
-        return _TqdmProgress(label, total, stream)
+        return _TqdmProgress(label, total, stream, eta)
     except ImportError:
-        return _LineProgress(label, total, stream)
+        return _LineProgress(label, total, stream, eta)
 
 
 # -- training, interleaved -------------------------------------------------------------------------------------
 class _LevelRun:
     """One level's model, optimizer and amp session while every level trains in interleaved blocks."""
 
-    def __init__(self, task: Task, level: str, seed: int, device: torch.device) -> None:
-        self.task, self.level, self.device = task, level, device
+    def __init__(self, task: Task, level: str, seed: int, device: torch.device, clock: Clock) -> None:
+        self.task, self.level, self.device, self.clock = task, level, device, clock
         self.model = task.build(seed, device)
         self.optimizer: torch.optim.Optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=_LEARNING_RATES[task.name]
@@ -450,7 +528,9 @@ class _LevelRun:
             self._close()
 
     def _open(self) -> None:
-        self.model, self.optimizer = amp.initialize(self.model, self.optimizer, opt_level=self.level, verbosity=0)
+        self.model, self.optimizer = amp.initialize(
+            self.model, self.optimizer, opt_level=opt_level(self.level), verbosity=0
+        )
         self.session = ampinit.session_of(self.optimizer)
         if self.session is None:
             raise RuntimeError(f"amp.initialize(opt_level={self.level!r}) registered no session")
@@ -495,14 +575,14 @@ class _LevelRun:
         if self.compute_dtype is None:
             hook = _first_layer(self.model).register_forward_hook(self._record_compute_dtype)
         _sync(self.device)
-        start = time.perf_counter()
+        start = self.clock()
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.task.loss(self.model(inputs), target)
         with amp.scale_loss(loss, self.optimizer) as scaled_loss:
             scaled_loss.backward()  # type: ignore[no-untyped-call]
         self.optimizer.step()
         _sync(self.device)
-        self.times.append(time.perf_counter() - start)
+        self.times.append(self.clock() - start)
         if hook is not None:
             hook.remove()
         self.losses.append(loss.item())
@@ -557,31 +637,41 @@ def train_interleaved(
     seconds: float | None,
     seed: int,
     device: torch.device,
-    progress: Progress,
+    progress: Callable[[Eta], Progress] = lambda eta: _NoProgress(),
+    clock: Clock = time.perf_counter,
+    min_steps: int = MIN_STEPS,
 ) -> list[_LevelRun]:
     """Train every level for ``steps`` steps, in rounds of ``block`` steps per level with the order rotated by one
-    each round, so that other processes and slow drifts slow every level alike. ``seconds`` (``None``: no limit)
-    is checked between rounds only: when it runs out, every level stops at the same step."""
-    runs = [_LevelRun(task, level, seed, device) for level in levels]
+    each round, so that other processes and slow drifts slow every level alike; each step is timed with ``clock``.
+
+    ``seconds`` (``None``: no limit) is checked between rounds only, so that every level stops at the same step:
+    after ``min_steps``, a round that would end past it at the last round's pace is not started. ``progress``
+    makes the bar from the run's :class:`Eta`; it moves after every level's block. This is the one speed
+    measurement of ampinit: the demo runs it per task, the doctor on the demo's small MLP.
+    """
+    runs = [_LevelRun(task, level, seed, device, clock) for level in levels]
+    eta = Eta(steps, block, seconds, min_steps, clock)
+    bar = progress(eta)
     try:
-        deadline = None if seconds is None else time.perf_counter() + seconds
         done, round_index = 0, 0
         while done < steps:
             size = min(block, steps - done)
             shift = round_index % len(runs)
-            for run in runs[shift:] + runs[:shift]:
+            round_start = clock()
+            for position, run in enumerate(runs[shift:] + runs[:shift], start=1):
                 run.block(size)
+                bar.update(done + size * position / len(runs), runs[0].losses[-1])
             done += size
             round_index += 1
-            progress.update(done, runs[0].losses[-1])
-            if deadline is not None and done >= MIN_STEPS and time.perf_counter() > deadline:
+            now = clock()
+            if eta.deadline is not None and done >= min_steps and now + (now - round_start) > eta.deadline:
                 break
     except BaseException:
         for run in runs:
             run.shutdown()
         raise
     finally:
-        progress.close()
+        bar.close()
     return runs
 
 
@@ -591,7 +681,7 @@ def measure_memory(task: Task, level: str, seed: int, device: torch.device, step
     with _PeakMemory(device) as memory:
         model = task.build(seed, device)
         optimizer = torch.optim.AdamW(model.parameters(), lr=_LEARNING_RATES[task.name])
-        model, optimizer = amp.initialize(model, optimizer, opt_level=level, verbosity=0)
+        model, optimizer = amp.initialize(model, optimizer, opt_level=opt_level(level), verbosity=0)
         session = ampinit.session_of(optimizer)
         try:
             batches = task.batches(seed)
@@ -657,7 +747,7 @@ def _run_task(
     task = _make_task(name, config.quick, device)
     warm_up(task, config.seed, device)
     seconds = None if budget_end is None else max(1.0, (budget_end - time.perf_counter()) / tasks_left)
-    bar = make_progress(config.progress, f"{name} {','.join(config.levels)}", config.steps, progress_stream)
+    label = f"{name} {','.join(config.levels)}"
     runs = train_interleaved(
         task,
         config.levels,
@@ -666,7 +756,7 @@ def _run_task(
         seconds=seconds,
         seed=config.seed,
         device=device,
-        progress=bar,
+        progress=lambda eta: make_progress(config.progress, label, config.steps, progress_stream, eta),
     )
     try:
         results = [run.finish(config.steps) for run in runs]
@@ -726,18 +816,22 @@ def _prepare_out(out: Path) -> None:
 
 
 def judge(report: DemoReport) -> None:
-    """Fill ``report.busy`` (why the timings may be untrustworthy) and ``report.verdict`` from the tables."""
+    """Fill ``report.busy`` (why the timings may be untrustworthy) and ``report.verdict`` from the tables: tentative
+    on a loaded machine, none where the noise check rejected a figure it would rest on (as the doctor decides)."""
     env = report.environment
     spreads = {f"{task.name} {run.level}": run.step_time_spread for task in report.tasks for run in task.runs}
-    report.busy = busy_reasons(
-        report.load_average.get("before"), report.load_average.get("after"), env["cpus"], env["threads"], spreads
-    )
+    before, after = report.load_average.get("before"), report.load_average.get("after")
+    report.busy = busy_reasons(before, after, env["cpus"], env["threads"], spreads)
     outcomes = [
         LevelOutcome(task.name, run.level, run.losses[common_steps(task) - 1], run.accuracy, run.speedup_vs_o0)
         for task in report.tasks
         for run in task.runs
     ]
-    verdict = choose_level(outcomes, busy=bool(report.busy))
+    loaded = load_reasons(before, after, env["cpus"], env["threads"])
+    noisy = {
+        (task.name, run.level) for task in report.tasks for run in task.runs if run.step_time_spread > NOISY_SPREAD
+    }
+    verdict = choose_level(outcomes, busy=bool(loaded), noisy=noisy)
     report.verdict = {"level": verdict.level, "reason": verdict.reason, "tentative": verdict.tentative}
 
 
@@ -798,7 +892,7 @@ def _row(run: RunResult) -> list[str]:
         f"{run.final_loss:.4f}",
         f"{run.accuracy:.1%}",
         f"{run.ms_per_step:.1f}",
-        f"{run.step_time_spread:.0%}",
+        f"{run.step_time_spread:.0%}" if math.isfinite(run.step_time_spread) else "n/a",
         "-" if run.speedup_vs_o0 is None else f"{run.speedup_vs_o0:.2f}x",
         "-" if run.peak_memory_mib is None else f"{run.peak_memory_mib:.1f}",
         f"{run.skipped_steps}",
@@ -844,8 +938,8 @@ def format_verdict(report: DemoReport) -> str:
         lines += [f"!!   - {reason}" for reason in report.busy]
         lines += ["!! The losses and accuracies are unaffected. Rerun when the machine is idle to compare speed.", bar]
     verdict = report.verdict
-    head = f"Verdict: use {verdict['level']} on this machine" if verdict.get("level") else "Verdict: none"
-    if verdict.get("tentative"):
+    head = f"Verdict: use {verdict['level']} on this machine" if verdict.get("level") else "Verdict: no recommendation"
+    if verdict.get("tentative") and verdict.get("level"):
         head += " (TENTATIVE: measured on a busy machine)"
     lines += [head, f"  why: {verdict.get('reason', '')}"]
     return "\n".join(lines)

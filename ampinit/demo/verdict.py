@@ -1,11 +1,14 @@
-"""Which opt level the demo's measurements recommend on this machine, read from the measured table only, so
-that a reader can check every step of the reasoning against it."""
+"""Which opt level the measurements recommend on this machine, read from the measured table only, so that a
+reader can check every step of the reasoning against it. The demo and the doctor both decide with
+:func:`choose_level`, on figures measured the same way (:func:`ampinit.demo.run.train_interleaved`), so they give
+one answer: on a loaded machine it is marked tentative, and a speed figure the noise check rejected is never
+the ground for a recommendation (there is none then)."""
 
 from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 #: A level must be at least this many times as fast as O0 (geometric mean over the tasks) to be recommended.
@@ -36,16 +39,20 @@ class Verdict:
 
     def text(self) -> str:
         head = f"Use {self.level} on this machine" if self.level else "No recommendation"
-        warning = " (TENTATIVE: the machine was busy, rerun when it is idle)" if self.tentative else ""
+        warning = " (TENTATIVE: the machine was busy, rerun when it is idle)" if self.tentative and self.level else ""
         return f"{head}{warning}: {self.reason}"
 
 
-def choose_level(outcomes: Sequence[LevelOutcome], busy: bool) -> Verdict:
+def choose_level(outcomes: Sequence[LevelOutcome], busy: bool, noisy: Collection[tuple[str, str]] = ()) -> Verdict:
     """The fastest level that trains like fp32 on every task, if it beats O0 by ``MIN_SPEEDUP``; else O0.
 
     "Trains like fp32": a finite loss at the step every run reached, at most ``LOSS_TOLERANCE`` (+
     ``LOSS_SLACK``) above O0's, and an accuracy at most ``ACCURACY_SLACK`` below O0's. "Fastest": the
     geometric mean over the tasks of the speedup vs O0.
+
+    ``busy`` (other processes loaded the machine) marks the verdict tentative. ``noisy`` holds the ``(task,
+    level)`` runs whose step times the noise check rejected: when O0 or a level that trains like fp32 is among
+    them, the speed comparison rests on a rejected figure, so there is no recommendation.
     """
     tasks = list(dict.fromkeys(o.task for o in outcomes))
     reference = {o.task: o for o in outcomes if o.level == "O0"}
@@ -62,10 +69,19 @@ def choose_level(outcomes: Sequence[LevelOutcome], busy: bool) -> Verdict:
             continue
         ratios = [mine[task].speedup_vs_o0 or 0.0 for task in tasks]
         speedups[level] = math.exp(statistics.fmean(math.log(max(r, 1e-9)) for r in ratios)) if ratios else 0.0
-    slower = [f"{level} ({speedup:.2f}x)" for level, speedup in speedups.items() if speedup < MIN_SPEEDUP]
     notes = []
     if rejected:
         notes.append("did not train like fp32: " + ", ".join(rejected))
+    rejected_figures = sorted(f"{task} {level}" for task, level in noisy if level == "O0" or level in speedups)
+    if rejected_figures:
+        trained = ", ".join(speedups) or "none"
+        reason = (
+            f"the step times of {', '.join(rejected_figures)} varied too much to compare speeds (the noise check "
+            f"rejected them), so no level is recommended on them; rerun when the machine is idle. Levels that "
+            f"trained like fp32 here: {trained}"
+        )
+        return Verdict(None, "; ".join([reason, *notes]) + ".", busy)
+    slower = [f"{level} ({speedup:.2f}x)" for level, speedup in speedups.items() if speedup < MIN_SPEEDUP]
     best = max(speedups, key=speedups.__getitem__, default=None)
     if best is None or speedups[best] < MIN_SPEEDUP:
         if slower:

@@ -21,7 +21,7 @@ from ampinit.migrate._report import FileResult, Report, Site
 from ampinit.migrate._resolve import imported_modules, unresolved_imports
 from ampinit.migrate._to_ampinit import COMMENT_PREFIX, migrate_module
 from ampinit.migrate._to_torch import migrate_module_to_torch
-from ampinit.migrate.checkpoint import convert_apex_checkpoint, grad_scaler_state
+from ampinit.migrate.checkpoint import convert_apex_checkpoint, grad_scaler_state, torch_optimizer_state
 
 __all__ = [
     "FileResult",
@@ -31,6 +31,7 @@ __all__ = [
     "grad_scaler_state",
     "migrate_paths",
     "migrate_source",
+    "torch_optimizer_state",
 ]
 
 Destination = Literal["ampinit", "torch"]
@@ -46,7 +47,15 @@ def migrate_source(source: str, to: Destination = "ampinit", path: str = "<strin
     if to == "torch":
         return _to_torch(source, path)
     migrated, sites = migrate_module(source)
+    guarded, guard_sites = rewrite_guards(source, fallbacks=False)
+    if guard_sites and not _imports_apex(migrated):
+        migrated, sites = migrate_module(guarded)
+        sites = sorted(guard_sites + _relined(sites, guarded, source), key=lambda s: s.line)
     return _checked(FileResult(path, source, migrated, sites))
+
+
+def _imports_apex(source: str) -> bool:
+    return bool({module.split(".")[0] for _, module in imported_modules(source)} & {"apex", "amp_C", "apex_C"})
 
 
 def _to_torch(source: str, path: str) -> FileResult:

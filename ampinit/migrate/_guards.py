@@ -11,6 +11,10 @@ rewritten, each equivalent to a path the original code already had:
 
 ``amp`` under a guard with a fallback is left to :mod:`ampinit.migrate._to_torch`, which refuses it: taking the
 fallback would turn mixed precision off, taking the body would turn it on where it was off.
+
+``--to ampinit`` drops the first shape only, and only where the migrated file imports no Apex name any more: its
+message ("Please install apex ...") would send users after a package the file no longer needs. A guard with a
+fallback keeps working there (ampinit provides what it imports, so the body runs, as where Apex was installed).
 """
 
 from __future__ import annotations
@@ -90,14 +94,15 @@ def guard_shape(node: cst.Try, file_uses_amp: bool) -> str | None:
 class _Guards(cst.CSTTransformer):
     METADATA_DEPENDENCIES = (PositionProvider,)
 
-    def __init__(self, file_uses_amp: bool) -> None:
+    def __init__(self, file_uses_amp: bool, fallbacks: bool) -> None:
         super().__init__()
         self.file_uses_amp = file_uses_amp
+        self.fallbacks = fallbacks
         self.sites: list[Site] = []
 
     def leave_Try(self, original_node: cst.Try, updated_node: cst.Try) -> Any:
         shape = guard_shape(original_node, self.file_uses_amp)
-        if shape is None:
+        if shape is None or (shape == "fallback" and not self.fallbacks):
             return updated_node
         line = int(self.get_metadata(PositionProvider, original_node).start.line)
         body = updated_node.body if shape == "raises" else updated_node.handlers[0].body
@@ -126,10 +131,11 @@ class _Guards(cst.CSTTransformer):
         return cst.FlattenSentinel(statements)
 
 
-def rewrite_guards(source: str) -> tuple[str, list[Site]]:
-    """Apply the two rewrites above; returns the new source and one site per guard (lines of ``source``)."""
+def rewrite_guards(source: str, fallbacks: bool = True) -> tuple[str, list[Site]]:
+    """Apply the two rewrites above (the second only with ``fallbacks``); returns the new source and one site per
+    guard (lines of ``source``)."""
     wrapper = MetadataWrapper(cst.parse_module(source))
-    transformer = _Guards(file_uses_amp="apex.amp" in source)
+    transformer = _Guards(file_uses_amp="apex.amp" in source, fallbacks=fallbacks)
     new = wrapper.visit(transformer)
     return new.code, transformer.sites
 

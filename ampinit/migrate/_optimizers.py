@@ -7,6 +7,12 @@ square root in both) and ``weight_decay`` (Apex's default 0.0 is written out, si
 switch for the first; Apex refuses amsgrad; the others are Apex's CUDA-graph and O2 machinery), and
 ``set_grad_none`` only True (torch's ``zero_grad`` sets grads to None too). A name used other than by calling it
 (a subclass, an ``isinstance``) is left alone, and the file is then refused for its Apex import.
+
+Checkpoints the script saved before the migration hold FusedAdam's state (one step count per group), which torch's
+``load_state_dict`` rejects. ``<optimizer>.load_state_dict(s)`` on a name the FusedAdam was assigned to becomes
+``<optimizer>.load_state_dict(torch_adam_state(s))``, a function written into the file that converts that state as
+:func:`ampinit.migrate.torch_optimizer_state` does and passes torch's own through; where no such call is found, the
+report names the converter for the checkpoints.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import inspect
 from typing import Any
 
 import libcst as cst
+import libcst.matchers as m
 from libcst.metadata import MetadataWrapper, ParentNodeProvider, PositionProvider
 
 from ampinit.compat.apex import optimizers as apex_optimizers
@@ -25,6 +32,39 @@ from ampinit.migrate._to_ampinit import dotted
 #: FusedAdam's parameters in Apex's order (after ``self``), from the Apex layer that reproduces its signature.
 FUSED_ADAM_SIGNATURE = tuple(inspect.signature(apex_optimizers.FusedAdam.__init__).parameters)[1:]
 KEPT = ("lr", "betas", "eps", "weight_decay")
+
+#: Written into a migrated file that loads the optimizer's state: the layout conversion of
+#: ampinit.migrate.torch_optimizer_state, without an ampinit dependency (tests check that both agree).
+TORCH_ADAM_STATE = '''def {name}(state):
+    """torch.optim.Adam/AdamW state from a checkpoint written after the migration (torch's layout) or before it
+    (Apex's FusedAdam: one step count per parameter group, none per parameter); written by ampinit migrate --to
+    torch."""
+    if not any("bias_correction" in group for group in state["param_groups"]):
+        return state
+    per_param = dict(state["state"])
+    groups = []
+    for group in state["param_groups"]:
+        if "grad_averaging" in group or not group.get("bias_correction", True):
+            raise ValueError(
+                "this checkpoint's optimizer state is not FusedAdam's with bias correction, the only Apex state "
+                "torch.optim.Adam/AdamW can resume: see ampinit.migrate.convert_apex_checkpoint"
+            )
+        step = float(group.get("step", 0))
+        for index in group["params"]:
+            if index in per_param and "step" not in per_param[index]:
+                if set(per_param[index]) - {{"exp_avg", "exp_avg_sq"}}:
+                    raise ValueError(
+                        f"parameter {{index}} has FusedAdam state torch.optim.Adam/AdamW does not keep: see "
+                        "ampinit.migrate.convert_apex_checkpoint"
+                    )
+                per_param[index] = {{"step": step, **per_param[index]}}
+        groups.append({{key: value for key, value in group.items() if key not in ("step", "bias_correction")}})
+    return {{**state, "state": per_param, "param_groups": groups}}
+'''
+CONVERTER_NOTE = (
+    "checkpoints saved before the migration hold FusedAdam state, which torch's load_state_dict rejects "
+    "(KeyError: 'step'): convert them with ampinit.migrate.convert_apex_checkpoint"
+)
 AT_DEFAULT = {"bias_correction": "True", "amsgrad": "False", "capturable": "False", "master_weights": "False"}
 
 
@@ -88,6 +128,7 @@ class _Uses(cst.CSTVisitor):
         self.local = local
         self.calls: list[cst.Call] = []
         self.other = False
+        self.bound: set[str] = set()  # the names and attributes a FusedAdam call is assigned to
 
     def visit_Import(self, node: cst.Import) -> bool:
         return False
@@ -103,6 +144,9 @@ class _Uses(cst.CSTVisitor):
             return
         if isinstance(parent, cst.Call) and parent.func is node:
             self.calls.append(parent)
+            statement = self.get_metadata(ParentNodeProvider, parent)
+            if isinstance(statement, cst.Assign):
+                self.bound.update(cst.Module([]).code_for_node(t.target) for t in statement.targets)
         else:
             self.other = True
 
@@ -110,15 +154,33 @@ class _Uses(cst.CSTVisitor):
 class _Rewrite(cst.CSTTransformer):
     METADATA_DEPENDENCIES = (PositionProvider,)
 
-    def __init__(self, local: str, calls: dict[int, str]) -> None:
+    def __init__(self, local: str, calls: dict[int, str], bound: set[str], helper: str) -> None:
         super().__init__()
         self.local = local
         self.calls = calls
-        self.sites: list[Site] = []
+        self.bound = bound
+        self.helper = helper
+        self.loads: list[tuple[int, str]] = []  # (line, optimizer) of each load_state_dict routed through the helper
 
     def leave_Call(self, original_node: cst.Call, updated_node: cst.Call) -> Any:
         native = self.calls.get(id(original_node))
-        return updated_node if native is None else cst.parse_expression(native)
+        if native is not None:
+            return cst.parse_expression(native)
+        func = updated_node.func
+        if (
+            isinstance(func, cst.Attribute)
+            and func.attr.value == "load_state_dict"
+            and cst.Module([]).code_for_node(func.value) in self.bound
+            and len(updated_node.args) == 1
+            and updated_node.args[0].keyword is None
+            and not updated_node.args[0].star
+        ):
+            line = int(self.get_metadata(PositionProvider, original_node).start.line)
+            self.loads.append((line, cst.Module([]).code_for_node(func.value)))
+            state = updated_node.args[0]
+            wrapped = cst.Call(func=cst.Name(self.helper), args=[cst.Arg(state.value)])
+            return updated_node.with_changes(args=[state.with_changes(value=wrapped)])
+        return updated_node
 
     def leave_ImportFrom(self, original_node: cst.ImportFrom, updated_node: cst.ImportFrom) -> Any:
         names = updated_node.names
@@ -141,7 +203,9 @@ def _local(alias: cst.ImportAlias) -> str:
 
 def rewrite_fused_adam(source: str) -> tuple[str, list[Site]]:
     """``from apex.optimizers import FusedAdam [as X]`` whose every use is a call that maps: calls rewritten to
-    torch.optim, the name dropped from the import. Otherwise the source is returned as it is, with the reason."""
+    torch.optim, the name dropped from the import, and the optimizer's ``load_state_dict`` routed through a
+    converter written into the file (under a name the file does not use). Otherwise the
+    source is returned as it is, with the reason."""
     module = cst.parse_module(source)
     locals_ = [
         _local(a)
@@ -149,7 +213,8 @@ def rewrite_fused_adam(source: str) -> tuple[str, list[Site]]:
         if isinstance(statement, cst.SimpleStatementLine)
         for small in statement.body
         if isinstance(small, cst.ImportFrom)
-        and dotted(small.module or cst.Name("")) == "apex.optimizers"
+        and small.module is not None  # `from . import x` has no module (cst.Name("") is invalid)
+        and dotted(small.module) == "apex.optimizers"
         and not isinstance(small.names, cst.ImportStar)
         for a in small.names
         if dotted(a.name) == "FusedAdam"
@@ -166,7 +231,12 @@ def rewrite_fused_adam(source: str) -> tuple[str, list[Site]]:
         sites = [Site(positions[c].start.line, why, True) for c, why in refused]
         return source, sites
     calls = {key: code for key, (code, _) in natives.items() if code is not None}
-    new = wrapper.visit(_Rewrite(locals_[0], calls))
+    used = {name.value for name in m.findall(module, m.Name()) if isinstance(name, cst.Name)}
+    helper = next(n for n in ("torch_adam_state", "_torch_adam_state", "torch_adam_state_") if n not in used)
+    rewrite = _Rewrite(locals_[0], calls, uses.bound, helper)
+    new = wrapper.visit(rewrite)
+    if rewrite.loads:
+        new = add_definitions(new, [], [TORCH_ADAM_STATE.format(name=helper)])
     if not any(
         isinstance(s, cst.SimpleStatementLine)
         and any(
@@ -176,5 +246,12 @@ def rewrite_fused_adam(source: str) -> tuple[str, list[Site]]:
         for s in new.body
     ):
         new = add_definitions(new, ["torch"], [])
-    sites = [Site(positions[c].start.line, natives[id(c)][1]) for c in uses.calls]
+    sites = [
+        Site(positions[c].start.line, natives[id(c)][1] + ("" if rewrite.loads else f"; {CONVERTER_NOTE}"))
+        for c in uses.calls
+    ]
+    sites += [
+        Site(line, f"{name}.load_state_dict(s) -> {name}.load_state_dict({helper}(s)): loads FusedAdam state too")
+        for line, name in rewrite.loads
+    ]
     return new.code, sites

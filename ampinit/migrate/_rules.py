@@ -76,7 +76,13 @@ TARGETS: dict[str, Target] = {
     "apex.parallel.convert_syncbn_model": Target("torch.nn", "SyncBatchNorm.convert_sync_batchnorm"),
     "apex.parallel.ReduceOp": Target("torch.distributed", "ReduceOp"),
     "apex.fp16_utils.clip_grad_norm": Target("torch.nn.utils", "clip_grad_norm_"),
-    "apex.optimizers.FP16_Optimizer": Target(f"{COMPAT}.fp16_utils", "FP16_Optimizer"),  # its older home
+    # Apex's 2018-12..2019-10 class of this name (commits be42aad5..1904e48d); see ampinit.compat.apex.optimizers
+    "apex.optimizers.FP16_Optimizer": Target(
+        f"{COMPAT}.fp16_utils",
+        "FP16_Optimizer",
+        info="Apex's 2018-12..2019-10 FusedAdam-only FP16_Optimizer becomes apex.fp16_utils' (same constructor, "
+        "backward, step); a checkpoint saved by the old class (cur_scale, fp32_groups_flat) does not load into it",
+    ),
     **{f"apex.amp.{name}": Target("ampinit.amp", name) for name in AMP_NAMES},
     **{f"apex.optimizers.{name}": Target("ampinit.optimizers", name) for name in OPTIMIZER_NAMES},
     **{f"apex.multi_tensor_apply.{name}": Target("ampinit.multi_tensor", name) for name in MULTI_TENSOR_APPLY_NAMES},
@@ -105,6 +111,12 @@ CONVERT_SYNCBN = "apex.parallel.convert_syncbn_model"
 
 # Apex DDP arguments: renamed for torch's DDP (delay_allreduce=True -> find_unused_parameters=True), dropped with a
 # note, or dropped silently. One table, shared with the Apex layer's DDP class.
+# delay_allreduce=True made Apex allreduce, after backward, whichever gradients exist (its overlapping mode expects
+# every parameter that fired in the first iteration to fire again), so a model with parameters that get no gradient
+# trained under it. torch's DDP averages the same gradients whether it overlaps or not; the one option that keeps
+# such a model training is find_unused_parameters=True (without it torch fails on the second iteration). It costs a
+# graph traversal per iteration and, where no parameter is unused, one warning per process from torch's reducer
+# (TORCH_WARN_ONCE: not one per step) that says the flag can go: that is the faithful equivalent, not dropping it.
 DDP_RENAMED = _ddp_arguments.DDP_RENAMED
 #: Apex DDP's parameters after ``module``, in order (from the Apex layer's class): positional arguments by name.
 DDP_POSITIONAL = tuple(inspect.signature(_ApexDDP.__init__).parameters)[2:]

@@ -27,6 +27,7 @@ import libcst as cst
 from libcst.metadata import MetadataWrapper, ParentNodeProvider, PositionProvider
 
 from ampinit.migrate import _rules
+from ampinit.migrate._binding import unbound_calls
 from ampinit.migrate._report import Site
 from ampinit.migrate._rules import Target
 
@@ -356,6 +357,8 @@ class _ToAmpinit(cst.CSTTransformer):
         last = name.rpartition(".")[2]
         first = node.args[0].value if node.args else None
         if last in ("find_spec", "find_loader") and isinstance(first, cst.SimpleString) and _names_apex(first):
+            if self.to == "ampinit" and not _is_apex_root(first) and _module_string(first) is not None:
+                return None  # a submodule's name: leave_SimpleString renames it to its ampinit home
             if self.to == "ampinit" and _is_apex_root(first):
                 self._site(node, f"{name}({first.value}) -> {name}({_renamed(first).value})")
                 renamed = updated.args[0].with_changes(value=_renamed(first))
@@ -367,6 +370,33 @@ class _ToAmpinit(cst.CSTTransformer):
                 return cst.Name("True")
             self._site(node, f"{name}()", GUARD_NOTE)
         return None
+
+    # -- module names in strings ----------------------------------------------------------------------------------
+    def leave_SimpleString(self, original_node: cst.SimpleString, updated_node: cst.SimpleString) -> cst.BaseExpression:
+        """A string that is exactly an Apex module's name (``import_module("apex.optimizers")``, a factory's list
+        of module names, ``find_spec("apex.amp")``): under ``--to ampinit`` it names the module's ampinit home,
+        since Apex is not installed after the migration. ``__import__("apex.x")`` without a ``fromlist`` returns
+        the top package, which the renamed string would not: that one is flagged."""
+        if self.to != "ampinit":
+            return updated_node
+        name = _module_string(original_node)
+        if name is None:
+            return updated_node
+        parent = self.get_metadata(ParentNodeProvider, original_node)
+        call = self.get_metadata(ParentNodeProvider, parent) if isinstance(parent, cst.Arg) else None
+        function = (dotted(call.func) or "") if isinstance(call, cst.Call) else ""
+        if isinstance(parent, cst.Comparison) or (name == "apex" and not function.endswith("import_module")):
+            return updated_node  # availability guards are handled as guards; a bare "apex" is usually a word
+        home = _rules.COMPAT + name[len("apex") :] if name.startswith("apex") else f"{_rules.COMPAT}.{name}"
+        code = cst.Module([]).code_for_node(original_node)
+        if isinstance(call, cst.Call) and function.rpartition(".")[2] == "__import__" and not _has_fromlist(call):
+            self._site(original_node, f"__import__({code})", MODULE_STRING_NOTE.format(home=home))
+            return updated_node
+        if not _rules.resolves(home):
+            self._site(original_node, code, unresolved_note(name))
+            return updated_node
+        self._site(original_node, f"{code} -> {code.replace(name, home, 1)}: the Apex module's ampinit home")
+        return updated_node.with_changes(value=original_node.value.replace(name, home, 1))
 
     # -- uses ------------------------------------------------------------------------------------------------------
     def leave_Attribute(self, original_node: cst.Attribute, updated_node: cst.Attribute) -> cst.BaseExpression:
@@ -544,6 +574,27 @@ GUARD_NOTE = (
 GUARD_WORDS = ("find_spec", "find_loader", "sys.modules", "is_apex_available")
 
 
+MODULE_STRING_NOTE = (
+    "__import__ of an Apex submodule without fromlist returns the top package `apex`; after the migration Apex is "
+    "not installed: import {home} with importlib.import_module instead"
+)
+
+
+def _module_string(node: cst.SimpleString) -> str | None:
+    """The Apex module a string literal is exactly the name of (``"apex.optimizers"``, ``"amp_C"``), else None."""
+    try:
+        value = node.evaluated_value
+    except Exception:  # an f-string or bytes: not a module name
+        return None
+    if not isinstance(value, str) or not is_apex(value) or not all(p.isidentifier() for p in value.split(".")):
+        return None
+    return value
+
+
+def _has_fromlist(call: cst.Call) -> bool:
+    return len(call.args) >= 4 or any(a.keyword is not None and a.keyword.value == "fromlist" for a in call.args)
+
+
 def _is_apex_root(node: cst.SimpleString) -> bool:
     return node.evaluated_value == "apex"
 
@@ -712,7 +763,8 @@ def migrate_module(source: str, to: str = "ampinit") -> tuple[str, list[Site]]:
     module = cst.parse_module(source)
     wrapper = MetadataWrapper(module)
     bindings, collector = classify(module, wrapper)
-    if not bindings and not ("apex" in source and any(word in source for word in (*GUARD_WORDS, "import *"))):
+    words = (*GUARD_WORDS, "import *", "import_module", "__import__")
+    if not bindings and not (("apex" in source or "amp_C" in source) and any(word in source for word in words)):
         return source, []
     wrapper.visit(_ImportNeeds(bindings))
     amp_locals = {
@@ -732,5 +784,6 @@ def migrate_module(source: str, to: str = "ampinit") -> tuple[str, list[Site]]:
     local_functions = {s.name.value for s in module.body if isinstance(s, cst.FunctionDef)}
     transformer = _ToAmpinit(bindings, amp_locals, collector.stores, existing, to, local_functions)
     new = wrapper.visit(transformer)
-    sites = sorted(transformer.sites, key=lambda s: s.line)
+    checked = unbound_calls(new.code) if to == "ampinit" else []
+    sites = sorted(transformer.sites + checked, key=lambda s: s.line)
     return new.code, sites

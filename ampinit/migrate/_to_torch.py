@@ -116,6 +116,7 @@ class _Plan:
     level_switch: str | None = None  # `level == "O1"` when opt_level is a variable that holds O0 or O1
     guard_if: cst.If | None = None
     loads_state: int = 0  # the line of amp.load_state_dict: checkpoints of either format go through a helper
+    scale_reads: list[int] = field(default_factory=list)  # lines of amp._amp_state.loss_scalers[0].loss_scale()
     enabled_bodies: set[int] = field(default_factory=set)  # blocks that run only when the condition holds
     disabled_bodies: set[int] = field(default_factory=set)  # blocks that run only when it does not
 
@@ -464,7 +465,7 @@ def _check_flag_elsewhere(analysis: _Analysis, scopes: Scopes, flag: str, uses: 
 
 
 # the uses that the rewrite gives the GradScaler or the autocast device name
-_NEED_THE_SCALER = ("scale_loss", "master_params", "state_dict", "load_state_dict", "disable_casts")
+_NEED_THE_SCALER = ("scale_loss", "master_params", "state_dict", "load_state_dict", "disable_casts", "_amp_state")
 
 
 def _statement_of(analysis: _Analysis, node: cst.CSTNode) -> cst.CSTNode:
@@ -911,7 +912,58 @@ def _check_load_state_dict(analysis: _Analysis, attribute: cst.Attribute) -> Non
     analysis.plan.loads_state = analysis.line(attribute)
 
 
+def _loss_scale_read(amp: str) -> m.Call:
+    """``amp._amp_state.loss_scalers[0].loss_scale()``: Apex's one loss scaler's current scale, which is
+    GradScaler's ``get_scale()``."""
+    state = m.Attribute(value=m.Name(amp), attr=m.Name("_amp_state"))
+    scalers = m.Subscript(
+        value=m.Attribute(value=state, attr=m.Name("loss_scalers")),
+        slice=[m.SubscriptElement(slice=m.Index(value=m.Integer(value="0")))],
+    )
+    return m.Call(func=m.Attribute(value=scalers, attr=m.Name("loss_scale")), args=[])
+
+
+def _loss_scale_call(analysis: _Analysis, attribute: cst.CSTNode) -> cst.Call | None:
+    """The call ``attribute`` (``amp._amp_state``) starts, if it is :func:`_loss_scale_read`."""
+    node: cst.CSTNode | None = attribute
+    for _ in range(4):  # .loss_scalers, [0], .loss_scale, ()
+        node = analysis.parents.get(node) if node is not None else None
+    if isinstance(node, cst.Call) and m.matches(node, _loss_scale_read(analysis.plan.amp)):
+        return node
+    return None
+
+
+def _check_amp_state(analysis: _Analysis, attribute: cst.Attribute) -> None:
+    """``amp._amp_state.loss_scalers[0].loss_scale()`` (logging the scale) becomes ``scaler.get_scale()``: both are
+    the current scale as a float, 1.0 where amp is off (O0, a disabled GradScaler). Apex updates its scale when the
+    scale_loss block exits, GradScaler at ``scaler.update()`` after the step, so the two differ between the block
+    and the step of an overflowing iteration: a read there is refused. Any other use of Apex's internals too."""
+    call = _loss_scale_call(analysis, attribute)
+    if call is None:
+        analysis.refuse(
+            attribute,
+            "amp._amp_state has no native torch.amp equivalent (only amp._amp_state.loss_scalers[0].loss_scale() "
+            "has: scaler.get_scale())",
+        )
+        return
+    line, function = analysis.line(call), analysis.function_of(call)
+    after_block = any(
+        analysis.function_of(b) is function and analysis.positions[b].end.line < line for b in analysis.scale_blocks
+    )
+    before_step = any(analysis.function_of(s) is function and analysis.line(s) > line for s in analysis.steps)
+    if after_block and before_step:
+        analysis.refuse(
+            call,
+            "amp._amp_state.loss_scalers[0].loss_scale() read between the scale_loss block and optimizer.step(): "
+            "Apex has updated the scale there, GradScaler updates it after the step; read scaler.get_scale() "
+            "after scaler.update() by hand, or use --to ampinit",
+        )
+        return
+    analysis.plan.scale_reads.append(line)
+
+
 _USE_CHECKS = {
+    "_amp_state": _check_amp_state,
     "scale_loss": _check_scale_loss,
     "master_params": _check_master_params,
     "state_dict": _check_plain_call,
@@ -1157,6 +1209,8 @@ class _Rewrite(cst.CSTTransformer):
             return updated_node.with_changes(func=cst.parse_expression(f"{self.scaler}.load_state_dict"), args=[state])
         if self._amp_call(updated_node, "disable_casts") is not None:
             return cst.parse_expression(f"torch.autocast({self.device}, enabled=False)")
+        if m.matches(original_node, _loss_scale_read(self.plan.amp)):  # the reads _check_amp_state accepted
+            return cst.parse_expression(f"{self.scaler}.get_scale()")
         return updated_node
 
 
@@ -1291,6 +1345,9 @@ def _rewrite_sites(plan: _Plan, analysis: _Analysis, scaler: str, state_helper: 
         )
     sites += [
         Site(analysis.line(b), "scale_loss block -> scaler.scale(loss).backward()") for b in analysis.scale_blocks
+    ]
+    sites += [
+        Site(line, f"amp._amp_state.loss_scalers[0].loss_scale() -> {scaler}.get_scale()") for line in plan.scale_reads
     ]
     sites += [
         Site(analysis.line(s), "optimizer.step() -> scaler.step(optimizer); scaler.update()")

@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from types import ModuleType
 from typing import Any, Literal, TypedDict, get_args
 
 import torch
@@ -167,15 +166,6 @@ class FusedOptimizer(torch.optim.Optimizer):
         # GradScaler sums found_inf over devices, and torch's fused kernels skip only on exactly 1.0.
         skip = found_inf.to(device=device).reshape(()).ne(0)
         return AmpScaling(grad_scale=grad_scale, found_inf=skip.to(torch.float32), skip=skip)
-
-
-def apex_kernels() -> ModuleType:
-    """Apex's ``amp_C`` ops, which Apex's optimizers expose as attributes (``FusedAdam.multi_tensor_adam``...):
-    code that subclasses them (fairseq's ``FusedAdamV2``) checks for those and calls them."""
-    # Imported here: the amp_C ops (the compat layer) are built on this package's modules.
-    from ampinit.compat.apex import amp_C
-
-    return amp_C
 
 
 def group_step(group: dict[str, Any], device: torch.device) -> Tensor:

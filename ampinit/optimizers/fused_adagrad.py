@@ -9,7 +9,8 @@ from torch import Tensor
 
 from ampinit import _kernels
 from ampinit._kernels import fp32_work, group_indices, pick, write_back
-from ampinit.optimizers._base import FusedOptimizer, Implementation, ParamsT, apex_kernels
+from ampinit.optimizers._apex_ops import TensorLists, check_lists
+from ampinit.optimizers._base import FusedOptimizer, Implementation, ParamsT
 from ampinit.optimizers._update_io import amp_on, reference_inputs, unscaled_copies, write_back_fused
 
 
@@ -116,6 +117,22 @@ def adagrad_single_tensor(
         write_back([param, state_sum], [p - lr * update, h], skip)
 
 
+def multi_tensor_adagrad(
+    chunk_size: int,
+    noop_flag: Tensor,
+    tensor_lists: TensorLists,
+    lr: float,
+    epsilon: float,
+    mode: int,
+    weight_decay: float,
+) -> None:
+    """Adagrad on lists ``[g, p, h]``; ``mode`` 0 is L2 weight decay, 1 is decoupled."""
+    if not check_lists("multi_tensor_adagrad", tensor_lists, (3,)):
+        return
+    g, p, h = tensor_lists
+    adagrad_multi_tensor(p, g, h, lr=lr, eps=epsilon, weight_decay=weight_decay, adagrad_w_mode=mode != 0)
+
+
 class FusedAdagrad(FusedOptimizer):
     """Adagrad with Apex's ``FusedAdagrad`` signature and defaults.
 
@@ -143,8 +160,7 @@ class FusedAdagrad(FusedOptimizer):
             raise ValueError(f"Invalid weight_decay value: {weight_decay!r}")
         defaults = dict(lr=lr, eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults, set_grad_none=set_grad_none, implementation=implementation)
-        ops = apex_kernels()
-        self.multi_tensor_adagrad = ops.multi_tensor_adagrad
+        self.multi_tensor_adagrad = multi_tensor_adagrad
         self.adagrad_w_mode = 1 if adagrad_w_mode else 0
 
     @torch.no_grad()

@@ -2,17 +2,47 @@
 
 from __future__ import annotations
 
+import numbers
+import warnings
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
 
 from ampinit import _kernels
-from ampinit._kernels import device_scalar, fp32_work, group_indices, pick, write_back
-from ampinit.optimizers._adam_math import adam_update_single
-from ampinit.optimizers._base import FusedOptimizer, Implementation, ParamsT, adam_defaults, apex_kernels
+from ampinit._kernels import device_scalar, fp32_copies, fp32_work, group_indices, pick, write_back
+from ampinit.optimizers._adam_math import adam_update_foreach, adam_update_single
+from ampinit.optimizers._apex_ops import (
+    TensorLists,
+    adam_arguments,
+    check_lists,
+    float64_corrections,
+    not_flagged,
+    times,
+)
+from ampinit.optimizers._base import FusedOptimizer, Implementation, ParamsT, adam_defaults
 from ampinit.optimizers._update_io import amp_on, reference_inputs, write_back_fused
 
+# Apex's FusedAdam of 2018-10 (e0bc5d62) to 2019-08 took ``max_grad_norm`` and ``eps_inside_sqrt``. Commit
+# 690b1f71 (2019-08-08, "initial commit to make fused optimizers compatible with AMP") dropped ``max_grad_norm``,
+# commit 18062b69 (2019-08-16, "Removed legacy eps_mode from FusedAdam") dropped ``eps_inside_sqrt``; no Apex
+# release tag (the first is 22.03) has either. Read from the NVIDIA/apex history of apex/optimizers/fused_adam.py.
+_MAX_GRAD_NORM_WARNING = (
+    "FusedAdam(max_grad_norm=...) is Apex's pre-2019-08 argument, removed by Apex commit 690b1f71 (2019-08-08; in "
+    "no Apex release tag): it clipped each parameter group's gradient norm to max_grad_norm before the update "
+    "(the norm that apex.optimizers.FP16_Optimizer passed to step()). ampinit clips each group the same way; "
+    "call torch.nn.utils.clip_grad_norm_ before step() instead"
+)
+_EPS_INSIDE_SQRT_WARNING = (
+    "FusedAdam(eps_inside_sqrt=False) is Apex's pre-2019-08 argument, removed by Apex commit 18062b69 "
+    "(2019-08-16; in no Apex release tag): False, its default, is what FusedAdam always does now; drop it"
+)
+_EPS_INSIDE_SQRT_REFUSED = (
+    "FusedAdam(eps_inside_sqrt=True) is Apex's pre-2019-08 argument, removed by Apex commit 18062b69 (2019-08-16; "
+    "in no Apex release tag): it added eps under the square root, sqrt(v_hat + eps), where FusedAdam (Apex since "
+    "then, and ampinit) divides by sqrt(v_hat) + eps. ampinit has no such mode: keep Apex of before 2019-08-16 "
+    "for this run, or drop the argument and retune eps"
+)
 _DEPRECATED_STEP_ARGS = (
     "FusedAdam has been updated.  Simply initialize it identically to torch.optim.Adam, "
     "and call step() with no arguments."
@@ -112,6 +142,122 @@ def adam_single_tensor(
             write_back([param], [target], skip)
 
 
+# Apex's amp_C ops on this update, which FusedAdam exposes as attributes (see _apex_ops).
+def multi_tensor_adam(
+    chunk_size: int,
+    noop_flag: Tensor,
+    tensor_lists: TensorLists,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    epsilon: float,
+    step: int,
+    mode: int,
+    bias_correction: int,
+    weight_decay: float,
+) -> None:
+    """Adam on lists ``[g, p, m, v]``; ``mode`` 0 is L2 weight decay, 1 is AdamW. Ignores the flag."""
+    if not check_lists("multi_tensor_adam", tensor_lists, (4,)):
+        return
+    g, p, m, v = tensor_lists
+    hyper = adam_arguments(p[0].device, step, lr, (beta1, beta2), epsilon, weight_decay, bias_correction)
+    adam_multi_tensor(p, g, m, v, adam_w_mode=mode != 0, **hyper)
+
+
+def _adam_capturable(
+    noop_flag: Tensor,
+    tensor_lists: TensorLists,
+    lr: Tensor,
+    beta1: float,
+    beta2: float,
+    epsilon: float,
+    step: Tensor,
+    mode: int,
+    bias_correction: int,
+    weight_decay: float,
+    inv_scale: Tensor,
+) -> None:
+    """Apex's capturable Adam kernels: every input that changes per step is a device tensor, so one
+    captured graph replays correctly; nothing is read on the host."""
+    masters = len(tensor_lists) == 5
+    decoupled = mode != 0  # Apex tests mode == 0 (L2) and takes any other value as decoupled
+    for (device, _), indices in group_indices(tensor_lists).items():
+        g, p, m, v = (pick(t, indices) for t in tensor_lists[:4])
+        skip = ~not_flagged(noop_flag, device)
+        # The kernel multiplies the gradients by inv_scale and stores them back, then works in float32.
+        wg = times(g, inv_scale)
+        source = pick(tensor_lists[4], indices) if masters else p
+        wp, wm, wv = fp32_copies(source), fp32_copies(m), fp32_copies(v)
+        update = adam_update_foreach(
+            wp,
+            wg,
+            wm,
+            wv,
+            betas=(beta1, beta2, 1 - beta1),
+            eps=epsilon,
+            weight_decay=weight_decay,
+            decoupled=decoupled,
+            corrections=float64_corrections(step, beta1, beta2, bias_correction, device),
+        )
+        _kernels.foreach_mul_(update, lr.to(device=device, dtype=torch.float32).reshape(()))
+        _kernels.foreach_sub_(wp, update)
+        if not decoupled and weight_decay != 0:
+            # The gradient stored back is the unscaled one, without the L2 term.
+            wg = times(g, inv_scale)
+        write_back(g + p + m + v, wg + wp + wm + wv, skip)
+        if masters:
+            write_back(pick(tensor_lists[4], indices), wp, skip)
+
+
+def multi_tensor_adam_capturable(
+    chunk_size: int,
+    noop_flag: Tensor,
+    tensor_lists: TensorLists,
+    lr: Tensor,
+    beta1: float,
+    beta2: float,
+    epsilon: float,
+    step: Tensor,
+    mode: int,
+    bias_correction: int,
+    weight_decay: float,
+    inv_scale: Tensor,
+) -> None:
+    """Adam on lists ``[g, p, m, v]`` with ``lr``, ``step`` and ``inv_scale`` as device tensors.
+
+    Gradients are multiplied by ``inv_scale`` and stored back; ``mode`` 0 is L2, 1 is AdamW. Nothing changes
+    when the flag is set (Apex's FusedAdam passes its overflow flag here).
+    """
+    if not check_lists("multi_tensor_adam_capturable", tensor_lists, (4,)):
+        return
+    _adam_capturable(
+        noop_flag, tensor_lists, lr, beta1, beta2, epsilon, step, mode, bias_correction, weight_decay, inv_scale
+    )
+
+
+def multi_tensor_adam_capturable_master(
+    chunk_size: int,
+    noop_flag: Tensor,
+    tensor_lists: TensorLists,
+    lr: Tensor,
+    beta1: float,
+    beta2: float,
+    epsilon: float,
+    step: Tensor,
+    mode: int,
+    bias_correction: int,
+    weight_decay: float,
+    inv_scale: Tensor,
+) -> None:
+    """:func:`multi_tensor_adam_capturable` on ``[g, p, m, v, p_master]``: the update runs on the float32
+    ``p_master``, and ``p`` receives it rounded to its own dtype."""
+    if not check_lists("multi_tensor_adam_capturable_master", tensor_lists, (5,)):
+        return
+    _adam_capturable(
+        noop_flag, tensor_lists, lr, beta1, beta2, epsilon, step, mode, bias_correction, weight_decay, inv_scale
+    )
+
+
 class FusedAdam(FusedOptimizer):
     """Adam and AdamW with Apex's ``FusedAdam`` signature and defaults.
 
@@ -145,15 +291,19 @@ class FusedAdam(FusedOptimizer):
         master_weights: bool = False,
         *,
         implementation: Implementation = "multi_tensor",
+        max_grad_norm: float | None = None,
+        eps_inside_sqrt: bool | None = None,
     ) -> None:
         defaults = adam_defaults("FusedAdam", amsgrad, lr, bias_correction, betas, eps, weight_decay)
         if master_weights and not capturable:
             raise RuntimeError("Master weights is currently only supported with the capturable version.")
+        _check_historic(max_grad_norm, eps_inside_sqrt)
+        if max_grad_norm is not None:
+            defaults["max_grad_norm"] = float(max_grad_norm)
         super().__init__(params, defaults, set_grad_none=set_grad_none, implementation=implementation)
-        ops = apex_kernels()
-        self.multi_tensor_adam = ops.multi_tensor_adam
-        self.multi_tensor_adam_capturable = ops.multi_tensor_adam_capturable
-        self.multi_tensor_adam_capturable_master = ops.multi_tensor_adam_capturable_master
+        self.multi_tensor_adam = multi_tensor_adam
+        self.multi_tensor_adam_capturable = multi_tensor_adam_capturable
+        self.multi_tensor_adam_capturable_master = multi_tensor_adam_capturable_master
         self.adam_w_mode = 1 if adam_w_mode else 0
         self.capturable = capturable
         self.master_weights = master_weights
@@ -190,6 +340,8 @@ class FusedAdam(FusedOptimizer):
                 continue
             with self._adam_step(group) as arguments:
                 params = self._params_with_grads(group)
+                if group.get("max_grad_norm", 0.0) > 0:
+                    _clip_group([p.grad for p in params], group["max_grad_norm"], arguments["grad_scale"])  # type: ignore[misc]
                 states = [self._state_for(p) for p in params]
                 update(
                     params,
@@ -208,3 +360,31 @@ class FusedAdam(FusedOptimizer):
         if self.master_weights and param.dtype != torch.float32 and "master_param" not in state:
             state["master_param"] = param.detach().to(torch.float32, copy=True)
         return state
+
+
+def _check_historic(max_grad_norm: object, eps_inside_sqrt: object) -> None:
+    """Accept Apex's pre-2019-08 arguments with a FutureWarning where ampinit does what they did, else refuse."""
+    if eps_inside_sqrt is not None:
+        if not isinstance(eps_inside_sqrt, bool):
+            raise TypeError(f"eps_inside_sqrt must be True or False, got {eps_inside_sqrt!r}")
+        if eps_inside_sqrt:
+            raise ValueError(_EPS_INSIDE_SQRT_REFUSED)
+        warnings.warn(_EPS_INSIDE_SQRT_WARNING, FutureWarning, stacklevel=3)
+    if max_grad_norm is not None:
+        number = isinstance(max_grad_norm, numbers.Real) and not isinstance(max_grad_norm, bool)
+        if not number or not float(max_grad_norm) >= 0:  # type: ignore[arg-type]
+            raise ValueError(f"max_grad_norm must be a number >= 0 (0: no clipping), got {max_grad_norm!r}")
+        warnings.warn(_MAX_GRAD_NORM_WARNING, FutureWarning, stacklevel=3)
+
+
+def _clip_group(grads: list[Tensor], max_norm: float, grad_scale: Tensor | None) -> None:
+    """Apex's pre-2019-08 per-group clipping: gradients times ``max_norm / (norm + 1e-6)`` when that is below 1,
+    ``norm`` being the group's unscaled L2 norm. Kept on the device (no host sync), so the step stays capturable."""
+    if not grads:
+        return
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+    if grad_scale is not None:
+        norm = norm / grad_scale.to(norm.device)
+    coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for grad in grads:
+        grad.mul_(coefficient.to(grad.device, grad.dtype))

@@ -24,7 +24,8 @@ from ampinit.optimizers._adam_math import (
     clip_divisor,
     trust_ratio,
 )
-from ampinit.optimizers._base import FusedOptimizer, Implementation, ParamsT, adam_defaults, apex_kernels
+from ampinit.optimizers._apex_ops import TensorLists, adam_arguments, check_lists, multi_tensor_l2norm
+from ampinit.optimizers._base import FusedOptimizer, Implementation, ParamsT, adam_defaults
 from ampinit.optimizers._update_io import reference_inputs, unscaled_copies
 
 
@@ -143,6 +144,45 @@ def global_grad_norm(grads: Sequence[Tensor], device: torch.device) -> Tensor:
     return total_norm(l2_norms(grads), device)
 
 
+def multi_tensor_lamb(
+    chunk_size: int,
+    noop_flag: Tensor,
+    tensor_lists: TensorLists,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    epsilon: float,
+    step: int,
+    bias_correction: int,
+    weight_decay: float,
+    grad_averaging: int,
+    mode: int,
+    global_grad_norm: Tensor,
+    max_grad_norm: float,
+    use_nvlamb: bool | None = None,
+) -> None:
+    """LAMB on lists ``[g, p, m, v]``. As in Apex, ``g`` is overwritten with the update, and the flag is set
+    when the parameter norms or the update norms are non-finite."""
+    if not check_lists("multi_tensor_lamb", tensor_lists, (4,)):
+        return
+    g, p, m, v = tensor_lists
+    multi_tensor_l2norm(chunk_size, noop_flag, [p])
+    updates = lamb_multi_tensor(
+        p,
+        g,
+        m,
+        v,
+        **adam_arguments(p[0].device, step, lr, (beta1, beta2), epsilon, weight_decay, bias_correction),
+        grad_averaging=grad_averaging == 1,
+        adam_w_mode=mode != 0,
+        global_grad_norm=global_grad_norm,
+        max_grad_norm=max_grad_norm,
+        use_nvlamb=bool(use_nvlamb),
+    )
+    _kernels.copy_(list(g), updates)
+    multi_tensor_l2norm(chunk_size, noop_flag, [g])
+
+
 class FusedLAMB(FusedOptimizer):
     """LAMB with Apex's ``FusedLAMB`` signature and defaults.
 
@@ -177,9 +217,8 @@ class FusedLAMB(FusedOptimizer):
         if not max_grad_norm >= 0.0:
             raise ValueError(f"Invalid max_grad_norm value: {max_grad_norm!r}")
         super().__init__(params, defaults, set_grad_none=set_grad_none, implementation=implementation)
-        ops = apex_kernels()
-        self.multi_tensor_l2norm = ops.multi_tensor_l2norm
-        self.multi_tensor_lamb = ops.multi_tensor_lamb
+        self.multi_tensor_l2norm = multi_tensor_l2norm
+        self.multi_tensor_lamb = multi_tensor_lamb
         self.adam_w_mode = 1 if adam_w_mode else 0
         self.use_nvlamb = use_nvlamb
 

@@ -1,15 +1,122 @@
 """FusedMixedPrecisionLamb: Apex's LAMB with device-side lr/step and optional float32 masters of
-reduced-precision parameters, on :func:`ampinit.compat.apex.amp_C.multi_tensor_lamb_mp` (Apex's ``amp_C`` op)."""
+reduced-precision parameters, on Apex's ``amp_C`` op :func:`multi_tensor_lamb_mp`, which lives here."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from ampinit import _kernels
+from ampinit._kernels import fp32_copies, group_indices, l2_norms, pick, write_back
+from ampinit.optimizers._adam_math import adam_update_foreach, clip_divisor
+from ampinit.optimizers._apex_ops import (
+    TensorLists,
+    check_lists,
+    flag_if,
+    float64_corrections,
+    multi_tensor_l2norm,
+    not_flagged,
+    times,
+)
 from ampinit.optimizers._base import FusedOptimizer, ParamsT, adam_defaults
+
+
+def multi_tensor_l2norm_mp(
+    chunk_size: int, noop_flag: Tensor, tensor_lists: TensorLists, per_tensor: bool | None = False
+) -> tuple[Tensor, Tensor]:
+    """Apex's mixed-precision-LAMB variant of :func:`multi_tensor_l2norm` (same arguments and results).
+
+    Apex's kernel leaves its outputs unwritten when the flag is already set; here they are always the norms.
+    """
+    return multi_tensor_l2norm(chunk_size, noop_flag, tensor_lists, per_tensor)
+
+
+def multi_tensor_lamb_mp(
+    chunk_size: int,
+    noop_flag: Tensor,
+    tensor_lists: TensorLists,
+    lr: Tensor,
+    beta1: float,
+    beta2: float,
+    epsilon: float,
+    step: Tensor,
+    bias_correction: int,
+    weight_decay: float,
+    grad_averaging: int,
+    mode: int,
+    global_grad_norm: Tensor,
+    max_grad_norm: Tensor,
+    use_nvlamb: bool | None,
+    found_inf: Tensor,
+    inv_scale: Tensor,
+) -> None:
+    """Apex's mixed-precision LAMB on ``[g, p, m, v]`` (float32 or half ``p``) or ``[g, p, m, v, p_model]``
+    (float32 master ``p``, ``p_model`` receives it rounded).
+
+    Three stages, each skipped when the flag is set by then, as Apex's kernels are: (1) per-tensor norms of
+    ``p`` (a non-finite one sets the flag); (2) ``g*inv_scale``, divided by ``global_grad_norm /
+    max_grad_norm`` when that exceeds 1, drives the Adam moments, and ``g`` is overwritten with the update
+    (weight decay inside it for ``mode`` 1, in the gradient for ``mode`` 0); (3) the update norms (a non-finite
+    one sets the flag) give the trust ratio ``lr * ||p|| / ||update||`` (when ``use_nvlamb`` or
+    ``weight_decay != 0`` and both are nonzero, else ``lr``), and ``p -= ratio * update``. ``found_inf`` is
+    accepted and unused, as in Apex (the caller copies it into the flag).
+    """
+    if not check_lists("multi_tensor_lamb_mp", tensor_lists, (4, 5)):
+        return
+    g, p, m, v = tensor_lists[:4]
+    p_norms = _flagged_norms(noop_flag, p)
+    for (device, _), indices in group_indices([g, p, m, v]).items():
+        wg = times(pick(g, indices), inv_scale)
+        norm = global_grad_norm.to(device=device, dtype=torch.float32).reshape(())
+        _kernels.foreach_div_(wg, clip_divisor(norm, max_grad_norm.to(device=device, dtype=torch.float32).reshape(())))
+        wm, wv = fp32_copies(pick(m, indices)), fp32_copies(pick(v, indices))
+        update = adam_update_foreach(
+            fp32_copies(pick(p, indices)),
+            wg,
+            wm,
+            wv,
+            betas=(beta1, beta2, 1 - beta1 if grad_averaging == 1 else 1.0),
+            eps=epsilon,
+            weight_decay=weight_decay,
+            decoupled=mode != 0,
+            corrections=float64_corrections(step, beta1, beta2, bias_correction, device),
+        )
+        write_back(
+            pick(g, indices) + pick(m, indices) + pick(v, indices), update + wm + wv, ~not_flagged(noop_flag, device)
+        )
+    u_norms = _flagged_norms(noop_flag, g)
+    trusted = bool(use_nvlamb) or weight_decay != 0
+    _lamb_mp_apply(noop_flag, tensor_lists, lr, p_norms if trusted else None, u_norms)
+
+
+def _flagged_norms(noop_flag: Tensor, tensors: Sequence[Tensor]) -> list[Tensor]:
+    """Float32 L2 norm of each tensor; sets the flag if any is non-finite."""
+    norms = l2_norms(tensors)
+    flag_if(noop_flag, torch.stack([n.to(noop_flag.device) for n in norms]).isfinite().all().logical_not())
+    return norms
+
+
+def _lamb_mp_apply(
+    noop_flag: Tensor, tensor_lists: TensorLists, lr: Tensor, p_norms: list[Tensor] | None, u_norms: list[Tensor]
+) -> None:
+    """Stage 3 of :func:`multi_tensor_lamb_mp`: ``p -= ratio * update`` (the update is in ``g``), with the trust
+    ratio ``lr * (||p|| / ||update||)`` where ``p_norms`` is given and both norms are nonzero, else ``lr``."""
+    g, p = tensor_lists[:2]
+    for (device, _), indices in group_indices([g, p]).items():
+        skip = ~not_flagged(noop_flag, device)
+        learning_rate = lr.to(device=device, dtype=torch.float32).reshape(())
+        ratios = [learning_rate] * len(indices)
+        if p_norms is not None:
+            pairs = [(p_norms[i].to(device), u_norms[i].to(device)) for i in indices]
+            ratios = [torch.where((pn != 0) & (un != 0), learning_rate * (pn / un), learning_rate) for pn, un in pairs]
+        wp = fp32_copies(pick(p, indices))
+        _kernels.foreach_sub_(wp, _kernels.foreach_mul(fp32_copies(pick(g, indices)), ratios))
+        write_back(pick(p, indices), wp, skip)
+        if len(tensor_lists) == 5:
+            write_back(pick(tensor_lists[4], indices), wp, skip)
 
 
 class FusedMixedPrecisionLamb(torch.optim.Optimizer):
@@ -105,9 +212,6 @@ class FusedMixedPrecisionLamb(torch.optim.Optimizer):
         self, closure: Callable[[], float] | None = None, grad_scaler: Any = None
     ) -> float | None:
         """One LAMB step over every group (Apex's ``step``); see the class docstring for ``grad_scaler``."""
-        # Imported here: Apex's amp_C ops (the compat layer) are built on this package's modules.
-        from ampinit.compat.apex.amp_C import multi_tensor_l2norm_mp
-
         loss = FusedOptimizer._evaluate(closure)
         # Masters are made at the first step, not in the constructor, so that parameters broadcast by DDP
         # after construction are the ones copied (Apex's reason).
@@ -160,8 +264,6 @@ class FusedMixedPrecisionLamb(torch.optim.Optimizer):
         inv_scale: Tensor,
     ) -> None:
         """Apex's ``multi_tensor_lamb_mp`` on the group's parameters (or their masters) that have gradients."""
-        from ampinit.compat.apex.amp_C import multi_tensor_lamb_mp
-
         lists: list[list[Tensor]] = [[], [], [], []]
         if self.reduced_precision_dtype is not None:
             lists.append([])

@@ -11,7 +11,8 @@ from torch import Tensor
 from ampinit import _kernels
 from ampinit._kernels import fp32_work, l2_norms, write_back
 from ampinit.optimizers._adam_math import bias_corrections
-from ampinit.optimizers._base import FusedOptimizer, Implementation, ParamsT, adam_defaults, apex_kernels
+from ampinit.optimizers._apex_ops import TensorLists, adam_arguments, check_lists
+from ampinit.optimizers._base import FusedOptimizer, Implementation, ParamsT, adam_defaults
 from ampinit.optimizers._update_io import reference_inputs, unscaled_copies
 
 # Apex keeps one norm tensor per dtype in group['exp_avg_sq']: [fp16, fp32]. bf16 is ampinit's third slot.
@@ -135,6 +136,38 @@ def novograd_single_tensor(
         write_back([grad_norms], [torch.stack(new_norms)], skip)
 
 
+def multi_tensor_novograd(
+    chunk_size: int,
+    noop_flag: Tensor,
+    tensor_lists: TensorLists,
+    grad_norms: Tensor,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    epsilon: float,
+    step: int,
+    bias_correction: int,
+    weight_decay: float,
+    grad_averaging: int,
+    mode: int,
+    norm_type: int,
+) -> None:
+    """NovoGrad on lists ``[g, p, m]``; ``grad_norms`` (one float32 per tensor) is blended in place."""
+    if not check_lists("multi_tensor_novograd", tensor_lists, (3,)):
+        return
+    g, p, m = tensor_lists
+    novograd_multi_tensor(
+        p,
+        g,
+        m,
+        grad_norms,
+        **adam_arguments(grad_norms.device, step, lr, (beta1, beta2), epsilon, weight_decay, bias_correction),
+        grad_averaging=grad_averaging == 1,
+        moment_mode=mode,
+        norm_type=norm_type,
+    )
+
+
 class FusedNovoGrad(FusedOptimizer):
     """NovoGrad with Apex's ``FusedNovoGrad`` signature and defaults.
 
@@ -169,8 +202,7 @@ class FusedNovoGrad(FusedOptimizer):
         if norm_type not in (0, 2):
             raise ValueError(f"Invalid norm_type: {norm_type!r}. FusedNovoGrad supports 2 (L2) and 0 (infinity)")
         super().__init__(params, defaults, set_grad_none=set_grad_none, implementation=implementation)
-        ops = apex_kernels()
-        self.multi_tensor_novograd = ops.multi_tensor_novograd
+        self.multi_tensor_novograd = multi_tensor_novograd
         self.moment_mode = 0 if reg_inside_moment else 1
 
     @torch.no_grad()

@@ -11,7 +11,8 @@ from torch.optim.optimizer import _RequiredParameter, required
 
 from ampinit import _kernels
 from ampinit._kernels import fp32_copies, fp32_work, group_indices, pick, write_back
-from ampinit.optimizers._base import FusedOptimizer, Implementation, ParamsT, apex_kernels
+from ampinit.optimizers._apex_ops import TensorLists, check_lists
+from ampinit.optimizers._base import FusedOptimizer, Implementation, ParamsT
 from ampinit.optimizers._update_io import amp_on, reference_inputs
 
 
@@ -142,6 +143,45 @@ def sgd_single_tensor(
         write_back(targets, [new_p, *values], skip)
 
 
+def multi_tensor_sgd(
+    chunk_size: int,
+    noop_flag: Tensor,
+    tensor_lists: TensorLists,
+    weight_decay: float,
+    momentum: float,
+    dampening: float,
+    lr: float,
+    nesterov: bool,
+    first_run: bool,
+    wd_after_momentum: bool,
+    scale: float = 1.0,
+) -> None:
+    """SGD on ``[g, p, m]`` or ``[g, p, m, p_out]`` (``p_out`` receives the updated ``p`` in its own dtype).
+
+    Gradients are multiplied by ``scale`` first (without modifying them). Nothing changes if the flag is set.
+    """
+    if not check_lists("multi_tensor_sgd", tensor_lists, (3, 4)):
+        return
+    g, p, m = tensor_lists[:3]
+    if scale != 1.0:
+        g = fp32_copies(g)
+        _kernels.foreach_mul_(g, scale)
+    sgd_multi_tensor(
+        p,
+        g,
+        m,
+        lr=lr,
+        momentum=momentum,
+        dampening=dampening,
+        weight_decay=weight_decay,
+        nesterov=nesterov,
+        wd_after_momentum=wd_after_momentum,
+        first_run=first_run,
+        found_inf=noop_flag.reshape(()).ne(0).to(torch.float32),
+        model_params=tensor_lists[3] if len(tensor_lists) == 4 else None,
+    )
+
+
 class FusedSGD(FusedOptimizer):
     """SGD with Apex's ``FusedSGD`` signature and defaults.
 
@@ -177,8 +217,7 @@ class FusedSGD(FusedOptimizer):
             raise ValueError("Nesterov momentum requires a momentum and zero dampening")
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov)
         super().__init__(params, defaults, set_grad_none=set_grad_none, implementation=implementation)
-        ops = apex_kernels()
-        self.multi_tensor_sgd = ops.multi_tensor_sgd
+        self.multi_tensor_sgd = multi_tensor_sgd
         self.wd_after_momentum = wd_after_momentum
         self.materialize_master_grads = materialize_master_grads
 

@@ -6,6 +6,7 @@ Use them directly (``from ampinit.compat.apex import amp``) or make ``import ape
 See docs/migration.md for what differs from Apex and why.
 """
 
+from ampinit._version import __version__ as __version__  # Apex had none; code that logs which amp is loaded reads it
 from ampinit.compat.apex import (
     amp,
     amp_C,

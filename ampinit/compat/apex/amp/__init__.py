@@ -1,5 +1,6 @@
 """``apex.amp``: Apex's public amp API, as thin aliases over ampinit (see docs/migration.md)."""
 
+from ampinit._version import __version__ as __version__  # Apex had none; code that logs which amp is loaded reads it
 from ampinit.compat.apex.amp import scaler
 from ampinit.compat.apex.amp._amp_state import _amp_state, master_params
 from ampinit.compat.apex.amp.amp import (

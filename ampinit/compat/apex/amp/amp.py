@@ -15,7 +15,7 @@ from ampinit import (
     register_promote_function,
 )
 from ampinit.compat.apex.amp._amp_state import _amp_state
-from ampinit.compat.apex.amp.frontend import initialize, load_state_dict, state_dict
+from ampinit.compat.apex.amp.frontend import follow_apex_tensor_rules, initialize, load_state_dict, state_dict
 from ampinit.compat.apex.amp.handle import AmpHandle, NoOpHandle
 
 __all__ = [
@@ -58,6 +58,8 @@ def init(
     Returns the handle; ``handle._deactivate()`` switches the casts off again. ``enable_caching`` keeps each
     weight's cast until the next ``scale_loss`` exit or optimizer step, as Apex's cache did (a session without
     models has no model forward, the only place ampinit caches otherwise); ``verbose`` does not print each cast.
+    Apex's tensor rules apply as under :func:`initialize` at O1 (``.cpu()`` of a half tensor gives float32,
+    in-place fp32-list functions refuse fp16).
     """
     if not enabled:
         return NoOpHandle()
@@ -70,6 +72,7 @@ def init(
     )
     session = ampinit.current_session()
     assert session is not None
+    follow_apex_tensor_rules(session)
     if enable_caching and session._cast_policy is not None:
         session._cast_policy.cache_outside_forwards()
     return _amp_state.handle_for(session, verbose=verbose)

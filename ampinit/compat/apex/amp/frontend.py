@@ -7,17 +7,22 @@ Apex's loose inputs are converted here, once, and everything else is ampinit's s
 * ``_amp_state.allow_incoming_model_not_fp32``: models whose weights are already fp16, bf16 or mixed are
   accepted at every level, as in Apex. The level then does what it does to any model: O0/O2/O3/O5 cast it
   (O2/O5 build fp32 masters from the half values, as Apex did), O1/O4 and ``cast_model_type=False`` leave it
-  as it is and cast around it.
+  as it is and cast around it;
+* at O1 (fp16 function casts), Apex's tensor rules that code written for it depends on (``.cpu()`` of a half
+  tensor gives float32; ``exp_`` and the other in-place forms of Apex's fp32 functions refuse fp16 tensors with
+  Apex's ``NotImplementedError``): :func:`follow_apex_tensor_rules`, undone when the session closes.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 import ampinit
 from ampinit import Properties
+from ampinit._types import OptLevel
+from ampinit.compat.apex import _loose
 from ampinit.compat.apex.amp import _stash
 from ampinit.compat.apex.amp._amp_state import _amp_state
 from ampinit.compat.apex.amp.handle import unwrap_optimizer
@@ -41,31 +46,56 @@ def initialize(
     min_loss_scale: float | None = None,
     max_loss_scale: float = 2.0**24,
 ) -> Any:
-    """Apex's ``amp.initialize``: same signature, defaults and return shape (see :func:`ampinit.initialize`)."""
+    """Apex's ``amp.initialize``: same signature, defaults and return shape (see :func:`ampinit.initialize`).
+
+    The values Apex accepted are converted first (``verbosity=is_master``, ``enabled=None``, numpy numbers:
+    see ``_loose``)."""
+    enabled = _loose.truth(enabled)  # type: ignore[assignment]
     inner = _unwrap_optimizers(optimizers)
-    result = ampinit.initialize(
+    result = ampinit.initialize(  # type: ignore[call-overload]  # the converted values are Apex-typed objects
         models,
         inner,
         enabled=enabled,
-        opt_level=opt_level,
+        opt_level=cast(OptLevel, opt_level),  # Apex's signature takes any str; initialize refuses a bad one by name
         cast_model_type=cast_model_type,
-        patch_torch_functions=patch_torch_functions,
+        patch_torch_functions=_loose.optional_truth(patch_torch_functions),
         keep_batchnorm_fp32=keep_batchnorm_fp32,
-        master_weights=master_weights,
+        master_weights=_loose.optional_truth(master_weights),
         loss_scale=loss_scale,
         cast_model_outputs=cast_model_outputs,
-        num_losses=num_losses,
-        verbosity=verbosity,
-        min_loss_scale=min_loss_scale,
-        max_loss_scale=max_loss_scale,
+        num_losses=_loose.whole_number("num_losses", num_losses),
+        verbosity=_loose.whole_number("verbosity", verbosity),
+        min_loss_scale=_loose.real_number(min_loss_scale),
+        max_loss_scale=_loose.real_number(max_loss_scale),
         allow_half_model=bool(_amp_state.allow_incoming_model_not_fp32),
     )
     if enabled:
+        follow_apex_tensor_rules(_session_of(models))
         _attach_stashes(optimizers, inner)
     if optimizers is None or inner is optimizers:
         return result
     out_models, _ = result
     return out_models, optimizers  # the caller's LARC objects (their inner optimizers are now managed)
+
+
+def _session_of(models: Any) -> ampinit.AmpSession | None:
+    first = models[0] if isinstance(models, (list, tuple)) else models
+    return ampinit.session_of(first)
+
+
+def follow_apex_tensor_rules(session: ampinit.AmpSession | None) -> None:
+    """Have ``session``'s O1 casts follow Apex's tensor rules too (``ampinit._casting.apex_tensor``).
+
+    The session is closed again when that fails, so that ``initialize`` leaves nothing half-applied.
+    """
+    policy = None if session is None else session._cast_policy
+    if session is None or policy is None:
+        return
+    try:
+        policy.follow_apex_tensor_rules()
+    except BaseException:
+        session.close()
+        raise
 
 
 def _unwrap_optimizers(optimizers: Any) -> Any:

@@ -11,6 +11,7 @@ import torch
 
 import ampinit
 from ampinit import AmpSession
+from ampinit.compat.apex import _loose
 
 __all__ = ["AmpHandle", "NoOpHandle", "disable_casts", "scale_loss"]
 
@@ -43,8 +44,16 @@ def scale_loss(
     delay_unscale: bool = False,
     delay_overflow_check: bool = False,
 ) -> contextlib.AbstractContextManager[torch.Tensor]:
-    """Apex's ``amp.scale_loss``; LARC-wrapped optimizers are accepted as in Apex."""
-    return ampinit.scale_loss(loss, _unwrap_all(optimizers), loss_id, model, delay_unscale, delay_overflow_check)
+    """Apex's ``amp.scale_loss``; LARC-wrapped optimizers and the values Apex accepted (a numpy ``loss_id``,
+    ``delay_unscale=step % k != 0`` as any truth value) are accepted as in Apex."""
+    return ampinit.scale_loss(
+        loss,
+        _unwrap_all(optimizers),
+        _loose.whole_number("loss_id", loss_id),  # type: ignore[arg-type]
+        model,
+        bool(delay_unscale),
+        bool(delay_overflow_check),
+    )
 
 
 def disable_casts() -> contextlib.AbstractContextManager[None]:
