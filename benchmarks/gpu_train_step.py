@@ -272,8 +272,10 @@ def judge(rows: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     for level, baseline, max_ratio, memory in TARGETS:
         missing = [name for name in (level, baseline) if rows.get(name, {}).get("ms_per_step") is None]
         if missing:
-            why = "; ".join(f"{name}: {rows[name].get('error') or 'no time'}" if name in rows else f"{name}: not run"
-                            for name in missing)  # fmt: skip
+            why = "; ".join(
+                f"{name}: {rows[name].get('error') or 'no time'}" if name in rows else f"{name}: not run"
+                for name in missing
+            )
             verdicts.append(
                 {
                     "level": level,
