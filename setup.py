@@ -40,8 +40,12 @@ setup(
         # numpy: torch warns at import without it, and pytest turns warnings into errors.
         # triton: the master-step kernels are tested on CPU through its interpreter. It requires no torch (so it
         # never swaps the pinned wheel) and installs in about a minute; wheels exist for Linux only.
+        # pytest-xdist and pytest-timeout: `pytest -n N --dist loadfile --timeout S`, as scripts/gpu_check.sh runs
+        # the suite (the timeout counts a module fixture in the first test that needs it: see its timeout marks).
         "test": [
             "pytest>=7",
+            "pytest-xdist>=3",
+            "pytest-timeout>=2",
             "hypothesis>=6",
             "libcst>=1.1",
             "numpy",

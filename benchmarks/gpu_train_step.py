@@ -14,6 +14,10 @@ over the variant's whole run (None off CUDA). One variant lives at a time, so pe
 
 Targets (judged on CUDA only, transformer): O2 and O5 step time <= native autocast of the same dtype / 1.15 and
 peak memory <= it; O1 and O4 step time <= 1.03x native autocast of their dtype. See docs/gpu.md.
+
+A variant that raises becomes a row with its error (the target that needs it is not met) and the run goes on;
+the JSON and Markdown are rewritten after every variant, so a run cut short keeps what it measured. The exit
+status is 1 when any variant failed.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import json
 import math
 import statistics
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +39,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import ampinit
-from ampinit import amp
+from ampinit import _registry, amp
 from ampinit._types import OPT_LEVELS
 from benchmarks.models import make_mlp
 
@@ -220,36 +225,73 @@ def _master_variant(name: str, sizes: list[int], device: torch.device) -> tuple[
     return step, True
 
 
-def master_step(device: torch.device, params: int, tensors: int, steps: int) -> dict[str, float]:
+def master_step(
+    device: torch.device,
+    params: int,
+    tensors: int,
+    steps: int,
+    results: dict[str, float | str] | None = None,
+    save: Callable[[], None] = lambda: None,
+) -> dict[str, float | str]:
     """The O2/O5 optimizer step alone (unscale into fp32 masters, fused AdamW, copy back) against fused AdamW
-    on as many fp32 parameters, in ms per step."""
+    on as many fp32 parameters, in ms per step, into ``results``; a variant that raises gets its error instead.
+    ``save`` runs after each variant."""
     sizes = [params // tensors + (1 if i < params % tensors else 0) for i in range(tensors)]
-    results: dict[str, float] = {}
+    results = {} if results is None else results
     for name in (PLAIN_ADAMW, "O2", "O5"):
-        step, opened = _master_variant(name, sizes, device)
         try:
-            for _ in range(3):
-                step()
-            synchronize(device)
-            start = time.perf_counter()
-            for _ in range(steps):
-                step()
-            synchronize(device)
-            results[name] = (time.perf_counter() - start) / steps * 1e3
-        finally:
-            if opened:
-                ampinit.deinitialize()
+            results[name] = _time_master_variant(name, sizes, device, steps)
+        except Exception as error:
+            results[name] = _failed(error)["error"]
+            _close_sessions()
+        save()
     return results
 
 
+def _time_master_variant(name: str, sizes: list[int], device: torch.device, steps: int) -> float:
+    step, opened = _master_variant(name, sizes, device)
+    try:
+        for _ in range(3):
+            step()
+        synchronize(device)
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        synchronize(device)
+        return (time.perf_counter() - start) / steps * 1e3
+    finally:
+        if opened:
+            ampinit.deinitialize()
+
+
 # -- report ----------------------------------------------------------------------------------------------------
-def judge(rows: dict[str, dict[str, float | None]]) -> list[dict[str, Any]]:
+def judge(rows: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """One verdict per target; a target whose level or baseline did not run, or failed, is not met and says
+    why (``error``)."""
     verdicts = []
     for level, baseline, max_ratio, memory in TARGETS:
+        missing = [name for name in (level, baseline) if rows.get(name, {}).get("ms_per_step") is None]
+        if missing:
+            why = "; ".join(
+                f"{name}: {rows[name].get('error') or 'no time'}" if name in rows else f"{name}: not run"
+                for name in missing
+            )
+            verdicts.append(
+                {
+                    "level": level,
+                    "baseline": baseline,
+                    "time_ratio": math.nan,
+                    "max_time_ratio": max_ratio,
+                    "time_met": False,
+                    "peak_memory_met": False if memory else None,
+                    "error": why,
+                }
+            )
+            continue
         ratio = _ratio(rows[level]["ms_per_step"], rows[baseline]["ms_per_step"])
         mem_ok = None
         if memory and rows[level]["peak_mib"] is not None and rows[baseline]["peak_mib"] is not None:
-            mem_ok = rows[level]["peak_mib"] <= rows[baseline]["peak_mib"]  # type: ignore[operator]
+            mem_ok = rows[level]["peak_mib"] <= rows[baseline]["peak_mib"]
         verdicts.append(
             {
                 "level": level,
@@ -267,12 +309,27 @@ def _ratio(a: float | None, b: float | None) -> float:
     return a / b if a is not None and b else math.nan
 
 
+def _failed(error: BaseException) -> dict[str, Any]:
+    """The row of a variant that raised: no figures, the error's type and message, and the last frames."""
+    frames = "".join(traceback.format_exception(type(error), error, error.__traceback__)[-3:])
+    return {"ms_per_step": None, "peak_mib": None, "error": f"{type(error).__name__}: {error}", "traceback": frames}
+
+
+def _close_sessions() -> None:
+    """A variant that failed half-way may leave its amp session open: the next one starts without it."""
+    while _registry.current() is not None:
+        ampinit.deinitialize()
+
+
 def markdown(report: dict[str, Any]) -> str:
     lines = [f"# Train step on {report['device_name']} (torch {report['torch']})", ""]
     for workload, rows in report["workloads"].items():
         fp32 = rows[FP32]["ms_per_step"] if FP32 in rows else None
         lines += [f"## {workload}", "", "| variant | ms/step | vs fp32 | peak MiB |", "| --- | ---: | ---: | ---: |"]
         for name, row in rows.items():
+            if row["ms_per_step"] is None:
+                lines.append(f"| {name} | failed: {row['error']} | | |")
+                continue
             peak = "n/a" if row["peak_mib"] is None else f"{row['peak_mib']:.0f}"
             lines.append(f"| {name} | {row['ms_per_step']:.2f} | {_ratio(row['ms_per_step'], fp32):.3f} | {peak} |")
         lines.append("")
@@ -286,11 +343,15 @@ def markdown(report: dict[str, Any]) -> str:
             f"| {v['level']} | {v['baseline']} | {v['time_ratio']:.3f} | <= {v['max_time_ratio']:.3f} | "
             f"{'met' if v['time_met'] else 'NOT met'} | "
             f"{'n/a' if v['peak_memory_met'] is None else ('met' if v['peak_memory_met'] else 'NOT met')} |"
+            + (f" {v['error']}" if "error" in v else "")
         )
     lines += ["", "## Master step (ms)", "", "| variant | ms | vs plain |", "| --- | ---: | ---: |"]
-    plain = report["master_step"][PLAIN_ADAMW]
+    plain = report["master_step"].get(PLAIN_ADAMW)
     for name, ms in report["master_step"].items():
-        lines.append(f"| {name} | {ms:.3f} | {ms / plain:.3f} |")
+        if isinstance(ms, str):
+            lines.append(f"| {name} | failed: {ms} | |")
+        else:
+            lines.append(f"| {name} | {ms:.3f} | {_ratio(ms, plain if isinstance(plain, float) else None):.3f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -315,12 +376,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown variants {unknown}; allowed: {', '.join(VARIANTS)}")
 
-    workloads = {}
-    for workload in ("mlp", "transformer"):
-        workloads[workload] = {v: run_variant(v, workload, device, args) for v in variants}
-    master = master_step(
-        device, 200_000 if args.tiny else 124_000_000, 20 if args.tiny else 150, 3 if args.tiny else 20
-    )
+    workloads: dict[str, dict[str, dict[str, Any]]] = {}
+    master: dict[str, float | str] = {}
     report = {
         "torch": torch.__version__,
         "device": str(device),
@@ -330,15 +387,38 @@ def main(argv: list[str] | None = None) -> int:
         "steps": args.steps,
         "repeats": args.repeats,
         "workloads": workloads,
-        # Judged only on a full CUDA run; a CPU or partial run reports no verdicts.
-        "targets": judge(workloads["transformer"]) if device.type == "cuda" and set(VARIANTS) <= set(variants) else [],
+        "targets": [],
         "master_step": master,
+        "complete": False,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "gpu_train_step.json").write_text(json.dumps(report, indent=2))
-    (args.out / "gpu_train_step.md").write_text(markdown(report))
+    # Judged on a full CUDA run only (a CPU, tiny or partial run reports no verdicts); a cut run keeps the
+    # verdicts of what it measured, the rest not met.
+    judged = device.type == "cuda" and not args.tiny and set(VARIANTS) <= set(variants)
+
+    def save() -> None:
+        if judged and "transformer" in workloads:
+            report["targets"] = judge(workloads["transformer"])
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "gpu_train_step.json").write_text(json.dumps(report, indent=2))
+        (args.out / "gpu_train_step.md").write_text(markdown(report))
+
+    for workload in ("mlp", "transformer"):
+        workloads[workload] = {}
+        for variant in variants:
+            try:
+                workloads[workload][variant] = run_variant(variant, workload, device, args)
+            except Exception as error:
+                workloads[workload][variant] = _failed(error)
+                _close_sessions()
+            save()
+    master_step(
+        device, 200_000 if args.tiny else 124_000_000, 20 if args.tiny else 150, 3 if args.tiny else 20, master, save
+    )
+    report["complete"] = True
+    save()
     print(markdown(report))
-    return 0
+    failed = [row for rows in workloads.values() for row in rows.values() if row["ms_per_step"] is None]
+    return 1 if failed or any(isinstance(ms, str) for ms in master.values()) else 0
 
 
 if __name__ == "__main__":

@@ -57,6 +57,15 @@ def on_device(value: _T) -> _T:
     return value
 
 
+def subprocess_env(env: dict[str, str]) -> dict[str, str]:
+    """``env`` for a child process that must run on the device under test: on a CPU run, CUDA is hidden from it
+    (``CUDA_VISIBLE_DEVICES=""``), so a script that picks CUDA whenever it exists runs on the CPU its reference
+    was computed on, also on a GPU machine."""
+    if device_under_test().type == "cpu":
+        return {**env, "CUDA_VISIBLE_DEVICES": ""}
+    return dict(env)
+
+
 def autocast_device_types() -> tuple[str, ...]:
     """Device types whose autocast state the leak check compares: always CPU, and the test device's own."""
     kind = device_under_test().type

@@ -1,7 +1,8 @@
 """A snapshot of every piece of process state that ampinit (or a test) can change, for the leak check in
 conftest.py: two snapshots taken around a test must be equal.
 
-Covered: torch's thread-wide state (autocast per device and its cache, default dtype, grad mode), the user's
+Covered: torch's thread-wide state (autocast per device and its cache, default dtype, grad mode), CUDA's
+sync-debug mode (on a CUDA run), whether ``ampinit._triton_master`` is built for Triton's interpreter, the user's
 pending function registrations and every function patched (``register_*_function``, list edits, Apex's tensor
 rules), the autocast kernels
 registered through ``torch.library``, the cast-policy scopes of this thread, Apex's O1 lists as ``apex.amp.lists``
@@ -20,7 +21,7 @@ import torch
 from ampinit._casting import kernels, scopes, user_functions
 from ampinit._casting import lists as cast_lists
 from ampinit.compat.apex import _alias
-from tests import _device
+from tests import _device, _triton
 
 _APEX_NAMES = ("apex", "amp_C")
 
@@ -33,6 +34,18 @@ def _torch_state() -> dict[str, Any]:
         "default dtype": torch.get_default_dtype(),
         "grad enabled": torch.is_grad_enabled(),
     }
+
+
+def _device_state() -> dict[str, Any]:
+    state: dict[str, Any] = {}
+    if _device.device_under_test().type == "cuda":
+        # A test that leaves "error" on fails every later CUDA test in its process.
+        state["CUDA sync-debug mode"] = torch.cuda.get_sync_debug_mode()
+    triton_master = sys.modules.get("ampinit._triton_master")
+    if triton_master is not None:
+        # Interpreted kernels would run Triton's interpreter on the GPU tensors of a later CUDA step.
+        state["ampinit._triton_master built for the interpreter"] = _triton.interpreted(triton_master)
+    return state
 
 
 def _function_registrations() -> dict[str, Any]:
@@ -72,7 +85,7 @@ def _import_state() -> dict[str, Any]:
 
 def snapshot() -> dict[str, Any]:
     """Everything the leak check compares, keyed by a name a failure message can show."""
-    return {**_torch_state(), **_function_registrations(), **_cast_policy_state(), **_import_state()}
+    return {**_torch_state(), **_device_state(), **_function_registrations(), **_cast_policy_state(), **_import_state()}
 
 
 def differences(before: dict[str, Any], after: dict[str, Any]) -> list[str]:

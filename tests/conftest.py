@@ -6,13 +6,14 @@ restore state on an error) fails loudly instead of contaminating the next test."
 from __future__ import annotations
 
 from collections.abc import Iterator
+from types import ModuleType
 
 import pytest
 import torch
 from torch import nn
 
 from ampinit import _registry
-from tests import _device, _leaks
+from tests import _device, _leaks, _triton
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -27,6 +28,26 @@ def pytest_configure(config: pytest.Config) -> None:
 def device() -> torch.device:
     """The device the suite runs on (``--device``, default cpu)."""
     return _device.device_under_test()
+
+
+@pytest.fixture
+def pretend_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GPU machine as code that asks ``torch.cuda.is_available()`` sees it, on any machine: CUDA is reported
+    available (one device) while every tensor stays where the test puts it. Code that picks its device from that
+    question rather than from its tensors or model goes wrong here as it would on a real GPU machine."""
+    count = max(1, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+
+
+@pytest.fixture(scope="module")
+def triton_interpreter() -> Iterator[ModuleType]:
+    """``ampinit._triton_master`` with its kernels built for Triton's interpreter (the flag is read when a kernel
+    is decorated), for CPU tensors. On the way out the module is built again without the flag, so a later CUDA
+    step in this process runs compiled kernels, not the interpreter on GPU tensors."""
+    pytest.importorskip("triton", reason="triton is not installed (pip install triton); the kernels need it")
+    with _triton.interpreted_kernels() as module:
+        yield module
 
 
 @pytest.fixture(autouse=True)

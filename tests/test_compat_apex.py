@@ -158,12 +158,14 @@ def test_allow_incoming_model_not_fp32_accepts_a_half_model_at_o2() -> None:
 
 
 # -- the old amp.init() handle API (Apex's L0 tests set up with it) ---------------------------------------------
-def test_init_handle_casts_and_deactivates() -> None:
-    x, w = torch.randn(4, 4), torch.randn(4, 4)
+def test_init_handle_casts_and_deactivates(device: torch.device) -> None:
+    x, w = torch.randn(4, 4, device=device), torch.randn(4, 4, device=device)
+    # Apex's rule: amp.init() casts CUDA tensors only; ampinit casts the CPU's on a machine without CUDA.
+    cast_here = device.type == "cuda" or not torch.cuda.is_available()
     handle = amp.init()
     try:
         assert isinstance(handle, amp.handle.AmpHandle) and handle.is_active() and handle.has_cache
-        assert torch.mm(x, w).dtype == torch.float16
+        assert torch.mm(x, w).dtype == (torch.float16 if cast_here else torch.float32)
         with handle._disable_casts():
             assert torch.mm(x, w).dtype == torch.float32
         assert amp._amp_state.handle is handle

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from ampinit.cli import main
+from tests._device import subprocess_env
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples" / "legacy_apex"
@@ -26,7 +27,11 @@ ENV = {
 
 def ampinit_run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "ampinit", "run", *args], capture_output=True, text=True, env=ENV, timeout=timeout
+        [sys.executable, "-m", "ampinit", "run", *args],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(ENV),
+        timeout=timeout,
     )
 
 
@@ -109,7 +114,7 @@ def test_simple_distributed_runs_unchanged_on_two_processes() -> None:
         f"--master_port={_free_port()}",
         "-m", "ampinit", "run", str(EXAMPLES / "distributed_data_parallel.py"), "--iterations", "50",
     ]  # fmt: skip
-    result = subprocess.run(command, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(command, cwd=ROOT, env=subprocess_env(ENV), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert_losses_match_fp32(result.stdout, 50)
     assert "delay_allreduce" not in result.stderr  # honoured (find_unused_parameters=True), nothing to explain

@@ -42,6 +42,9 @@ from ampinit.demo.tasks import make_classifier
 from ampinit.demo.verdict import LevelOutcome, choose_level
 
 STEPS = 12  # a fixed step count: nothing here depends on how fast the machine is
+# The module's one --quick demo runs in the first test that needs it, inside that test's timeout (pytest-timeout):
+# about a minute on a busy 2-core machine.
+pytestmark = pytest.mark.timeout(600)
 
 COMPUTE = {"O0": "float32", "O1": "float16", "O2": "float16", "O3": "float16", "O4": "bfloat16", "O5": "bfloat16"}
 WEIGHTS = {

@@ -21,10 +21,14 @@ from torch import nn
 import ampinit
 from ampinit import _distributed
 from tests import _dist_worker
+from tests._device import subprocess_env
 
 ROOT = Path(__file__).resolve().parent.parent
 # gloo otherwise binds to the interface the hostname resolves to; these jobs stay on loopback.
-ENV = {**os.environ, "GLOO_SOCKET_IFNAME": "lo"}
+ENV = subprocess_env({**os.environ, "GLOO_SOCKET_IFNAME": "lo"})
+JOBS_BUDGET_S = 300  # the module's one job of every scenario, and the torchrun example
+# A per-test timeout (pytest-timeout) also counts the module fixture's job in the first test that needs it.
+pytestmark = pytest.mark.timeout(JOBS_BUDGET_S + 60)
 
 
 def free_port() -> int:
@@ -37,7 +41,7 @@ def free_port() -> int:
 def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("dist")
     command = [sys.executable, "-m", "tests._dist_worker", str(free_port()), str(out), *_dist_worker.SCENARIOS]
-    subprocess.run(command, cwd=ROOT, env=ENV, check=True, timeout=300)
+    subprocess.run(command, cwd=ROOT, env=ENV, check=True, timeout=JOBS_BUDGET_S)
     return out
 
 

@@ -21,8 +21,12 @@ import pytest
 import torch
 
 from ampinit import amp
+from tests._device import subprocess_env
 
 ROOT = Path(__file__).resolve().parent.parent
+RUNS_BUDGET_S = 1800  # every example in one subprocess, on a busy 2-core machine
+# A per-test timeout (pytest-timeout) also counts the module fixture's runs in the first test that needs them.
+pytestmark = pytest.mark.timeout(RUNS_BUDGET_S + 60)
 
 RUNS: dict[str, list[str]] = {
     "o1 O1": ["o1_basic.py", "--steps", "60"],
@@ -71,7 +75,12 @@ sys.stdout.write(json.dumps(results))
 def outputs() -> dict[str, str]:
     runs = {key: [f"examples/{script}", *args] for key, (script, *args) in RUNS.items()}
     done = subprocess.run(
-        [sys.executable, "-c", RUNNER, json.dumps(runs)], cwd=ROOT, capture_output=True, text=True, timeout=1800
+        [sys.executable, "-c", RUNNER, json.dumps(runs)],
+        cwd=ROOT,
+        env=subprocess_env(dict(os.environ)),
+        capture_output=True,
+        text=True,
+        timeout=RUNS_BUDGET_S,
     )
     assert done.returncode == 0, done.stderr
     results = json.loads(done.stdout)
@@ -190,7 +199,12 @@ def test_custom_functions_under_o4(outputs: dict[str, str]) -> None:
 
 def test_an_example_runs_on_its_own() -> None:
     done = subprocess.run(
-        [sys.executable, "examples/custom_functions.py"], cwd=ROOT, capture_output=True, text=True, timeout=120
+        [sys.executable, "examples/custom_functions.py"],
+        cwd=ROOT,
+        env=subprocess_env(dict(os.environ)),
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert done.returncode == 0, done.stderr
     assert "mylib.mix got torch.float16, torch.float16" in done.stdout

@@ -6,9 +6,7 @@ Every comparison is bitwise: the kernels do the reference's fp32 operations in t
 
 from __future__ import annotations
 
-import importlib
 import os
-from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
@@ -16,26 +14,28 @@ import pytest
 import torch
 
 from ampinit import _fused_master as ref
+from tests import _triton
 
 pytest.importorskip("triton", reason="triton is not installed (pip install triton); the kernels are tested through it")
 
 SIZES = [1, 7, 1024, 1025, 3000]
 
 
-@pytest.fixture(scope="module")
-def kernels() -> Iterator[ModuleType]:
-    """``ampinit._triton_master`` with its kernels built for the interpreter (the flag is read at decoration)."""
-    previous = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        import ampinit._triton_master as module
+def test_interpreted_kernels_are_built_back_on_the_way_out() -> None:
+    """The interpreter is for CPU tensors only: a later CUDA O2/O5 step in the same process (pytest-xdist runs many
+    files in one) must find compiled kernels again, also when the body raised."""
+    import ampinit._triton_master as module
 
-        yield importlib.reload(module)
-    finally:
-        if previous is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = previous
+    was, flag = _triton.interpreted(module), os.environ.get(_triton.FLAG)
+    with pytest.raises(ZeroDivisionError), _triton.interpreted_kernels():
+        assert _triton.interpreted(module) and os.environ[_triton.FLAG] == "1"
+        _ = 1 / 0
+    assert _triton.interpreted(module) is was and os.environ.get(_triton.FLAG) == flag
+
+
+@pytest.fixture(scope="module")
+def kernels(triton_interpreter: ModuleType) -> ModuleType:
+    return triton_interpreter
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -370,6 +370,9 @@ def _close(got: list[tuple[float, ...]], want: list[tuple[float, ...]], toleranc
     )
 
 
+# On a pretended GPU machine: the scripts are patched onto the CPU, and nothing may take CUDA's presence for
+# the device they train on (a migrated file's autocast device included).
+@pytest.mark.usefixtures("pretend_gpu")
 @pytest.mark.parametrize("key", sorted(SCRIPTS))
 def test_corpus_script_runs_under_ampinit_run_and_after_migration(
     key: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch

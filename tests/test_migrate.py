@@ -10,9 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from ampinit.cli import main
 from ampinit.migrate import migrate_paths, migrate_source
+from tests._device import subprocess_env
 from tests.test_compat_run import assert_losses_match_fp32
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -119,8 +121,74 @@ def test_migrated_scripts_run_and_train(tmp_path: Path) -> None:
             imports = [line for line in result.migrated.splitlines() if line.startswith(("import ", "from "))]
             assert not [line for line in imports if "apex" in line or "ampinit" in line], imports
         run = subprocess.run(
-            [sys.executable, str(script), "--iterations", "150"], capture_output=True, text=True, env=ENV, timeout=300
+            [sys.executable, str(script), "--iterations", "150"],
+            capture_output=True,
+            text=True,
+            env=subprocess_env(ENV),
+            timeout=300,
         )
         assert run.returncode == 0, run.stderr
         # The same training in plain fp32 torch is the reference, to fp16's precision, in both directions.
         assert_losses_match_fp32(run.stdout, 150)
+
+
+O1_TRAIN = """
+import torch
+from apex import amp
+
+
+def train(model, optimizer, data):
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O1")
+    dtypes = []
+    for x, y in data:
+        optimizer.zero_grad()
+        output = model(x)
+        dtypes.append(output.dtype)
+        loss = torch.nn.functional.mse_loss(output.float(), y)
+        with amp.scale_loss(loss, optimizer) as scaled_loss:
+            scaled_loss.backward()
+        optimizer.step()
+    return dtypes
+"""
+
+
+@pytest.mark.usefixtures("pretend_gpu")
+def test_migrated_autocast_runs_on_the_models_device(device: torch.device) -> None:
+    """On a GPU machine a model may still live elsewhere: the migrated file autocasts where the model is, as
+    native torch.autocast on that device would."""
+    result = migrate_source(O1_TRAIN, "torch")
+    assert not result.refused and not result.needs_human, [s.render() for s in result.sites]
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2).to(device)
+    data = [(torch.randn(8, 4).to(device), torch.randn(8, 2).to(device)) for _ in range(2)]
+    with torch.autocast(device.type, dtype=torch.float16):
+        native = model(data[0][0]).dtype
+    namespace: dict[str, object] = {}
+    exec(compile(result.migrated, "train.py", "exec"), namespace)
+    dtypes = namespace["train"](model, torch.optim.SGD(model.parameters(), lr=0.1), data)  # type: ignore[operator]
+    assert native == torch.float16 and dtypes == [native, native]
+
+
+HELPER_MODULE = """
+import torch
+from apex import amp
+
+
+def head(x, weight):
+    with amp.disable_casts():
+        return x @ weight
+"""
+
+
+@pytest.mark.usefixtures("pretend_gpu")
+def test_migrated_disable_casts_switches_off_the_callers_autocast(device: torch.device) -> None:
+    """A helper module has no model: its disable_casts turns off the autocast its caller runs under, on any
+    machine, as Apex's did."""
+    result = migrate_source(HELPER_MODULE, "torch")
+    assert not result.refused and not result.needs_human, [s.render() for s in result.sites]
+    namespace: dict[str, object] = {}
+    exec(compile(result.migrated, "helpers.py", "exec"), namespace)
+    x, w = torch.randn(2, 3).to(device), torch.randn(3, 2).to(device)
+    with torch.autocast(device.type, dtype=torch.float16):
+        assert (x @ w).dtype == torch.float16  # autocast is on here
+        assert namespace["head"](x, w).dtype == torch.float32  # type: ignore[operator]

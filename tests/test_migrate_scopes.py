@@ -66,7 +66,7 @@ TRAINER_TORCH = textwrap.dedent(
             self.model = model
             self.optimizer = optimizer
             self.use_amp = use_amp
-            self.amp_device = "cuda" if torch.cuda.is_available() else "cpu"
+            self.amp_device = next(self.model.parameters()).device.type
             self.amp_scaler = torch.amp.GradScaler(self.amp_device, enabled=bool(self.use_amp))
 
         def train_step(self, x, y):
@@ -126,7 +126,7 @@ MODULE_LEVEL_TORCH = textwrap.dedent(
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    amp_device = "cuda" if torch.cuda.is_available() else "cpu"
+    amp_device = next(model.parameters()).device.type
     scaler = torch.amp.GradScaler(amp_device)
 
 
@@ -172,7 +172,7 @@ CLOSURE_TORCH = textwrap.dedent(
 
 
     def train(model, optimizer, data, fp16_run):
-        amp_device = "cuda" if torch.cuda.is_available() else "cpu"
+        amp_device = next(model.parameters()).device.type
         scaler = torch.amp.GradScaler(amp_device, enabled=fp16_run)
 
         def step(x, y):
@@ -478,7 +478,7 @@ ARGPARSE_TORCH = textwrap.dedent(
 
     def train(model, optimizer, data, argv):
         args = parse_args(argv)
-        amp_device = "cuda" if torch.cuda.is_available() else "cpu"
+        amp_device = next(model.parameters()).device.type
         scaler = torch.amp.GradScaler(amp_device, enabled=bool(args.opt_level == "O1"))
         for x, y in data:
             optimizer.zero_grad()

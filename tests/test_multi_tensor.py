@@ -97,12 +97,16 @@ def test_scale_flags_non_finite_inputs(position: str, bad: float) -> None:
 
 
 def test_scale_flag_is_about_inputs_and_is_never_cleared() -> None:
-    inputs = [torch.tensor([3e38])]
+    inputs = [torch.tensor([3e38], device=device_under_test())]
     noop = flag()
-    mt.multi_tensor_scale(0, noop, [inputs, [torch.empty(1)]], 10.0)  # the output overflows, the input is finite
+    mt.multi_tensor_scale(
+        0, noop, [inputs, [torch.empty(1, device=device_under_test())]], 10.0
+    )  # the output overflows, the input is finite
     assert noop.item() == 0
     noop.fill_(1)
-    mt.multi_tensor_scale(0, noop, [[torch.ones(2)], [torch.empty(2)]], 1.0)
+    mt.multi_tensor_scale(
+        0, noop, [[torch.ones(2, device=device_under_test())], [torch.empty(2, device=device_under_test())]], 1.0
+    )
     assert noop.item() == 1
 
 
@@ -112,11 +116,11 @@ def test_scale_flag_is_about_inputs_and_is_never_cleared() -> None:
     scale=st.floats(2**-14, 2**14, width=32),
 )
 def test_scale_property(values: list[float], scale: float) -> None:
-    src = torch.tensor(values, dtype=torch.float32)
+    src = torch.tensor(values, dtype=torch.float32, device=device_under_test())
     out = torch.empty_like(src, dtype=torch.float16)
     noop = flag()
     mt.multi_tensor_scale(0, noop, [[src], [out]], scale)
-    assert torch.equal(out, (src * torch.tensor(scale, dtype=torch.float32)).half())
+    assert torch.equal(out, (src * torch.tensor(scale, dtype=torch.float32, device=device_under_test())).half())
     assert noop.item() == 0
 
 
@@ -135,7 +139,7 @@ def test_axpby_checks_the_requested_argument(arg_to_check: int, bad_in: str, fla
 def test_axpby_rejects_unknown_arg_to_check() -> None:
     message = "Invalid arg_to_check: 2. Allowed values: -1 (both), 0 (x), 1 (y)"
     with pytest.raises(ValueError, match=re.escape(message)):
-        mt.multi_tensor_axpby(0, flag(), [[torch.ones(1)]] * 3, 1.0, 1.0, 2)
+        mt.multi_tensor_axpby(0, flag(), [[torch.ones(1, device=device_under_test())]] * 3, 1.0, 1.0, 2)
 
 
 @pytest.mark.parametrize("per_tensor", [False, True])
@@ -164,7 +168,7 @@ def test_l2norm_flags_non_finite(position: str) -> None:
 
 def test_l2norm_of_nothing_is_zero() -> None:
     norm, per = mt.multi_tensor_l2norm(0, flag(), [[]], True)
-    assert torch.equal(norm, torch.zeros(1)) and per.shape == (0,)
+    assert torch.equal(norm, torch.zeros(1, device=device_under_test())) and per.shape == (0,)
 
 
 def test_l2norm_scale_norms_the_input_and_scales_it() -> None:
@@ -180,7 +184,7 @@ def test_unscale_l2norm_leaves_tensors_alone() -> None:
     ts = tensors(torch.float32, sizes=(8, 100))
     before = [t.clone() for t in ts]
     noop = flag()
-    norm, per = mt.multi_tensor_unscale_l2norm(0, noop, [ts], torch.tensor([1 / 64]), True)
+    norm, per = mt.multi_tensor_unscale_l2norm(0, noop, [ts], torch.tensor([1 / 64], device=device_under_test()), True)
     torch.testing.assert_close(norm[0], fp64_norm(torch.cat(ts) / 64))
     torch.testing.assert_close(per, torch.stack([fp64_norm(t / 64) for t in ts]))
     assert all(torch.equal(a, b) for a, b in zip(ts, before)) and noop.item() == 0
@@ -217,8 +221,10 @@ def test_adam_op(mode: int, dtype: torch.dtype) -> None:
 def test_sgd_op_math_and_early_exit(four_lists: bool) -> None:
     g16 = tensors(torch.float16, sizes=(30,), seed=1)
     p32 = tensors(torch.float32, sizes=(30,), seed=2)
-    m32 = [torch.ones(30)]
-    lists = [g16, p32, m32] + ([[torch.zeros(30, dtype=torch.float16)]] if four_lists else [])
+    m32 = [torch.ones(30, device=device_under_test())]
+    lists = [g16, p32, m32] + (
+        [[torch.zeros(30, dtype=torch.float16, device=device_under_test())]] if four_lists else []
+    )
     noop = flag().fill_(1)
     before = [t.clone() for lst in lists for t in lst]
     mt.multi_tensor_sgd(0, noop, lists, 0.1, 0.9, 0.0, 0.5, True, False, False, 0.5)
@@ -239,7 +245,7 @@ def test_adagrad_op_decoupled() -> None:
     g, p, h = (
         tensors(torch.float32, sizes=(25,), seed=1),
         tensors(torch.float32, sizes=(25,), seed=2),
-        [torch.ones(25)],
+        [torch.ones(25, device=device_under_test())],
     )
     expected = p[0] - 0.1 * (g[0] / ((1 + g[0] ** 2).sqrt() + 1e-10) + 0.01 * p[0])
     mt.multi_tensor_adagrad(0, flag(), [g, p, h], 0.1, 1e-10, 1, 0.01)
@@ -265,9 +271,9 @@ def test_novograd_op_blends_norms() -> None:
     g, p, m = (
         tensors(torch.float32, sizes=(10,), seed=1),
         tensors(torch.float32, sizes=(10,), seed=2),
-        [torch.zeros(10)],
+        [torch.zeros(10, device=device_under_test())],
     )
-    norms = torch.tensor([2.0])
+    norms = torch.tensor([2.0], device=device_under_test())
     new_norm = (0.999 * 4.0 + 0.001 * g[0].norm() ** 2).sqrt()
     expected = p[0] - 1e-2 * ((0.1 * g[0] / 0.1) / (new_norm / (1 - 0.999) ** 0.5 + 1e-8))
     mt.multi_tensor_novograd(0, flag(), [g, p, m], norms, 1e-2, 0.9, 0.999, 1e-8, 1, 1, 0.0, 1, 1, 2)

@@ -554,11 +554,11 @@ def test_fused_adam_master_weights_track_fp32_training() -> None:
 )
 def test_zero_grad_follows_set_grad_none(factory: Any, expect_none: bool) -> None:
     params = make_params(torch.float32, sizes=(3,))
-    params[0].grad = torch.ones(3)
+    params[0].grad = torch.ones_like(params[0])
     factory(params).zero_grad()
     assert (params[0].grad is None) == expect_none
     if not expect_none:
-        assert torch.equal(params[0].grad, torch.zeros(3))
+        assert torch.equal(params[0].grad, torch.zeros_like(params[0]))
 
 
 # ---------------------------------------------------------------- errors

@@ -5,7 +5,9 @@
   device, floating-point tensor arguments (also inside tuples and lists) are cast to float32 before the call, and
   the body runs under autocast as before. That is Apex's rule: its wrapper cast only once O1 was initialized (the
   native counterpart: autocast is on), and did not switch its casts off inside.
-* ``amp.disable_casts()`` becomes ``torch.autocast(<the default device>, enabled=False)``.
+* ``amp.disable_casts()`` becomes ``torch.autocast(<device>, enabled=False)`` for the device autocast is on for
+  (CUDA's, else the CPU's): a helper module holds no model to take the device from, and the caller's autocast
+  is what Apex's disable_casts switched off.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ GRAD_SCALER_STATE = '''def {name}(state):
     }}
 '''
 
-DEVICE = '"cuda" if torch.cuda.is_available() else "cpu"'
+DEVICE = '"cuda" if torch.is_autocast_enabled("cuda") else "cpu"'
 
 
 class _Helpers(cst.CSTTransformer):

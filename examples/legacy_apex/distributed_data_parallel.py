@@ -25,20 +25,23 @@ args.distributed = False
 if "WORLD_SIZE" in os.environ:
     args.distributed = int(os.environ["WORLD_SIZE"]) > 1
 
-device = torch.device("cuda", args.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+# More processes than GPUs share them round-robin; NCCL refuses two ranks on one GPU, so they talk through gloo.
+gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+device = torch.device("cuda", args.local_rank % gpus) if gpus else torch.device("cpu")
 if args.distributed:
-    if torch.cuda.is_available():
-        torch.cuda.set_device(args.local_rank)
-    torch.distributed.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo", init_method="env://")
+    if gpus:
+        torch.cuda.set_device(device)
+    world_size = int(os.environ["WORLD_SIZE"])
+    torch.distributed.init_process_group(backend="nccl" if gpus >= world_size else "gloo", init_method="env://")
 
 torch.backends.cudnn.benchmark = True
 
 torch.manual_seed(0)
 N, D_in, D_out = 64, 1024, 16
 
-# Each process receives its own batch of fake data.
-x = torch.randn(N, D_in, device=device)
-y = torch.randn(N, D_out, device=device)
+# Each process receives its own batch of fake data, drawn on the CPU so that it is the same on any device.
+x = torch.randn(N, D_in).to(device)
+y = torch.randn(N, D_out).to(device)
 
 model = torch.nn.Linear(D_in, D_out).to(device)
 optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)

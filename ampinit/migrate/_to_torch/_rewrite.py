@@ -338,8 +338,14 @@ class _Rewrite(cst.CSTTransformer):
         return out
 
     def _device_line(self) -> cst.BaseStatement:
-        """``<device> = ...``: the device the GradScaler and every ``torch.autocast`` of the file name."""
-        return cst.parse_statement(f'{self.device} = "cuda" if torch.cuda.is_available() else "cpu"')
+        """``<device> = ...``: the device the GradScaler and every ``torch.autocast`` of the file name: the model's,
+        as ampinit's own O1 takes it from the model's parameters (``torch.cuda.is_available()`` says nothing about
+        where a model lives). Of a list of models, the first's."""
+        models = self.plan.model
+        node = cst.parse_expression(models)
+        if isinstance(node, (cst.List, cst.Tuple)) and node.elements:
+            models = _cst.code(node.elements[0].value)
+        return cst.parse_statement(f"{self.device} = next({models}.parameters()).device.type")
 
     def leave_With(self, original_node: cst.With, updated_node: cst.With) -> Any:
         item = updated_node.items[0] if len(updated_node.items) == 1 else None

@@ -1,0 +1,35 @@
+"""``ampinit._triton_master`` built for Triton's interpreter, and built back: for the tests that run its kernels on
+CPU tensors (``TRITON_INTERPRET=1`` is read when a kernel is decorated, so the module is reloaded both ways)."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+from collections.abc import Iterator
+from types import ModuleType
+
+FLAG = "TRITON_INTERPRET"
+
+
+def interpreted(module: ModuleType) -> bool:
+    """Whether ``module``'s kernels were built for the interpreter (Triton's ``InterpretedFunction``)."""
+    return type(module._round_to_bf16).__name__ == "InterpretedFunction"
+
+
+@contextlib.contextmanager
+def interpreted_kernels() -> Iterator[ModuleType]:
+    """Inside, ``ampinit._triton_master`` runs on Triton's interpreter; on the way out (also on an error) the flag
+    is as it was and the module is rebuilt under it."""
+    import ampinit._triton_master as module
+
+    previous = os.environ.get(FLAG)
+    os.environ[FLAG] = "1"
+    try:
+        yield importlib.reload(module)
+    finally:
+        if previous is None:
+            del os.environ[FLAG]
+        else:
+            os.environ[FLAG] = previous
+        importlib.reload(module)
