@@ -6,6 +6,7 @@ real time: what is checked is what the doctor concludes from given step times, n
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
 from collections.abc import Iterator, Sequence
@@ -13,7 +14,8 @@ from collections.abc import Iterator, Sequence
 import pytest
 import torch
 
-from ampinit.cli import main
+from ampinit.cli import add_doctor_parser, main
+from ampinit.demo.run import OPT_LEVELS
 from ampinit.doctor import DeviceReport, diagnose, format_report, recommend
 
 
@@ -135,3 +137,12 @@ def test_doctor_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert set(data["cpu_flags"]) <= {"avx512_bf16", "amx_bf16", "avx512_fp16", "amx_fp16"}
     assert data["recommendation"] in ("O0", "O1", "O2", "O4", "O5", None)
     assert isinstance(data["tentative"], bool)
+
+
+def test_the_doctor_registers_on_any_subparsers(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser(prog="ampinit")
+    add_doctor_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["doctor", "--budget", "0.1", "--json"])
+    assert args.func(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["torch"] == torch.__version__ and report["recommendation"] in (*OPT_LEVELS, None)
