@@ -7,13 +7,16 @@ real time: what is checked is what the doctor concludes from given step times, n
 from __future__ import annotations
 
 import argparse
+import ast
 import itertools
 import json
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import pytest
 import torch
 
+import ampinit.demo
 from ampinit.cli import add_doctor_parser, main
 from ampinit.demo.run import OPT_LEVELS
 from ampinit.doctor import DeviceReport, diagnose, format_report, recommend
@@ -146,3 +149,17 @@ def test_the_doctor_registers_on_any_subparsers(capsys: pytest.CaptureFixture[st
     assert args.func(args) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["torch"] == torch.__version__ and report["recommendation"] in (*OPT_LEVELS, None)
+
+
+def test_the_demo_imports_nothing_of_the_doctor() -> None:
+    """The doctor is built on the demo's measurement (``ampinit.demo.run``, ``verdict``); the demo, its command
+    line included, does not reach back up to it, at any depth (a lazy import counts)."""
+    demo = Path(ampinit.demo.__file__).parent
+    reached: dict[str, int] = {}
+    for path in sorted(demo.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            names += [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+            if any(name == "ampinit.doctor" or name.startswith("ampinit.doctor.") for name in names):
+                reached[path.name] = node.lineno
+    assert reached == {}
