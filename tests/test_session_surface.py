@@ -9,8 +9,10 @@ the source (``ast``) of every module of the package.
 from __future__ import annotations
 
 import ast
+import importlib
 import inspect
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -23,13 +25,19 @@ PACKAGE = Path(ampinit.__file__).resolve().parent
 SELF_NAMES = ("self", "cls")
 
 
+def _classes_named_in(module: ModuleType) -> set[type]:
+    return {
+        value for value in vars(module).values() if isinstance(value, type) and value.__module__.startswith("ampinit.")
+    }
+
+
 def watched_classes() -> list[type]:
-    """The session and the engine classes it is built from: every ampinit class ``_session.py`` names."""
-    return [
-        value
-        for value in vars(_session).values()
-        if isinstance(value, type) and value.__module__.startswith("ampinit.")
-    ]
+    """The session, the engine classes it is built from (every ampinit class ``_session.py`` names) and the
+    classes those are built from in turn (an optimizer record's grads, for one)."""
+    held = _classes_named_in(_session)
+    for cls in list(held):
+        held |= _classes_named_in(importlib.import_module(cls.__module__))
+    return sorted(held, key=lambda cls: f"{cls.__module__}.{cls.__qualname__}")
 
 
 def private_names(cls: type) -> set[str]:
@@ -97,7 +105,7 @@ def private_reaches(package: Path, classes: list[type]) -> list[str]:
 
 def test_the_scan_watches_the_session_and_the_engine_objects_it_holds() -> None:
     names = {cls.__name__ for cls in watched_classes()}
-    assert {"AmpSession", "OptimizerRecord", "CastPolicy", "LossScaler", "OverflowDecisions"} <= names
+    assert {"AmpSession", "OptimizerRecord", "OptimizerGrads", "CastPolicy", "LossScaler", "OverflowDecisions"} <= names
     assert {"_records", "_cast_policy", "_record_of"} <= private_names(_session.AmpSession)
 
 
