@@ -15,7 +15,7 @@ from ampinit._version import __version__
 # `ampinit --version`, `ampinit --help` and `python -m ampinit` load this package first, and the public names
 # import torch (seconds): they are loaded on first use instead (PEP 562 ``__getattr__``), from these modules.
 _MODULES = (
-    "ampinit._initialize",
+    "ampinit._api",
     "ampinit._casting",
     "ampinit._loss_scale",
     "ampinit._opt_levels",
@@ -25,15 +25,7 @@ _MODULES = (
 )
 
 if TYPE_CHECKING:
-    from ampinit._casting import (
-        float_function,
-        half_function,
-        promote_function,
-        register_float_function,
-        register_half_function,
-        register_promote_function,
-    )
-    from ampinit._initialize import (
+    from ampinit._api import (
         current_session,
         deinitialize,
         disable_casts,
@@ -45,6 +37,14 @@ if TYPE_CHECKING:
         state_dict,
         stats,
         step_was_skipped,
+    )
+    from ampinit._casting import (
+        float_function,
+        half_function,
+        promote_function,
+        register_float_function,
+        register_half_function,
+        register_promote_function,
     )
     from ampinit._loss_scale import DynamicLossScale
     from ampinit._opt_levels import Properties

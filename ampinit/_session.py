@@ -23,11 +23,11 @@ from torch import nn
 from ampinit import _registry, _setup, _skip
 from ampinit._casting import CastPolicy
 from ampinit._opt_levels import LEVELS, describe
-from ampinit._optimizer_record import OptimizerRecord, StepCounts
+from ampinit._optimizer_record import OptimizerRecord, Stage, StepCounts
 from ampinit._options import AmpOptions
 from ampinit._overflow import OverflowDecisions
 from ampinit._scaler import LossScaler, load_state_dict_into, state_dict_of
-from ampinit._types import CastPolicyName, Optimizers
+from ampinit._types import Optimizers
 from ampinit._undo import UndoStack
 
 logger = logging.getLogger("ampinit")
@@ -91,26 +91,9 @@ class AmpSession:
                 raise
         self._log_properties()
 
-    # Read-only views of the options, under the names the session always had.
     @property
     def num_losses(self) -> int:
         return self.options.num_losses
-
-    @property
-    def sync_free(self) -> bool:
-        return self.options.sync_free
-
-    @property
-    def skip_nonfinite(self) -> bool:
-        return self.options.skip_nonfinite
-
-    @property
-    def cast_policy_name(self) -> CastPolicyName:
-        return self.options.cast_policy
-
-    @property
-    def allow_banned(self) -> bool:
-        return self.options.allow_banned
 
     # -- construction ---------------------------------------------------------------------------------------
     def _wrapped_step(self, record: OptimizerRecord) -> Callable[..., Any]:
@@ -272,7 +255,7 @@ class AmpSession:
                 if not fused:
                     result = _skip.run_step(record.optimizer, original, flag, args, kwargs)
         record.finish_step(skip, flag, weights_written=fused)
-        self._clear_cast_cache()
+        self.clear_cast_cache()
         self._counts.count(record, skip, flag)
         return result
 
@@ -290,17 +273,59 @@ class AmpSession:
             with self.disable_casts():
                 yield
         finally:
-            self._clear_cast_cache()
+            self.clear_cast_cache()
 
-    def _clear_cast_cache(self) -> None:
+    def clear_cast_cache(self) -> None:
+        """Forget the weight casts the O1/O4 policy cached (a no-op at other levels).
+
+        The session does it itself at every ``scale_loss`` exit and optimizer step; code that changes weights in
+        place between forwards in one cached region (Apex's ``handle._clear_cache()``) calls it.
+        """
         if self._cast_policy is not None:
             self._cast_policy.clear_cache()
+
+    def cache_casts_outside_forwards(self) -> None:
+        """Cache weight casts outside model forwards too, in the thread that called ``initialize``, until the
+        next :meth:`clear_cast_cache` (a no-op without an O1/O4 policy).
+
+        For sessions without a model forward, where the cache is otherwise never on (Apex's ``amp.init()``
+        with ``enable_caching=True``); a weight changed in place meanwhile reads its old cast, as in Apex.
+        """
+        self._check_open()
+        if self._cast_policy is not None:
+            self._cast_policy.cache_outside_forwards()
+
+    def follow_apex_tensor_rules(self) -> None:
+        """Have the fp16 O1 policy apply Apex's tensor rules too, until the session closes (a no-op without a
+        cast policy, or with a bf16 one): ``.cpu()`` of a half tensor gives float32, and the in-place forms of
+        Apex's fp32 functions refuse fp16 tensors. For sessions made through the Apex API."""
+        self._check_open()
+        if self._cast_policy is not None:
+            self._cast_policy.follow_apex_tensor_rules()
 
     # -- public state ---------------------------------------------------------------------------------------
     def step_was_skipped(self, optimizer: torch.optim.Optimizer | None = None) -> bool:
         """Whether the last ``step()`` of ``optimizer`` (default: the last step of any optimizer) was skipped."""
         record = self._counts.last if optimizer is None else self._record_of(optimizer)
         return record is not None and record.step_was_skipped()
+
+    def next_step_skipped(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether the next ``optimizer.step()`` will be skipped: the last unscale found inf/NaN gradients.
+
+        With ``sync_free=True`` the overflow flag is on the device, and reading it here waits for it. ``False``
+        for an optimizer this session does not manage.
+        """
+        record = self._record_of(optimizer)
+        if record is None:
+            return False
+        flag = record.skip_flag
+        return record.skip_pending or (flag is not None and bool(flag.item()))
+
+    def grads_scaled(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``optimizer``'s gradients are still multiplied by the loss scale: the last ``scale_loss``
+        block for it had ``delay_unscale=True``. ``False`` for an optimizer this session does not manage."""
+        record = self._record_of(optimizer)
+        return record is not None and record.stage is Stage.SCALED
 
     def stats(self) -> AmpStats:
         return AmpStats(

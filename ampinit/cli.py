@@ -12,14 +12,24 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
+import math
 import os
 import runpy
 import sys
 import zipfile
 from collections.abc import Sequence
+from typing import Any
 
 from ampinit._version import __version__
-from ampinit.demo.cli import add_demo_parser, add_doctor_parser
+from ampinit.demo.cli import add_demo_parser
+
+DOCTOR_DESCRIPTION = (
+    "Print the torch version, the CPU flags that decide bf16/fp16 speed, devices, autocast dtypes, an fp16 probe of "
+    "matmuls and convolutions, whether fused optimizers run here, how fast the opt levels train the demo's small MLP "
+    "(timed as `ampinit demo` times it: levels interleaved in blocks, median ms/step), and the level the demo's "
+    "verdict picks from that: TENTATIVE on a busy machine, none when the step times were too noisy to compare."
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,6 +64,48 @@ def build_parser() -> argparse.ArgumentParser:
     add_demo_parser(commands)
     add_doctor_parser(commands)
     return parser
+
+
+def _finite_seconds(text: str) -> float:
+    """``doctor --budget``: the benchmark runs until the budget is spent, so it must be finite."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
+    if math.isinf(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number of seconds > 0, got {text!r}")
+    return value
+
+
+def add_doctor_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``doctor`` on an ``argparse`` subparsers object (``parser.add_subparsers()``) and set ``func``."""
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "doctor",
+        help="what this machine offers for mixed precision, and which level to use",
+        description=DOCTOR_DESCRIPTION,
+    )
+    parser.add_argument(
+        "--budget",
+        type=_finite_seconds,
+        default=2.0,
+        metavar="SECONDS",
+        help="time for the training-step benchmark (default 2)",
+    )
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.set_defaults(func=doctor_command)
+    return parser
+
+
+def doctor_command(args: argparse.Namespace) -> int:
+    # torch is imported here, not at the top: `ampinit --help` builds this parser and must answer at once.
+    from ampinit.doctor import diagnose, format_report
+
+    report = diagnose(budget_s=args.budget)
+    text = json.dumps(report.as_dict(), indent=1) if args.json else format_report(report)
+    sys.stdout.write(text + "\n")
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

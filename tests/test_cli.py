@@ -99,10 +99,10 @@ def test_help_and_version_answer_without_importing_torch(flag: str) -> None:
 
 
 def test_public_names_load_on_first_use() -> None:
-    import ampinit._initialize
+    import ampinit._api
     import ampinit._session
 
-    assert ampinit.initialize is ampinit._initialize.initialize and ampinit.AmpStats is ampinit._session.AmpStats
+    assert ampinit.initialize is ampinit._api.initialize and ampinit.AmpStats is ampinit._session.AmpStats
     assert all(getattr(ampinit, name) is not None for name in ampinit.__all__)
     with pytest.raises(AttributeError, match="no attribute 'initialise'"):
         ampinit.initialise  # noqa: B018

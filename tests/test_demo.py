@@ -255,11 +255,10 @@ def test_cuda_without_cuda_is_an_error(capsys: pytest.CaptureFixture[str], tmp_p
     assert "--device cuda, but CUDA is not available" in capsys.readouterr().err
 
 
-def test_subcommands_register_on_any_subparsers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_demo_registers_on_any_subparsers(tmp_path: Path) -> None:
     parser = argparse.ArgumentParser(prog="ampinit")
     commands = parser.add_subparsers(dest="command")
     cli.add_demo_parser(commands)
-    cli.add_doctor_parser(commands)
 
     args = parser.parse_args(["demo", "--quick", "--levels", "O0,O4", "--out", str(tmp_path), "--steps", "7"])
     assert args.func is cli.demo_command
@@ -268,10 +267,14 @@ def test_subcommands_register_on_any_subparsers(tmp_path: Path, capsys: pytest.C
     assert cli.demo_config(args) == DemoConfig(time_budget_s=None, block=3)
     assert cli.demo_config(parser.parse_args(["demo"])) == DemoConfig()
 
-    args = parser.parse_args(["doctor", "--budget", "0.1", "--json"])
-    assert args.func(args) == 0
-    report = json.loads(capsys.readouterr().out)
-    assert report["torch"] == torch.__version__ and report["recommendation"] in (*OPT_LEVELS, None)
+
+def test_the_demo_points_to_the_doctor(capsys: pytest.CaptureFixture[str]) -> None:
+    """``python -m ampinit.demo doctor`` ran the doctor while its parser lived in the demo; the doctor is
+    ``ampinit doctor`` now, and the old spelling says so instead of running anything."""
+    assert cli.main(["doctor", "--budget", "0.1"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "the doctor is not part of the demo: run `ampinit doctor` (or `python -m ampinit doctor`)" in captured.err
 
 
 def test_config_errors_name_the_value() -> None:

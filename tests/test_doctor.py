@@ -6,14 +6,19 @@ real time: what is checked is what the doctor concludes from given step times, n
 
 from __future__ import annotations
 
+import argparse
+import ast
 import itertools
 import json
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import pytest
 import torch
 
-from ampinit.cli import main
+import ampinit.demo
+from ampinit.cli import add_doctor_parser, main
+from ampinit.demo.run import OPT_LEVELS
 from ampinit.doctor import DeviceReport, diagnose, format_report, recommend
 
 
@@ -135,3 +140,26 @@ def test_doctor_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert set(data["cpu_flags"]) <= {"avx512_bf16", "amx_bf16", "avx512_fp16", "amx_fp16"}
     assert data["recommendation"] in ("O0", "O1", "O2", "O4", "O5", None)
     assert isinstance(data["tentative"], bool)
+
+
+def test_the_doctor_registers_on_any_subparsers(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser(prog="ampinit")
+    add_doctor_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["doctor", "--budget", "0.1", "--json"])
+    assert args.func(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["torch"] == torch.__version__ and report["recommendation"] in (*OPT_LEVELS, None)
+
+
+def test_the_demo_imports_nothing_of_the_doctor() -> None:
+    """The doctor is built on the demo's measurement (``ampinit.demo.run``, ``verdict``); the demo, its command
+    line included, does not reach back up to it, at any depth (a lazy import counts)."""
+    demo = Path(ampinit.demo.__file__).parent
+    reached: dict[str, int] = {}
+    for path in sorted(demo.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            names += [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+            if any(name == "ampinit.doctor" or name.startswith("ampinit.doctor.") for name in names):
+                reached[path.name] = node.lineno
+    assert reached == {}

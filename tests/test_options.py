@@ -137,7 +137,7 @@ def test_session_keeps_its_option_names() -> None:
     assert session is not None
     try:
         assert session.options.num_losses == session.num_losses == len(session.scalers) == 2
-        assert (session.verbosity, session.cast_policy_name, session.sync_free) == (0, "native", False)
+        assert (session.verbosity, session.options.cast_policy, session.options.sync_free) == (0, "native", False)
         assert session.properties is session.options.properties
     finally:
         session.close()

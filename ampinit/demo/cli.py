@@ -1,14 +1,12 @@
-"""The ``demo`` and ``doctor`` subcommands, for ``ampinit`` (``ampinit/cli.py``) and ``python -m ampinit.demo``.
+"""The ``demo`` subcommand, for ``ampinit`` (``ampinit/cli.py``) and ``python -m ampinit.demo``.
 
-``add_demo_parser(subparsers)`` and ``add_doctor_parser(subparsers)`` each register one subcommand on an
-``argparse`` subparsers object and set ``func``: ``args.func(args)`` runs it and returns the exit code.
+``add_demo_parser(subparsers)`` registers it on an ``argparse`` subparsers object and sets ``func``:
+``args.func(args)`` runs it and returns the exit code. The doctor is ``ampinit doctor`` (``ampinit/cli.py``).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,12 +24,6 @@ DEMO_DESCRIPTION = (
     "final loss, accuracy, ms/step and its spread, speedup vs O0, peak memory, skipped steps, loss scale), warn "
     "loudly when the machine was too busy to trust the timings, end with the level to use here and why, and write "
     "it all as JSON and Markdown, with a PNG of loss against steps and against time (PNG needs matplotlib)."
-)
-DOCTOR_DESCRIPTION = (
-    "Print the torch version, the CPU flags that decide bf16/fp16 speed, devices, autocast dtypes, an fp16 probe of "
-    "matmuls and convolutions, whether fused optimizers run here, how fast the opt levels train the demo's small MLP "
-    "(timed as `ampinit demo` times it: levels interleaved in blocks, median ms/step), and the level the demo's "
-    "verdict picks from that: TENTATIVE on a busy machine, none when the step times were too noisy to compare."
 )
 
 
@@ -80,14 +72,6 @@ def _positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
     if not value > 0:
         raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
-    return value
-
-
-def _finite_seconds(text: str) -> float:
-    """``doctor --budget``: the benchmark runs until the budget is spent, so it must be finite."""
-    value = _positive_float(text)
-    if math.isinf(value):
-        raise argparse.ArgumentTypeError(f"expected a finite number of seconds > 0, got {text!r}")
     return value
 
 
@@ -170,49 +154,17 @@ def demo_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def configure_doctor_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the doctor's options to ``parser`` and set ``func``."""
-    parser.add_argument(
-        "--budget",
-        type=_finite_seconds,
-        default=2.0,
-        metavar="SECONDS",
-        help="time for the training-step benchmark (default 2)",
-    )
-    parser.add_argument("--json", action="store_true", help="print the report as JSON")
-    parser.set_defaults(func=doctor_command)
-    return parser
-
-
-def add_doctor_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Register ``doctor`` on an ``argparse`` subparsers object (``parser.add_subparsers()``)."""
-    parser = subparsers.add_parser(
-        "doctor",
-        help="what this machine offers for mixed precision, and which level to use",
-        description=DOCTOR_DESCRIPTION,
-    )
-    return configure_doctor_parser(parser)
-
-
-def doctor_command(args: argparse.Namespace) -> int:
-    from ampinit.doctor import diagnose, format_report
-
-    report = diagnose(budget_s=args.budget)
-    text = json.dumps(report.as_dict(), indent=1) if args.json else format_report(report)
-    sys.stdout.write(text + "\n")
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
-    """``python -m ampinit.demo [options]``: the demo; ``python -m ampinit.demo doctor``: the doctor."""
+    """``python -m ampinit.demo [options]``: the demo."""
     arguments = sys.argv[1:] if argv is None else argv
     if arguments[:1] == ["doctor"]:
-        parser = configure_doctor_parser(argparse.ArgumentParser(prog="python -m ampinit.demo doctor"))
-        arguments = arguments[1:]
-    else:
-        parser = configure_demo_parser(
-            argparse.ArgumentParser(prog="python -m ampinit.demo", description=DEMO_DESCRIPTION)
+        # The doctor used to answer here too; whoever still types it learns where it went.
+        sys.stderr.write(
+            "python -m ampinit.demo: error: the doctor is not part of the demo: run `ampinit doctor` "
+            "(or `python -m ampinit doctor`), with the same options\n"
         )
+        return 2
+    parser = configure_demo_parser(argparse.ArgumentParser(prog="python -m ampinit.demo", description=DEMO_DESCRIPTION))
     args = parser.parse_args(arguments)
     result: int = args.func(args)
     return result

@@ -22,7 +22,6 @@ import torch
 
 import ampinit
 from ampinit import AmpSession
-from ampinit._optimizer_record import Stage
 from ampinit._types import HALF_DTYPES
 from ampinit.compat.apex.amp_C import multi_tensor_l2norm, multi_tensor_scale
 
@@ -53,13 +52,13 @@ class AmpStash:
         """Whether the next ``step()`` is skipped because the last unscale found an overflow (Apex patched
         ``step`` with a one-shot skip then)."""
         optimizer, session = self._owner("already_patched")
-        return _skip_pending(session, optimizer)
+        return session.next_step_skipped(optimizer)
 
     @property
     def params_have_scaled_gradients(self) -> bool:
         """Whether the gradients are still scaled: the last ``scale_loss`` block had ``delay_unscale=True``."""
         optimizer, session = self._owner("params_have_scaled_gradients")
-        return _grads_scaled(session, optimizer)
+        return session.grads_scaled(optimizer)
 
     # -- the parameter lists --------------------------------------------------------------------------------
     @property
@@ -149,20 +148,6 @@ def _master_groups(
                 direct.append(param)
         groups.append((half, masters, direct))
     return groups
-
-
-# The session keeps one record per optimizer; it is read here, in one place.
-def _skip_pending(session: AmpSession, optimizer: torch.optim.Optimizer) -> bool:
-    record = session._record_of(optimizer)
-    if record is None:
-        return False
-    flag = record.skip_flag
-    return record.skip_pending or (flag is not None and bool(flag.item()))
-
-
-def _grads_scaled(session: AmpSession, optimizer: torch.optim.Optimizer) -> bool:
-    record = session._record_of(optimizer)
-    return bool(record is not None and record.stage is Stage.SCALED)
 
 
 def attach(holder: Any, optimizer: torch.optim.Optimizer) -> None:

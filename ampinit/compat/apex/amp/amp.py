@@ -73,6 +73,6 @@ def init(
     session = ampinit.current_session()
     assert session is not None
     follow_apex_tensor_rules(session)
-    if enable_caching and session._cast_policy is not None:
-        session._cast_policy.cache_outside_forwards()
+    if enable_caching:
+        session.cache_casts_outside_forwards()
     return _amp_state.handle_for(session, verbose=verbose)

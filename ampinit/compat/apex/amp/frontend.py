@@ -88,11 +88,10 @@ def follow_apex_tensor_rules(session: ampinit.AmpSession | None) -> None:
 
     The session is closed again when that fails, so that ``initialize`` leaves nothing half-applied.
     """
-    policy = None if session is None else session._cast_policy
-    if session is None or policy is None:
+    if session is None:
         return
     try:
-        policy.follow_apex_tensor_rules()
+        session.follow_apex_tensor_rules()
     except BaseException:
         session.close()
         raise

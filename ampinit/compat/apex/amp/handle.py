@@ -86,11 +86,11 @@ class AmpHandle:
 
     def _clear_cache(self) -> None:
         """Forget the cached weight casts (the session also does it at every ``scale_loss`` exit and step)."""
-        self._session._clear_cast_cache()
+        self._session.clear_cast_cache()
 
     def remove_cache(self, param: torch.Tensor) -> None:
         """Forget the cached casts, of ``param`` among others (torch's cache cannot drop one entry)."""
-        self._session._clear_cast_cache()
+        self._session.clear_cast_cache()
 
     @property
     def has_cache(self) -> bool:
