@@ -5,7 +5,10 @@ restore state on an error) fails loudly instead of contaminating the next test."
 
 from __future__ import annotations
 
+import importlib
+import os
 from collections.abc import Iterator
+from types import ModuleType
 
 import pytest
 import torch
@@ -40,6 +43,34 @@ def no_leaks() -> Iterator[None]:
     changed = _leaks.differences(before, _leaks.snapshot())
     assert not leaked, f"test left amp sessions open: {leaked}"
     assert not changed, "test leaked process state:\n" + "\n".join(changed)
+
+
+@pytest.fixture(scope="module")
+def triton_interpreter() -> Iterator[ModuleType]:
+    """``ampinit._masters.triton_kernels`` with its kernels built for Triton's interpreter, to run on CPU tensors
+    (TRITON_INTERPRET is read when the kernels are decorated, hence the reload)."""
+    pytest.importorskip("triton", reason="triton is not installed (pip install triton); the kernels need it")
+    previous = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import ampinit._masters.triton_kernels as module
+
+        yield importlib.reload(module)
+    finally:
+        if previous is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = previous
+
+
+@pytest.fixture
+def kernels_on_cpu(triton_interpreter: ModuleType, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    """The interpreted kernels, and amp's master step taking them for CPU tensors (the one switch,
+    ``kernel_step.TRITON_ON_CPU``)."""
+    from ampinit._masters import kernel_step
+
+    monkeypatch.setattr(kernel_step, "TRITON_ON_CPU", True)
+    return triton_interpreter
 
 
 class SmallNet(nn.Module):

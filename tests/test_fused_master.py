@@ -6,16 +6,13 @@ Every comparison is bitwise: the kernels do the reference's fp32 operations in t
 
 from __future__ import annotations
 
-import importlib
-import os
-from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
 import pytest
 import torch
 
-from ampinit import _fused_master as ref
+from ampinit._masters import reference as ref
 
 pytest.importorskip("triton", reason="triton is not installed (pip install triton); the kernels are tested through it")
 
@@ -23,19 +20,9 @@ SIZES = [1, 7, 1024, 1025, 3000]
 
 
 @pytest.fixture(scope="module")
-def kernels() -> Iterator[ModuleType]:
-    """``ampinit._triton_master`` with its kernels built for the interpreter (the flag is read at decoration)."""
-    previous = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        import ampinit._triton_master as module
-
-        yield importlib.reload(module)
-    finally:
-        if previous is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = previous
+def kernels(triton_interpreter: ModuleType) -> ModuleType:
+    """The shared interpreted kernels (tests/conftest.py), under the name these tests compare with ``ref``."""
+    return triton_interpreter
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -270,7 +257,8 @@ def train(
     """Four amp steps; the fused step runs on ``backend`` (None: torch's own step). Returns weights, state, launches."""
     from torch import nn
 
-    from ampinit import _fused_step, amp
+    from ampinit import amp
+    from ampinit._masters import kernel_step
 
     calls = []
 
@@ -278,7 +266,7 @@ def train(
         calls.append(device)
         return backend
 
-    monkeypatch.setattr(_fused_step, "_kernels", kernels)
+    monkeypatch.setattr(kernel_step, "kernels_for", kernels)
     gen = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))

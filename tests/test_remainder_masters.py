@@ -2,18 +2,16 @@
 in both directions, skipped steps, memory, errors, and the Triton remainder kernels against the reference.
 
 The reference rounding used here, :func:`tie_away_bf16`, is written from values (the two bf16 neighbours of a
-master, compared in float64), not from the bit arithmetic of ``ampinit._remainder``.
+master, compared in float64), not from the bit arithmetic of ``ampinit._masters.remainder``.
 """
 
 from __future__ import annotations
 
 import copy
 import gc
-import importlib
 import io
-import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -22,7 +20,9 @@ import torch
 from torch import nn
 
 import ampinit
-from ampinit import _fused_master, _remainder, _remainder_masters, amp
+from ampinit import amp
+from ampinit._masters import reference as step_reference
+from ampinit._masters import remainder as encoding
 from ampinit.optimizers import FusedAdam, FusedSGD
 
 # -- an independent reference of the tie rule ------------------------------------------------------------------
@@ -105,8 +105,8 @@ def all_low_halves(high: int) -> torch.Tensor:
 @pytest.mark.parametrize("high", HIGH_HALVES, ids=lambda h: f"{h:#06x}")
 def test_split_join_round_trips_every_low_half(high: int) -> None:
     masters = all_low_halves(high)
-    weight, remainder = _remainder.split(masters)
-    joined = _remainder.join(weight, remainder)
+    weight, remainder = encoding.split(masters)
+    joined = encoding.join(weight, remainder)
     nan = masters.isnan()
     if nan.any():
         # NaN: torch's bf16 NaN, remainder 0, and the canonical fp32 NaN back.
@@ -126,7 +126,7 @@ def test_split_join_round_trips_every_low_half(high: int) -> None:
 @pytest.mark.parametrize("high", HIGH_HALVES, ids=lambda h: f"{h:#06x}")
 def test_weight_differs_from_round_to_nearest_even_only_on_even_ties(high: int) -> None:
     masters = all_low_halves(high)
-    weight, _ = _remainder.split(masters)
+    weight, _ = encoding.split(masters)
     nearest_even = masters.to(torch.bfloat16)
     nan = masters.isnan()
     assert bool(weight[nan].isnan().all()) and bool(nearest_even[nan].isnan().all())
@@ -141,17 +141,17 @@ def test_weight_differs_from_round_to_nearest_even_only_on_even_ties(high: int) 
 
 def test_infinities_and_zeros_are_kept() -> None:
     values = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), 3.4028234663852886e38, -1e-45])
-    weight, remainder = _remainder.split(values)
-    assert same_bits(_remainder.join(weight, remainder), values)
+    weight, remainder = encoding.split(values)
+    assert same_bits(encoding.join(weight, remainder), values)
     assert torch.equal(weight.float()[:4], values[:4]) and str(weight[1].item()) == "-0.0"
     assert weight[4].item() == float("inf")  # the largest fp32 rounds up to inf, as torch's cast does
 
 
 def test_join_refuses_wrong_dtypes() -> None:
     with pytest.raises(ValueError, match=re.escape("join needs a bfloat16 weight and an int16 remainder")):
-        _remainder.join(torch.zeros(3), torch.zeros(3, dtype=torch.int16))
+        encoding.join(torch.zeros(3), torch.zeros(3, dtype=torch.int16))
     with pytest.raises(ValueError, match=re.escape("remainder masters split fp32 tensors, got torch.float64")):
-        _remainder.split(torch.zeros(3, dtype=torch.float64))
+        encoding.split(torch.zeros(3, dtype=torch.float64))
 
 
 # -- (b) training against a plain re-implementation -----------------------------------------------------------
@@ -531,25 +531,14 @@ SIZES = [1, 7, 1024, 1025, 3000]
 
 
 @pytest.fixture(scope="module")
-def kernels() -> Iterator[ModuleType]:
-    """``ampinit._triton_master`` built for the interpreter (the flag is read when the kernels are decorated)."""
-    pytest.importorskip("triton", reason="triton is not installed (pip install triton); the kernels need it")
-    previous = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        import ampinit._triton_master as module
-
-        yield importlib.reload(module)
-    finally:
-        if previous is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = previous
+def kernels(triton_interpreter: ModuleType) -> ModuleType:
+    """The shared interpreted kernels (tests/conftest.py), under the name these tests compare with the reference."""
+    return triton_interpreter
 
 
 def remainder_state(seed: int, grad_dtype: torch.dtype, scale: float) -> dict[str, list[torch.Tensor]]:
     gen = torch.Generator().manual_seed(seed)
-    pairs = [_remainder.split(torch.randn(n, generator=gen)) for n in SIZES]
+    pairs = [encoding.split(torch.randn(n, generator=gen)) for n in SIZES]
     return {
         "weights": [w for w, _ in pairs],
         "remainders": [r for _, r in pairs],
@@ -562,14 +551,14 @@ def remainder_state(seed: int, grad_dtype: torch.dtype, scale: float) -> dict[st
 def call(module: ModuleType, name: str, state: dict[str, list[torch.Tensor]], *args: Any, **kwargs: Any) -> None:
     """``module``'s ``adam_`` or ``sgd_`` on the remainder masters of ``state``, and its moments."""
     moments = [state[key] for key in (("m", "v") if name == "adam_" else ("m",))]
-    masters = _fused_master.Masters.remainder(state["weights"], state["remainders"])
+    masters = step_reference.Masters.remainder(state["weights"], state["remainders"])
     getattr(module, name)(state["grads"], masters, *moments, *args, **kwargs)
 
 
 def run_both(kernels: ModuleType, name: str, state: dict[str, list[torch.Tensor]], *args: Any, **kwargs: Any) -> None:
     """The reference on ``state``, the kernel on a copy: every tensor must end with the same bits."""
     copy_ = {key: [t.clone() for t in value] for key, value in state.items()}
-    call(_fused_master, name, state, *args, **kwargs)
+    call(step_reference, name, state, *args, **kwargs)
     call(kernels, name, copy_, *args, **kwargs)
     for key in state:
         for got, want in zip(copy_[key], state[key]):
@@ -591,8 +580,8 @@ def test_adam_remainder_kernel_matches_the_reference(
             kernels,
             "adam_",
             state,
-            _fused_master.adam_step_scalars(steps, 0.9, 0.999, 1e-3),
-            _fused_master.AdamSettings(
+            step_reference.adam_step_scalars(steps, 0.9, 0.999, 1e-3),
+            step_reference.AdamSettings(
                 lr=1e-3,
                 beta1=0.9,
                 beta2=0.999,
@@ -622,7 +611,7 @@ def test_sgd_remainder_kernel_matches_the_reference(
             kernels,
             "sgd_",
             state,
-            _fused_master.SgdSettings(
+            step_reference.SgdSettings(
                 lr=0.1,
                 momentum=momentum,
                 dampening=dampening,
@@ -640,21 +629,21 @@ def test_the_kernels_split_and_join_every_pattern_like_the_reference(kernels: Mo
     # An SGD step with lr=0 leaves every master as it is (p + -0.0 == p, NaN stays NaN): what remains is the
     # kernel's join and split, over every low half of every upper half in HIGH_HALVES.
     masters = torch.cat([all_low_halves(high) for high in HIGH_HALVES])
-    weight, remainder = _remainder.split(masters)
+    weight, remainder = encoding.split(masters)
     state = {"weights": [weight], "remainders": [remainder], "grads": [torch.zeros_like(weight)], "m": []}
-    expected = _remainder.join(weight, remainder)
+    expected = encoding.join(weight, remainder)
     run_both(
         kernels,
         "sgd_",
         state,
-        _fused_master.SgdSettings(
+        step_reference.SgdSettings(
             lr=0.0, momentum=0.0, dampening=0.0, nesterov=False, weight_decay=0.0, maximize=False
         ),
         first_step=True,
         inv_scale=None,
         found_inf=None,
     )
-    assert same_bits(_remainder.join(state["weights"][0], state["remainders"][0]), expected)
+    assert same_bits(encoding.join(state["weights"][0], state["remainders"][0]), expected)
 
 
 def test_a_raised_flag_changes_nothing_in_the_kernels(kernels: ModuleType) -> None:
@@ -664,8 +653,8 @@ def test_a_raised_flag_changes_nothing_in_the_kernels(kernels: ModuleType) -> No
         kernels,
         "adam_",
         state,
-        _fused_master.adam_step_scalars([torch.tensor(1.0)] * len(SIZES), 0.9, 0.999, 1e-3),
-        _fused_master.AdamSettings(
+        step_reference.adam_step_scalars([torch.tensor(1.0)] * len(SIZES), 0.9, 0.999, 1e-3),
+        step_reference.AdamSettings(
             lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True, maximize=False
         ),
         inv_scale=None,
@@ -677,7 +666,8 @@ def test_a_raised_flag_changes_nothing_in_the_kernels(kernels: ModuleType) -> No
 
 
 class ReferenceAdamW(torch.optim.Optimizer):
-    """AdamW in the fp32-master reference math of the fused path (``_fused_master.adam_``), one tensor at a time."""
+    """AdamW in the fp32-master reference math of the fused path (``ampinit._masters.reference.adam_``), one
+    tensor at a time."""
 
     def __init__(self, params: Any, lr: float, weight_decay: float) -> None:
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay))
@@ -690,13 +680,13 @@ class ReferenceAdamW(torch.optim.Optimizer):
                 if not state:
                     state.update(step=torch.zeros(()), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
                 state["step"] += 1
-                _fused_master.adam_(
+                step_reference.adam_(
                     [p.grad],
-                    _fused_master.Masters.fp32([p]),
+                    step_reference.Masters.fp32([p]),
                     [state["exp_avg"]],
                     [state["exp_avg_sq"]],
-                    _fused_master.adam_step_scalars([state["step"]], 0.9, 0.999, group["lr"]),
-                    _fused_master.AdamSettings(
+                    step_reference.adam_step_scalars([state["step"]], 0.9, 0.999, group["lr"]),
+                    step_reference.AdamSettings(
                         lr=group["lr"],
                         beta1=0.9,
                         beta2=0.999,
@@ -711,10 +701,7 @@ class ReferenceAdamW(torch.optim.Optimizer):
 
 
 @pytest.mark.parametrize("ties", [False, True], ids=["random", "ties"])
-def test_training_through_the_kernels_is_bitwise_the_reference(
-    kernels: ModuleType, monkeypatch: pytest.MonkeyPatch, ties: bool
-) -> None:
-    monkeypatch.setattr(_remainder_masters, "TRITON_ON_CPU", True)
+def test_training_through_the_kernels_is_bitwise_the_reference(kernels_on_cpu: ModuleType, ties: bool) -> None:
     net, x, y = make_net(14, ties)
     reference = PlainReference(net, lambda p: ReferenceAdamW(p, lr=1e-2, weight_decay=0.05))
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.05, fused=True)
