@@ -253,8 +253,12 @@ def train(
     make_opt: Any,
     sync_free: bool = False,
     poison_step: int | None = None,
+    switched: bool = False,
 ) -> tuple[list[torch.Tensor], dict[str, Any], int]:
-    """Four amp steps; the fused step runs on ``backend`` (None: torch's own step). Returns weights, state, launches."""
+    """Four amp steps; the fused step runs on ``backend`` (None: torch's own step). Returns weights, state, launches.
+
+    ``switched``: ``backend`` is not imposed; amp's own ``kernels_for`` picks the kernels (counted all the same).
+    """
     from torch import nn
 
     from ampinit import amp
@@ -262,9 +266,11 @@ def train(
 
     calls = []
 
+    picked = kernel_step.kernels_for
+
     def kernels(device: torch.device) -> ModuleType | None:
         calls.append(device)
-        return backend
+        return picked(device) if switched else backend
 
     monkeypatch.setattr(kernel_step, "kernels_for", kernels)
     gen = torch.Generator().manual_seed(0)
@@ -364,3 +370,18 @@ def test_amp_fused_step_leaves_other_optimizers_to_torch(
 ) -> None:
     _, _, launches = train(monkeypatch, kernels, "O2", make_opt)
     assert launches == 0
+
+
+def test_the_one_switch_runs_fp32_masters_through_the_kernels_on_cpu(
+    kernels_on_cpu: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``kernel_step.TRITON_ON_CPU`` (set by the ``kernels_on_cpu`` fixture) serves fp32 masters as it serves
+    remainder ones: with it on, amp's own choice of kernels gives the interpreted kernels and the reference's bits."""
+    launched = []
+    adam = kernels_on_cpu.adam_
+    monkeypatch.setattr(kernels_on_cpu, "adam_", lambda *a, **k: launched.append(1) or adam(*a, **k))
+    tensors, state, _ = train(monkeypatch, None, "O2", OPTIMIZERS["adamw"], switched=True)
+    assert launched
+    ref_tensors, ref_state, _ = train(monkeypatch, ref, "O2", OPTIMIZERS["adamw"])
+    assert_same(tensors, ref_tensors)
+    assert_same(state_tensors(state), state_tensors(ref_state))

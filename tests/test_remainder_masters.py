@@ -509,6 +509,97 @@ def test_fused_adam_with_its_own_masters_is_refused() -> None:
         amp.initialize(net, optimizer, opt_level="O5", master_weights="remainder")
 
 
+class PlainMomentum(torch.optim.Optimizer):
+    """SGD with momentum, written here: its own ``step``, and the same update offered to amp through the
+    master-update protocol (``ampinit._masters.update.MasterUpdate``) that FusedAdam and FusedSGD implement."""
+
+    def __init__(self, params: Any, lr: float, momentum: float, refuse: bool = False) -> None:
+        super().__init__(params, {"lr": lr, "momentum": momentum})
+        self.refuse = refuse
+
+    def _update(
+        self, group: dict[str, Any], params: list[torch.Tensor], targets: list[torch.Tensor], grads: list[torch.Tensor]
+    ) -> None:
+        for param, target, grad in zip(params, targets, grads):
+            buffer = self.state[param].get("momentum_buffer")
+            buffer = grad.clone() if buffer is None else buffer.mul_(group["momentum"]).add_(grad)
+            self.state[param]["momentum_buffer"] = buffer
+            target.add_(buffer, alpha=-group["lr"])
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            self._update(group, params, params, [p.grad for p in params])  # type: ignore[misc]
+
+    def check_master_update(self) -> None:
+        if self.refuse:
+            raise ValueError("PlainMomentum(refuse=True) takes no master update")
+
+    def update_masters(self, group: dict[str, Any], chunks: Any, found_inf: torch.Tensor | None) -> None:
+        if found_inf is not None and found_inf.item() != 0:
+            return
+        for params, masters, grads in chunks:
+            self._update(group, params, masters, grads)
+
+
+def test_an_optimizer_that_declares_its_master_update_trains_on_remainder_masters() -> None:
+    """amp asks for the capability, not for a class: an optimizer it has never heard of takes part, bitwise
+    the same optimizer stepping plain fp32 masters."""
+    net, x, y = make_net(17, ties=False)
+    reference = PlainReference(net, lambda ps: PlainMomentum(ps, lr=0.05, momentum=0.9))
+    net, optimizer, session = remainder_session(net, PlainMomentum(net.parameters(), lr=0.05, momentum=0.9))
+    try:
+        for step in range(STEPS):
+            assert same_bits(amp_step(net, optimizer, x, y), reference.step(x, y)), step
+        for got, want in zip(net.parameters(), reference.net.parameters()):
+            assert same_bits(got.detach(), want.detach())
+        for got, want in zip(masters_of(session, net), reference.masters):
+            assert same_bits(got, want.detach())
+        assert_optimizer_states_equal(optimizer, reference.optimizer)
+    finally:
+        session.close()
+
+
+def test_an_optimizer_refusing_its_master_update_is_refused_with_its_reason() -> None:
+    net, _, _ = make_net(18, ties=False)
+    optimizer = PlainMomentum(net.parameters(), lr=0.05, momentum=0.9, refuse=True)
+    with pytest.raises(ValueError, match=re.escape("PlainMomentum(refuse=True) takes no master update")):
+        amp.initialize(net, optimizer, opt_level="O5", master_weights="remainder")
+    assert all(p.dtype == torch.float32 for p in net.parameters())
+
+
+class MomentumSubclass(PlainMomentum):
+    pass
+
+
+class FusedAdamSubclass(FusedAdam):
+    pass
+
+
+class FusedSGDSubclass(FusedSGD):
+    pass
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda ps: MomentumSubclass(ps, lr=0.05, momentum=0.9),
+        lambda ps: FusedAdamSubclass(ps),
+        lambda ps: FusedSGDSubclass(ps, lr=0.1),
+    ],
+    ids=["plain", "fused_adam", "fused_sgd"],
+)
+def test_subclasses_of_an_optimizer_with_a_master_update_are_refused(make: Callable[..., Any]) -> None:
+    """A subclass inherits the update but may have changed ``step()``, which amp's remainder step never calls."""
+    net, _, _ = make_net(19, ties=False)
+    optimizer = make(net.parameters())
+    name = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+    with pytest.raises(ValueError, match=re.escape(f"does not support the optimizer {name}") + ".*subclasses excluded"):
+        amp.initialize(net, optimizer, opt_level="O5", master_weights="remainder")
+    assert all(p.dtype == torch.float32 for p in net.parameters())
+
+
 @pytest.mark.parametrize("value", ["Remainder", "fp32", 1])
 def test_bad_master_weights_values_are_named(value: object) -> None:
     net, _, _ = make_net(12, ties=False)
