@@ -27,6 +27,7 @@ import torch
 
 from ampinit import _kernels
 from ampinit._masters import kernel_step
+from ampinit._masters.update import Update, update_of
 from ampinit._scaler import LossScaler
 from ampinit._types import HALF_DTYPES
 
@@ -40,6 +41,7 @@ class OptimizerGrads:
     def __init__(self, optimizer: torch.optim.Optimizer, master_weights: bool) -> None:
         self.optimizer = optimizer
         self.master_weights = master_weights
+        self.update: Update | None = update_of(optimizer)  # the update amp could run itself (kernel_step)
         # id(model param) -> (model param, master), and id(master) -> model param.
         self._master_of: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._model_of: dict[int, torch.Tensor] = {}
@@ -308,7 +310,7 @@ class OptimizerGrads:
         list (see ``kernel_step``). False: nothing was done, and the optimizer's own ``step`` must run."""
         if not self.master_weights:
             return False
-        return kernel_step.step_fp32_masters(self.optimizer, self._model_of, original, found_inf)
+        return kernel_step.step_fp32_masters(self.optimizer, self.update, self._model_of, original, found_inf)
 
     def after_step(self, stepped: bool, weights_written: bool = False) -> None:
         """Copy updated masters into the model (if the step ran) and release the master grads (as Apex does).

@@ -8,7 +8,7 @@ updates the master and the optimizer state, and writes the half weight, so no co
 masters take the same kernels, group by group. The optimizer's ``state`` keeps torch's layout (``step``,
 ``exp_avg``, ``exp_avg_sq``; ``momentum_buffer``), so checkpoints move freely between this path and torch's.
 
-The rule, for both kinds of masters: the optimizer's update is torch's (:func:`~ampinit._masters.update.update_of`),
+The rule, for both kinds of masters: the optimizer's update is torch's (``ampinit._masters.update.update_of``),
 its group asks for the fused numerics and takes no option the kernels lack (:func:`group_takes_kernels`: amsgrad,
 tensor lr or betas, differentiable), the device has kernels (:func:`kernels_for`), and every tensor is dense,
 contiguous, on one device, with a grad of its master's dtype (:func:`kernels_taking`). fp32 masters also leave the
@@ -28,7 +28,7 @@ import torch.optim.optimizer as optim_module
 from ampinit import _kernels as engine_kernels
 from ampinit._masters import reference
 from ampinit._masters.reference import AdamSettings, Masters, SgdSettings
-from ampinit._masters.update import Update, update_of
+from ampinit._masters.update import Update
 
 #: The one test switch: tests set it to run the kernels on CPU tensors through Triton's interpreter (with
 #: TRITON_INTERPRET=1 when ``triton_kernels`` is imported; tests/conftest.py's ``kernels_on_cpu`` does both).
@@ -112,16 +112,16 @@ def _plain_step(opt: torch.optim.Optimizer, original: Callable[..., Any]) -> boo
 
 def step_fp32_masters(
     opt: torch.optim.Optimizer,
+    update: Update | None,
     model_of: dict[int, torch.Tensor],
     original: Callable[..., Any],
     found_inf: torch.Tensor | None,
 ) -> bool:
     """Take ``opt``'s step through the kernels, writing the half weights; False (nothing done) if it can't.
 
-    ``model_of`` maps id(master) -> half model parameter. ``found_inf`` is the device flag of a step that skips
-    by itself (sync-free mode), or None for a step decided on the host.
+    ``update`` is ``update_of(opt)``; ``model_of`` maps id(master) -> half model parameter. ``found_inf`` is the
+    device flag of a step that skips by itself (sync-free mode), or None for a step decided on the host.
     """
-    update = update_of(opt)
     if not all(group_takes_kernels(update, group) for group in opt.param_groups) or not _plain_step(opt, original):
         return False
     planned = _plan(opt, update, model_of, found_inf)

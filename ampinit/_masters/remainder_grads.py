@@ -55,8 +55,9 @@ class RemainderGrads(OptimizerGrads):
     def __init__(self, optimizer: torch.optim.Optimizer, master_weights: bool = True) -> None:
         # ``master_weights`` is accepted for OptimizerGrads's signature (the session builds either class with
         # the same arguments); remainder masters are always masters.
+        update = remainder_update(optimizer)  # refused before anything is built
         super().__init__(optimizer, master_weights=True)
-        self.update = remainder_update(optimizer)
+        self.update = update
         self._own_update = own_update(optimizer)
         self._remainders: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(param) -> (param, remainder)
         self._handles: list[RemovableHandle] = []
