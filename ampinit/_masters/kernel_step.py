@@ -135,7 +135,7 @@ def step_fp32_masters(
         for weight_dtype in set(dtype_of.values()):
             chosen = [p for p in params if dtype_of[id(p)] == weight_dtype]
             weights = [model_of[id(p)] for p in chosen] if weight_dtype is not None else []
-            kernel_step(update, kernels, opt, group, chosen, Masters.fp32(chosen, weights), found_inf)
+            run_kernels(update, kernels, opt, group, chosen, Masters.fp32(chosen, weights), found_inf)
     return True
 
 
@@ -154,7 +154,7 @@ def _plan(
     return kernels, params_of
 
 
-def kernel_step(
+def run_kernels(
     update: Update | None,
     kernels: ModuleType,
     opt: torch.optim.Optimizer,

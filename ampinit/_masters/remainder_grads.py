@@ -277,7 +277,7 @@ class RemainderGrads(OptimizerGrads):
         for batch in (with_remainder, direct):
             if batch:
                 masters = self._masters(batch)
-                kernel_step.kernel_step(self.update, kernels, self.optimizer, group, batch, masters, found_inf)
+                kernel_step.run_kernels(self.update, kernels, self.optimizer, group, batch, masters, found_inf)
         return True
 
     def _masters(self, params: list[torch.Tensor]) -> Masters:
