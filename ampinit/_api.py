@@ -12,9 +12,9 @@ from torch import nn
 from ampinit import _registry
 from ampinit._distributed import is_sharded
 from ampinit._loss_scale import DynamicLossScale
+from ampinit._masters import remainder_update
 from ampinit._opt_levels import Properties
 from ampinit._options import DEFAULT_MAX_LOSS_SCALE, AmpOptions, resolve_options
-from ampinit._remainder_masters import optimizer_kind
 from ampinit._session import AmpSession, AmpStats
 from ampinit._types import HALF_DTYPES, MODEL_DTYPES, CastPolicyName, Optimizers, OptLevel
 
@@ -193,7 +193,7 @@ def _check_objects(models: list[nn.Module], optimizers: list[torch.optim.Optimiz
     _check_optimizers(optimizers)
     if options.properties.remainder_masters:  # optimizers it has no update for
         for opt in optimizers:
-            optimizer_kind(opt)
+            remainder_update(opt)
 
 
 def _as_list(value: Any, kind: type, message: str) -> tuple[list[Any], bool]:

@@ -18,7 +18,7 @@ from ampinit._loss_scale import DynamicLossScale
 from ampinit._types import HALF_DTYPES, MODEL_DTYPES, OPT_LEVELS, OptLevel
 
 LossScaleSetting = float | Literal["dynamic"] | DynamicLossScale
-#: ``True``: fp32 masters; ``"remainder"``: bf16 weights plus 16-bit remainders (``ampinit._remainder``).
+#: ``True``: fp32 masters; ``"remainder"``: bf16 weights plus 16-bit remainders (``ampinit._masters.remainder``).
 MasterWeights = bool | Literal["remainder"] | None
 
 #: The order in which Apex applies overrides; each is checked against the selected opt level.

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import enum
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from ampinit import _kernels, _skip
-from ampinit._master_weights import OptimizerGrads
-from ampinit._remainder_masters import RemainderGrads
+from ampinit._masters import OptimizerGrads, RemainderGrads
 from ampinit._scaler import LossScaler
 from ampinit._undo import UndoStack
 
@@ -132,12 +132,18 @@ class OptimizerRecord:
             self.skip_flag = _skip.fold_flag(self.skip_flag, found_inf)
 
     # -- one step ---------------------------------------------------------------------------------------------
-    def check_not_scaled(self) -> None:
+    def check_step(self) -> None:
+        """Before a step: refuse grads still scaled by delay_unscale, and bring masters that still follow the model
+        up to date (a step before any backward must not write stale masters over the model)."""
         if self.stage is Stage.SCALED:
             raise RuntimeError(_STILL_SCALED)
+        if self.grads.following:
+            self.grads.follow_model()
 
-    def take_skip(self, closure_given: bool) -> tuple[bool, torch.Tensor | None]:
-        """Consume the decision for this step: ``(skip on the host, device flag for the optimizer's kernel)``."""
+    def take_skip(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[bool, torch.Tensor | None]:
+        """Consume the decision for the step called with ``args``/``kwargs``: ``(skip on the host, device flag for
+        the optimizer's kernel)``."""
+        closure_given = _closure(args, kwargs) is not None
         host_skip, flag = _skip.settle_on_host(self.optimizer, self.skip_flag, closure_given)
         skip = self.skip_pending or host_skip
         # A refused step leaves the decision in place (Apex's skip_step raises before it unpatches itself), so
@@ -149,15 +155,35 @@ class OptimizerRecord:
         self.skip_pending, self.skip_flag = False, None
         return skip, flag
 
-    def finish_step(self, skip: bool, flag: torch.Tensor | None, weights_written: bool) -> None:
-        """After a device-decided skip the masters are unchanged, so copying them back is harmless."""
-        self.grads.after_step(stepped=not skip, weights_written=weights_written)
+    def step(
+        self,
+        original: Callable[..., Any],
+        skip: bool,
+        flag: torch.Tensor | None,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """The step :meth:`take_skip` decided: in amp's kernels when they take it, else the optimizer's own
+        ``original`` step (given the device ``flag``); then the masters reach the model and the record is READY.
+        After a device-decided skip the masters are unchanged, so copying them back is harmless."""
+        result, in_kernels = None, False
+        if not skip:
+            in_kernels = _closure(args, kwargs) is None and self.grads.step_in_amp_kernels(original, flag)
+            if not in_kernels:
+                result = _skip.run_step(self.optimizer, original, flag, args, kwargs)
+        self.grads.after_step(stepped=not skip, weights_written=in_kernels)
         self.stage = Stage.READY
         self.last_skipped = skip if flag is None else flag
+        return result
 
     def step_was_skipped(self) -> bool:
         skipped = self.last_skipped
         return bool(skipped.item()) if isinstance(skipped, torch.Tensor) else skipped
+
+
+def _closure(args: tuple[Any, ...], kwargs: dict[str, Any]) -> object:
+    """The closure of a ``step(closure)`` call, or None."""
+    return kwargs.get("closure", args[0] if args else None)
 
 
 class StepCounts:

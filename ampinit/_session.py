@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampinit import _registry, _setup, _skip
+from ampinit import _registry, _setup
 from ampinit._casting import CastPolicy
 from ampinit._opt_levels import LEVELS, describe
 from ampinit._optimizer_record import OptimizerRecord, Stage, StepCounts
@@ -242,19 +242,11 @@ class AmpSession:
     def _step(
         self, record: OptimizerRecord, original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        closure = kwargs.get("closure", args[0] if args else None)
-        record.check_not_scaled()
-        if record.grads.following:  # a step before any backward must not write stale masters over the model
-            record.grads.follow_model()
+        record.check_step()
         self._overflow.before_step(record, self.verbosity)
-        skip, flag = record.take_skip(closure is not None)
-        result, fused = None, False
-        if not skip:
-            with self.disable_casts():
-                fused = closure is None and record.grads.fused_step(original, flag)
-                if not fused:
-                    result = _skip.run_step(record.optimizer, original, flag, args, kwargs)
-        record.finish_step(skip, flag, weights_written=fused)
+        skip, flag = record.take_skip(args, kwargs)
+        with self.disable_casts():
+            result = record.step(original, skip, flag, args, kwargs)
         self.clear_cast_cache()
         self._counts.count(record, skip, flag)
         return result

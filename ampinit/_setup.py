@@ -15,11 +15,11 @@ import torch
 from torch import nn
 
 from ampinit._casting import CastPolicy
+from ampinit._masters import RemainderGrads
 from ampinit._model_cast import MasterLoader, MasterLookup, ModelCast, plan
 from ampinit._opt_levels import Properties
 from ampinit._optimizer_record import OptimizerRecord
 from ampinit._options import AmpOptions
-from ampinit._remainder_masters import RemainderGrads
 from ampinit._types import HALF_DTYPES
 from ampinit._undo import UndoStack
 

@@ -2,10 +2,9 @@
 conftest.py: two snapshots taken around a test must be equal.
 
 Covered: torch's thread-wide state (autocast per device and its cache, default dtype, grad mode), CUDA's
-sync-debug mode (on a CUDA run), whether ``ampinit._triton_master`` is built for Triton's interpreter, the user's
-pending function registrations and every function patched (``register_*_function``, list edits, Apex's tensor
-rules), the autocast kernels
-registered through ``torch.library``, the cast-policy scopes of this thread, Apex's O1 lists as ``apex.amp.lists``
+sync-debug mode (on a CUDA run), whether ``ampinit._masters.triton_kernels`` is built for Triton's interpreter,
+the user's pending function registrations and every function patched (``register_*_function``, list edits,
+Apex's tensor rules), the autocast kernels registered through ``torch.library``, the cast-policy scopes of this thread, Apex's O1 lists as ``apex.amp.lists``
 holds them, the Apex import alias
 (``sys.modules`` entries and the finder on ``sys.meta_path``), and ``sys.meta_path`` itself. Live amp sessions
 are checked separately (conftest closes them so that one leak does not cascade).
@@ -41,10 +40,10 @@ def _device_state() -> dict[str, Any]:
     if _device.device_under_test().type == "cuda":
         # A test that leaves "error" on fails every later CUDA test in its process.
         state["CUDA sync-debug mode"] = torch.cuda.get_sync_debug_mode()
-    triton_master = sys.modules.get("ampinit._triton_master")
+    triton_master = sys.modules.get("ampinit._masters.triton_kernels")
     if triton_master is not None:
         # Interpreted kernels would run Triton's interpreter on the GPU tensors of a later CUDA step.
-        state["ampinit._triton_master built for the interpreter"] = _triton.interpreted(triton_master)
+        state["ampinit._masters.triton_kernels built for the interpreter"] = _triton.interpreted(triton_master)
     return state
 
 

@@ -1,5 +1,6 @@
-"""``ampinit._triton_master`` built for Triton's interpreter, and built back: for the tests that run its kernels on
-CPU tensors (``TRITON_INTERPRET=1`` is read when a kernel is decorated, so the module is reloaded both ways)."""
+"""``ampinit._masters.triton_kernels`` built for Triton's interpreter, and built back: for the tests that run its
+kernels on CPU tensors (``TRITON_INTERPRET=1`` is read when a kernel is decorated, so the module is reloaded both
+ways)."""
 
 from __future__ import annotations
 
@@ -19,9 +20,9 @@ def interpreted(module: ModuleType) -> bool:
 
 @contextlib.contextmanager
 def interpreted_kernels() -> Iterator[ModuleType]:
-    """Inside, ``ampinit._triton_master`` runs on Triton's interpreter; on the way out (also on an error) the flag
-    is as it was and the module is rebuilt under it."""
-    import ampinit._triton_master as module
+    """Inside, ``ampinit._masters.triton_kernels`` runs on Triton's interpreter; on the way out (also on an error)
+    the flag is as it was and the module is rebuilt under it."""
+    import ampinit._masters.triton_kernels as module
 
     previous = os.environ.get(FLAG)
     os.environ[FLAG] = "1"

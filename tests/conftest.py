@@ -42,8 +42,8 @@ def pretend_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture(scope="module")
 def triton_interpreter() -> Iterator[ModuleType]:
-    """``ampinit._triton_master`` with its kernels built for Triton's interpreter (the flag is read when a kernel
-    is decorated), for CPU tensors. On the way out the module is built again without the flag, so a later CUDA
+    """``ampinit._masters.triton_kernels`` with its kernels built for Triton's interpreter (the flag is read when a
+    kernel is decorated), for CPU tensors. On the way out the module is built again without the flag, so a later CUDA
     step in this process runs compiled kernels, not the interpreter on GPU tensors."""
     pytest.importorskip("triton", reason="triton is not installed (pip install triton); the kernels need it")
     with _triton.interpreted_kernels() as module:
@@ -61,6 +61,16 @@ def no_leaks() -> Iterator[None]:
     changed = _leaks.differences(before, _leaks.snapshot())
     assert not leaked, f"test left amp sessions open: {leaked}"
     assert not changed, "test leaked process state:\n" + "\n".join(changed)
+
+
+@pytest.fixture
+def kernels_on_cpu(triton_interpreter: ModuleType, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    """The interpreted kernels, and amp's master step taking them for CPU tensors (the one switch,
+    ``kernel_step.TRITON_ON_CPU``)."""
+    from ampinit._masters import kernel_step
+
+    monkeypatch.setattr(kernel_step, "TRITON_ON_CPU", True)
+    return triton_interpreter
 
 
 class SmallNet(nn.Module):

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from ampinit import _fused_master as ref
+from ampinit._masters import reference as ref
 from tests import _triton
 
 pytest.importorskip("triton", reason="triton is not installed (pip install triton); the kernels are tested through it")
@@ -24,7 +24,7 @@ SIZES = [1, 7, 1024, 1025, 3000]
 def test_interpreted_kernels_are_built_back_on_the_way_out() -> None:
     """The interpreter is for CPU tensors only: a later CUDA O2/O5 step in the same process (pytest-xdist runs many
     files in one) must find compiled kernels again, also when the body raised."""
-    import ampinit._triton_master as module
+    import ampinit._masters.triton_kernels as module
 
     was, flag = _triton.interpreted(module), os.environ.get(_triton.FLAG)
     with pytest.raises(ZeroDivisionError), _triton.interpreted_kernels():
@@ -35,6 +35,7 @@ def test_interpreted_kernels_are_built_back_on_the_way_out() -> None:
 
 @pytest.fixture(scope="module")
 def kernels(triton_interpreter: ModuleType) -> ModuleType:
+    """The shared interpreted kernels (tests/conftest.py), under the name these tests compare with ``ref``."""
     return triton_interpreter
 
 
@@ -266,19 +267,26 @@ def train(
     make_opt: Any,
     sync_free: bool = False,
     poison_step: int | None = None,
+    switched: bool = False,
 ) -> tuple[list[torch.Tensor], dict[str, Any], int]:
-    """Four amp steps; the fused step runs on ``backend`` (None: torch's own step). Returns weights, state, launches."""
+    """Four amp steps; the fused step runs on ``backend`` (None: torch's own step). Returns weights, state, launches.
+
+    ``switched``: ``backend`` is not imposed; amp's own ``kernels_for`` picks the kernels (counted all the same).
+    """
     from torch import nn
 
-    from ampinit import _fused_step, amp
+    from ampinit import amp
+    from ampinit._masters import kernel_step
 
     calls = []
 
+    picked = kernel_step.kernels_for
+
     def kernels(device: torch.device) -> ModuleType | None:
         calls.append(device)
-        return backend
+        return picked(device) if switched else backend
 
-    monkeypatch.setattr(_fused_step, "_kernels", kernels)
+    monkeypatch.setattr(kernel_step, "kernels_for", kernels)
     gen = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
@@ -376,3 +384,18 @@ def test_amp_fused_step_leaves_other_optimizers_to_torch(
 ) -> None:
     _, _, launches = train(monkeypatch, kernels, "O2", make_opt)
     assert launches == 0
+
+
+def test_the_one_switch_runs_fp32_masters_through_the_kernels_on_cpu(
+    kernels_on_cpu: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``kernel_step.TRITON_ON_CPU`` (set by the ``kernels_on_cpu`` fixture) serves fp32 masters as it serves
+    remainder ones: with it on, amp's own choice of kernels gives the interpreted kernels and the reference's bits."""
+    launched = []
+    adam = kernels_on_cpu.adam_
+    monkeypatch.setattr(kernels_on_cpu, "adam_", lambda *a, **k: launched.append(1) or adam(*a, **k))
+    tensors, state, _ = train(monkeypatch, None, "O2", OPTIMIZERS["adamw"], switched=True)
+    assert launched
+    ref_tensors, ref_state, _ = train(monkeypatch, ref, "O2", OPTIMIZERS["adamw"])
+    assert_same(tensors, ref_tensors)
+    assert_same(state_tensors(state), state_tensors(ref_state))

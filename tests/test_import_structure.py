@@ -1,5 +1,6 @@
 """The import structure of ampinit: no import circle spans two folders, the optimizers import nothing from the
-Apex compat layer, and ``import ampinit`` loads no optimizer.
+Apex compat layer, the engine (the master-weight wing above all) imports nothing from the optimizers, and
+``import ampinit`` loads no optimizer.
 
 Imports are read from the source (``ast``) at any depth, so a lazy import inside a function counts as much as a
 module-level one: it closes the same circle the first time it runs.
@@ -129,6 +130,21 @@ def test_the_optimizers_import_nothing_from_the_compat_layer() -> None:
     assert reaches == set()
 
 
+def test_the_engine_imports_nothing_from_the_optimizers() -> None:
+    """``ampinit._masters`` (and every private module of the core) asks for an optimizer's master update through
+    a protocol instead of importing the optimizers, which sit above it."""
+    wing = [name for name in MODULES if name.startswith("ampinit._masters.")]
+    assert wing  # the scan below covers the master-weight wing
+    reaches = {
+        (name, target)
+        for name in MODULES
+        if name.startswith("ampinit._")
+        for target in imports_of(name)
+        if target == "ampinit.optimizers" or target.startswith("ampinit.optimizers.")
+    }
+    assert reaches == set()
+
+
 # Run in one fresh interpreter, each stage on top of the last, printing the optimizer modules loaded so far.
 LOAD_STAGES = """
 import sys
@@ -146,6 +162,13 @@ with ampinit.scale_loss(model(torch.ones(1, 2)).float().sum(), optimizer) as los
     loss.backward()
 optimizer.step()
 loaded("O2-step-with-a-torch-optimizer")
+model = torch.nn.Linear(2, 2)
+optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+model, optimizer = ampinit.initialize(model, optimizer, opt_level="O5", master_weights="remainder", verbosity=0)
+with ampinit.scale_loss(model(torch.ones(1, 2)).float().sum(), optimizer) as loss:
+    loss.backward()
+optimizer.step()
+loaded("remainder-step-with-a-torch-optimizer")
 from ampinit.optimizers import FusedAdam
 print("FusedAdam", "ampinit.optimizers.fused_adam" in sys.modules)
 """
@@ -159,5 +182,6 @@ def test_importing_ampinit_loads_no_optimizer_until_one_is_used() -> None:
         "import-ampinit []",
         "import-amp []",
         "O2-step-with-a-torch-optimizer []",
+        "remainder-step-with-a-torch-optimizer []",
         "FusedAdam True",
     ]

@@ -1,4 +1,4 @@
-"""Where the fp32 master grads live between steps (``_master_weights.GRAD_BUFFERS_KEPT_ON``).
+"""Where the fp32 master grads live between steps (``ampinit._masters.grads.GRAD_BUFFERS_KEPT_ON``).
 
 On CPU one buffer per master is kept and reused; on other devices (CUDA) the storage is allocated at
 ``scale_loss``'s exit and released after the step, as Apex does, so that it does not sit idle through the next
@@ -15,7 +15,8 @@ import pytest
 import torch
 from torch import nn
 
-from ampinit import _master_weights, amp
+from ampinit import amp
+from ampinit._masters import grads as master_grads
 
 
 def train(steps: int = 4, backwards: int = 2) -> tuple[list[torch.Tensor], list[list[torch.Tensor | None]]]:
@@ -59,7 +60,7 @@ def test_cpu_keeps_one_grad_buffer_per_master() -> None:
 
 def test_elsewhere_master_grad_storage_is_released_after_each_step(monkeypatch: pytest.MonkeyPatch) -> None:
     kept, _ = train()
-    monkeypatch.setattr(_master_weights, "GRAD_BUFFERS_KEPT_ON", frozenset())
+    monkeypatch.setattr(master_grads, "GRAD_BUFFERS_KEPT_ON", frozenset())
     released, alive = train()
     assert all(g is None for grads in alive for g in grads), "master-grad storage outlived its step"
     for a, b in zip(kept, released):

@@ -2,7 +2,7 @@
 in both directions, skipped steps, memory, errors, and the Triton remainder kernels against the reference.
 
 The reference rounding used here, :func:`tie_away_bf16`, is written from values (the two bf16 neighbours of a
-master, compared in float64), not from the bit arithmetic of ``ampinit._remainder``.
+master, compared in float64), not from the bit arithmetic of ``ampinit._masters.remainder``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ import torch
 from torch import nn
 
 import ampinit
-from ampinit import _fused_master, _remainder, _remainder_masters, amp
+from ampinit import amp
+from ampinit._masters import reference as step_reference
+from ampinit._masters import remainder as encoding
 from ampinit.optimizers import FusedAdam, FusedSGD
 
 # -- an independent reference of the tie rule ------------------------------------------------------------------
@@ -103,8 +105,8 @@ def all_low_halves(high: int) -> torch.Tensor:
 @pytest.mark.parametrize("high", HIGH_HALVES, ids=lambda h: f"{h:#06x}")
 def test_split_join_round_trips_every_low_half(high: int) -> None:
     masters = all_low_halves(high)
-    weight, remainder = _remainder.split(masters)
-    joined = _remainder.join(weight, remainder)
+    weight, remainder = encoding.split(masters)
+    joined = encoding.join(weight, remainder)
     nan = masters.isnan()
     if nan.any():
         # NaN: torch's bf16 NaN, remainder 0, and the canonical fp32 NaN back.
@@ -124,7 +126,7 @@ def test_split_join_round_trips_every_low_half(high: int) -> None:
 @pytest.mark.parametrize("high", HIGH_HALVES, ids=lambda h: f"{h:#06x}")
 def test_weight_differs_from_round_to_nearest_even_only_on_even_ties(high: int) -> None:
     masters = all_low_halves(high)
-    weight, _ = _remainder.split(masters)
+    weight, _ = encoding.split(masters)
     nearest_even = masters.to(torch.bfloat16)
     nan = masters.isnan()
     assert bool(weight[nan].isnan().all()) and bool(nearest_even[nan].isnan().all())
@@ -139,17 +141,17 @@ def test_weight_differs_from_round_to_nearest_even_only_on_even_ties(high: int) 
 
 def test_infinities_and_zeros_are_kept() -> None:
     values = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), 3.4028234663852886e38, -1e-45])
-    weight, remainder = _remainder.split(values)
-    assert same_bits(_remainder.join(weight, remainder), values)
+    weight, remainder = encoding.split(values)
+    assert same_bits(encoding.join(weight, remainder), values)
     assert torch.equal(weight.float()[:4], values[:4]) and str(weight[1].item()) == "-0.0"
     assert weight[4].item() == float("inf")  # the largest fp32 rounds up to inf, as torch's cast does
 
 
 def test_join_refuses_wrong_dtypes() -> None:
     with pytest.raises(ValueError, match=re.escape("join needs a bfloat16 weight and an int16 remainder")):
-        _remainder.join(torch.zeros(3), torch.zeros(3, dtype=torch.int16))
+        encoding.join(torch.zeros(3), torch.zeros(3, dtype=torch.int16))
     with pytest.raises(ValueError, match=re.escape("remainder masters split fp32 tensors, got torch.float64")):
-        _remainder.split(torch.zeros(3, dtype=torch.float64))
+        encoding.split(torch.zeros(3, dtype=torch.float64))
 
 
 # -- (b) training against a plain re-implementation -----------------------------------------------------------
@@ -507,6 +509,97 @@ def test_fused_adam_with_its_own_masters_is_refused() -> None:
         amp.initialize(net, optimizer, opt_level="O5", master_weights="remainder")
 
 
+class PlainMomentum(torch.optim.Optimizer):
+    """SGD with momentum, written here: its own ``step``, and the same update offered to amp through the
+    master-update protocol (``ampinit._masters.update.MasterUpdate``) that FusedAdam and FusedSGD implement."""
+
+    def __init__(self, params: Any, lr: float, momentum: float, refuse: bool = False) -> None:
+        super().__init__(params, {"lr": lr, "momentum": momentum})
+        self.refuse = refuse
+
+    def _update(
+        self, group: dict[str, Any], params: list[torch.Tensor], targets: list[torch.Tensor], grads: list[torch.Tensor]
+    ) -> None:
+        for param, target, grad in zip(params, targets, grads):
+            buffer = self.state[param].get("momentum_buffer")
+            buffer = grad.clone() if buffer is None else buffer.mul_(group["momentum"]).add_(grad)
+            self.state[param]["momentum_buffer"] = buffer
+            target.add_(buffer, alpha=-group["lr"])
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            self._update(group, params, params, [p.grad for p in params])  # type: ignore[misc]
+
+    def check_master_update(self) -> None:
+        if self.refuse:
+            raise ValueError("PlainMomentum(refuse=True) takes no master update")
+
+    def update_masters(self, group: dict[str, Any], chunks: Any, found_inf: torch.Tensor | None) -> None:
+        if found_inf is not None and found_inf.item() != 0:
+            return
+        for params, masters, grads in chunks:
+            self._update(group, params, masters, grads)
+
+
+def test_an_optimizer_that_declares_its_master_update_trains_on_remainder_masters() -> None:
+    """amp asks for the capability, not for a class: an optimizer it has never heard of takes part, bitwise
+    the same optimizer stepping plain fp32 masters."""
+    net, x, y = make_net(17, ties=False)
+    reference = PlainReference(net, lambda ps: PlainMomentum(ps, lr=0.05, momentum=0.9))
+    net, optimizer, session = remainder_session(net, PlainMomentum(net.parameters(), lr=0.05, momentum=0.9))
+    try:
+        for step in range(STEPS):
+            assert same_bits(amp_step(net, optimizer, x, y), reference.step(x, y)), step
+        for got, want in zip(net.parameters(), reference.net.parameters()):
+            assert same_bits(got.detach(), want.detach())
+        for got, want in zip(masters_of(session, net), reference.masters):
+            assert same_bits(got, want.detach())
+        assert_optimizer_states_equal(optimizer, reference.optimizer)
+    finally:
+        session.close()
+
+
+def test_an_optimizer_refusing_its_master_update_is_refused_with_its_reason() -> None:
+    net, _, _ = make_net(18, ties=False)
+    optimizer = PlainMomentum(net.parameters(), lr=0.05, momentum=0.9, refuse=True)
+    with pytest.raises(ValueError, match=re.escape("PlainMomentum(refuse=True) takes no master update")):
+        amp.initialize(net, optimizer, opt_level="O5", master_weights="remainder")
+    assert all(p.dtype == torch.float32 for p in net.parameters())
+
+
+class MomentumSubclass(PlainMomentum):
+    pass
+
+
+class FusedAdamSubclass(FusedAdam):
+    pass
+
+
+class FusedSGDSubclass(FusedSGD):
+    pass
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda ps: MomentumSubclass(ps, lr=0.05, momentum=0.9),
+        lambda ps: FusedAdamSubclass(ps),
+        lambda ps: FusedSGDSubclass(ps, lr=0.1),
+    ],
+    ids=["plain", "fused_adam", "fused_sgd"],
+)
+def test_subclasses_of_an_optimizer_with_a_master_update_are_refused(make: Callable[..., Any]) -> None:
+    """A subclass inherits the update but may have changed ``step()``, which amp's remainder step never calls."""
+    net, _, _ = make_net(19, ties=False)
+    optimizer = make(net.parameters())
+    name = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+    with pytest.raises(ValueError, match=re.escape(f"does not support the optimizer {name}") + ".*subclasses excluded"):
+        amp.initialize(net, optimizer, opt_level="O5", master_weights="remainder")
+    assert all(p.dtype == torch.float32 for p in net.parameters())
+
+
 @pytest.mark.parametrize("value", ["Remainder", "fp32", 1])
 def test_bad_master_weights_values_are_named(value: object) -> None:
     net, _, _ = make_net(12, ties=False)
@@ -530,12 +623,13 @@ SIZES = [1, 7, 1024, 1025, 3000]
 
 @pytest.fixture(scope="module")
 def kernels(triton_interpreter: ModuleType) -> ModuleType:
+    """The shared interpreted kernels (tests/conftest.py), under the name these tests compare with the reference."""
     return triton_interpreter
 
 
 def remainder_state(seed: int, grad_dtype: torch.dtype, scale: float) -> dict[str, list[torch.Tensor]]:
     gen = torch.Generator().manual_seed(seed)
-    pairs = [_remainder.split(torch.randn(n, generator=gen)) for n in SIZES]
+    pairs = [encoding.split(torch.randn(n, generator=gen)) for n in SIZES]
     return {
         "weights": [w for w, _ in pairs],
         "remainders": [r for _, r in pairs],
@@ -548,14 +642,14 @@ def remainder_state(seed: int, grad_dtype: torch.dtype, scale: float) -> dict[st
 def call(module: ModuleType, name: str, state: dict[str, list[torch.Tensor]], *args: Any, **kwargs: Any) -> None:
     """``module``'s ``adam_`` or ``sgd_`` on the remainder masters of ``state``, and its moments."""
     moments = [state[key] for key in (("m", "v") if name == "adam_" else ("m",))]
-    masters = _fused_master.Masters.remainder(state["weights"], state["remainders"])
+    masters = step_reference.Masters.remainder(state["weights"], state["remainders"])
     getattr(module, name)(state["grads"], masters, *moments, *args, **kwargs)
 
 
 def run_both(kernels: ModuleType, name: str, state: dict[str, list[torch.Tensor]], *args: Any, **kwargs: Any) -> None:
     """The reference on ``state``, the kernel on a copy: every tensor must end with the same bits."""
     copy_ = {key: [t.clone() for t in value] for key, value in state.items()}
-    call(_fused_master, name, state, *args, **kwargs)
+    call(step_reference, name, state, *args, **kwargs)
     call(kernels, name, copy_, *args, **kwargs)
     for key in state:
         for got, want in zip(copy_[key], state[key]):
@@ -577,8 +671,8 @@ def test_adam_remainder_kernel_matches_the_reference(
             kernels,
             "adam_",
             state,
-            _fused_master.adam_step_scalars(steps, 0.9, 0.999, 1e-3),
-            _fused_master.AdamSettings(
+            step_reference.adam_step_scalars(steps, 0.9, 0.999, 1e-3),
+            step_reference.AdamSettings(
                 lr=1e-3,
                 beta1=0.9,
                 beta2=0.999,
@@ -608,7 +702,7 @@ def test_sgd_remainder_kernel_matches_the_reference(
             kernels,
             "sgd_",
             state,
-            _fused_master.SgdSettings(
+            step_reference.SgdSettings(
                 lr=0.1,
                 momentum=momentum,
                 dampening=dampening,
@@ -629,21 +723,21 @@ def test_the_kernels_split_and_join_every_pattern_like_the_reference(kernels: Mo
     # An SGD step with lr=0 leaves every master as it is (p + -0.0 == p, NaN stays NaN): what remains is the
     # kernel's join and split, over every low half of every upper half in HIGH_HALVES.
     masters = torch.cat([all_low_halves(high) for high in HIGH_HALVES])
-    weight, remainder = _remainder.split(masters)
+    weight, remainder = encoding.split(masters)
     state = {"weights": [weight], "remainders": [remainder], "grads": [torch.zeros_like(weight)], "m": []}
-    expected = _remainder.join(weight, remainder)
+    expected = encoding.join(weight, remainder)
     run_both(
         kernels,
         "sgd_",
         state,
-        _fused_master.SgdSettings(
+        step_reference.SgdSettings(
             lr=0.0, momentum=0.0, dampening=0.0, nesterov=False, weight_decay=0.0, maximize=False
         ),
         first_step=True,
         inv_scale=None,
         found_inf=None,
     )
-    assert same_bits(_remainder.join(state["weights"][0], state["remainders"][0]), expected)
+    assert same_bits(encoding.join(state["weights"][0], state["remainders"][0]), expected)
 
 
 def test_a_raised_flag_changes_nothing_in_the_kernels(kernels: ModuleType) -> None:
@@ -653,8 +747,8 @@ def test_a_raised_flag_changes_nothing_in_the_kernels(kernels: ModuleType) -> No
         kernels,
         "adam_",
         state,
-        _fused_master.adam_step_scalars([torch.tensor(1.0)] * len(SIZES), 0.9, 0.999, 1e-3),
-        _fused_master.AdamSettings(
+        step_reference.adam_step_scalars([torch.tensor(1.0)] * len(SIZES), 0.9, 0.999, 1e-3),
+        step_reference.AdamSettings(
             lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True, maximize=False
         ),
         inv_scale=None,
@@ -666,7 +760,8 @@ def test_a_raised_flag_changes_nothing_in_the_kernels(kernels: ModuleType) -> No
 
 
 class ReferenceAdamW(torch.optim.Optimizer):
-    """AdamW in the fp32-master reference math of the fused path (``_fused_master.adam_``), one tensor at a time."""
+    """AdamW in the fp32-master reference math of the fused path (``ampinit._masters.reference.adam_``), one
+    tensor at a time."""
 
     def __init__(self, params: Any, lr: float, weight_decay: float) -> None:
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay))
@@ -679,13 +774,13 @@ class ReferenceAdamW(torch.optim.Optimizer):
                 if not state:
                     state.update(step=torch.zeros(()), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
                 state["step"] += 1
-                _fused_master.adam_(
+                step_reference.adam_(
                     [p.grad],
-                    _fused_master.Masters.fp32([p]),
+                    step_reference.Masters.fp32([p]),
                     [state["exp_avg"]],
                     [state["exp_avg_sq"]],
-                    _fused_master.adam_step_scalars([state["step"]], 0.9, 0.999, group["lr"]),
-                    _fused_master.AdamSettings(
+                    step_reference.adam_step_scalars([state["step"]], 0.9, 0.999, group["lr"]),
+                    step_reference.AdamSettings(
                         lr=group["lr"],
                         beta1=0.9,
                         beta2=0.999,
@@ -700,10 +795,7 @@ class ReferenceAdamW(torch.optim.Optimizer):
 
 
 @pytest.mark.parametrize("ties", [False, True], ids=["random", "ties"])
-def test_training_through_the_kernels_is_bitwise_the_reference(
-    kernels: ModuleType, monkeypatch: pytest.MonkeyPatch, ties: bool
-) -> None:
-    monkeypatch.setattr(_remainder_masters, "TRITON_ON_CPU", True)
+def test_training_through_the_kernels_is_bitwise_the_reference(kernels_on_cpu: ModuleType, ties: bool) -> None:
     net, x, y = make_net(14, ties)
     reference = PlainReference(net, lambda p: ReferenceAdamW(p, lr=1e-2, weight_decay=0.05))
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.05, fused=True)

@@ -4,7 +4,7 @@
 through Triton's interpreter. The interpreter compiles nothing, so a kernel it runs may still fail to build for
 a GPU, or build with different rounding. Triton's ahead-of-time compiler needs no GPU: it lowers a kernel to PTX
 and assembles it with the ``ptxas`` its wheel ships. Here every specialisation the launch code produces (the
-launches are captured from ``ampinit._triton_master``'s own functions, not restated) is compiled for an A100
+launches are captured from ``ampinit._masters.triton_kernels``'s own functions, not restated) is compiled for an A100
 (sm_80) and an H100 (sm_90), and its PTX is checked for what the bitwise agreement with the reference rests on:
 
 - no fused multiply-add, and every fp32 add, subtract and multiply carries an explicit rounding mode (``.rn``):
@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 import torch
 
-from ampinit._fused_master import AdamSettings, Masters, SgdSettings
+from ampinit._masters.reference import AdamSettings, Masters, SgdSettings
 
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
 
@@ -94,11 +94,11 @@ class Recorder:
 
 @pytest.fixture(scope="module")
 def compiled_module() -> ModuleType:
-    """A private copy of ``ampinit._triton_master`` decorated for the compiler, whatever TRITON_INTERPRET says.
+    """A private copy of ``ampinit._masters.triton_kernels`` decorated for the compiler, whatever TRITON_INTERPRET says.
 
     The interpreter tests reload the package's module with the interpreter on; a copy of our own leaves theirs be.
     """
-    import ampinit._triton_master as shared
+    import ampinit._masters.triton_kernels as shared
 
     previous = os.environ.pop("TRITON_INTERPRET", None)
     try:

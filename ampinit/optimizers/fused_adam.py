@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import numbers
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from ampinit import _kernels
 from ampinit._kernels import device_scalar, fp32_copies, fp32_work, group_indices, pick, write_back
+from ampinit._masters.update import MasterChunk
 from ampinit.optimizers._adam_math import adam_update_foreach, adam_update_single
 from ampinit.optimizers._apex_ops import (
     TensorLists,
@@ -20,7 +22,15 @@ from ampinit.optimizers._apex_ops import (
     not_flagged,
     times,
 )
-from ampinit.optimizers._base import FusedOptimizer, Implementation, ParamsT, adam_defaults
+from ampinit.optimizers._base import (
+    AmpScaling,
+    FusedOptimizer,
+    Implementation,
+    ParamsT,
+    adam_defaults,
+    advance_step,
+    group_step,
+)
 from ampinit.optimizers._update_io import amp_on, reference_inputs, write_back_fused
 
 # Apex's FusedAdam of 2018-10 (e0bc5d62) to 2019-08 took ``max_grad_norm`` and ``eps_inside_sqrt``. Commit
@@ -353,6 +363,43 @@ class FusedAdam(FusedOptimizer):
                     **arguments,
                 )
         return loss
+
+    # -- amp's master-update protocol (ampinit._masters.update.MasterUpdate) --------------------------------
+    def check_master_update(self) -> None:
+        """amp may run this update on masters it keeps, unless this optimizer keeps fp32 copies of its own."""
+        if self.master_weights:
+            raise ValueError(
+                "master_weights='remainder' cannot be combined with FusedAdam(master_weights=True), which keeps "
+                "its own fp32 copies: create the FusedAdam without master_weights"
+            )
+
+    def update_masters(self, group: dict[str, Any], chunks: Iterable[MasterChunk], found_inf: Tensor | None) -> None:
+        """This optimizer's Adam step of ``group`` on the fp32 masters amp hands it (``master_weights="remainder"``);
+        the group's step counter advances once, unless ``found_inf`` is set."""
+        update = adam_multi_tensor if self.implementation == "multi_tensor" else adam_single_tensor
+        beta1, beta2 = group["betas"]
+        step: Tensor | None = None
+        for params, masters, grads in chunks:
+            if step is None:
+                step = group_step(group, params[0].device)
+            states = [self._state_for(p) for p in params]
+            update(
+                masters,
+                grads,
+                [s["exp_avg"] for s in states],
+                [s["exp_avg_sq"] for s in states],
+                step=step + 1,
+                lr=group["lr"],
+                beta1=beta1,
+                beta2=beta2,
+                eps=group["eps"],
+                weight_decay=group["weight_decay"],
+                adam_w_mode=bool(self.adam_w_mode),
+                bias_correction=bool(group["bias_correction"]),
+                found_inf=found_inf,
+            )
+        if step is not None:
+            advance_step(step, AmpScaling(found_inf=found_inf))
 
     def _state_for(self, param: Tensor) -> dict[str, Tensor]:
         self._zero_state([param], "exp_avg", "exp_avg_sq")

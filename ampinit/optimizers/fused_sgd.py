@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -11,6 +11,7 @@ from torch.optim.optimizer import _RequiredParameter, required
 
 from ampinit import _kernels
 from ampinit._kernels import fp32_copies, fp32_work, group_indices, pick, write_back
+from ampinit._masters.update import MasterChunk
 from ampinit.optimizers._apex_ops import TensorLists, check_lists
 from ampinit.optimizers._base import FusedOptimizer, Implementation, ParamsT
 from ampinit.optimizers._update_io import amp_on, reference_inputs
@@ -235,6 +236,15 @@ class FusedSGD(FusedOptimizer):
         scaling = self._amp_scaling(params[0].device)
         grads = [p.grad for p in params]
         self._update_group(group, params, params, grads, scaling.grad_scale, scaling.found_inf)  # type: ignore[arg-type]
+
+    # -- amp's master-update protocol (ampinit._masters.update.MasterUpdate) --------------------------------
+    def check_master_update(self) -> None:
+        """amp may run this update on masters it keeps, in every configuration: nothing to refuse."""
+
+    def update_masters(self, group: dict[str, Any], chunks: Iterable[MasterChunk], found_inf: Tensor | None) -> None:
+        """This optimizer's SGD step of ``group`` on the fp32 masters amp hands it (``master_weights="remainder"``)."""
+        for params, masters, grads in chunks:
+            self._update_group(group, params, masters, grads, None, found_inf)
 
     def _update_group(
         self,

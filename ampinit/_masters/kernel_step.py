@@ -1,43 +1,102 @@
-"""The master-weight optimizer step in one kernel per list: when it is taken, and how the optimizer's state is kept.
+"""When a master step takes the Triton kernels, and how the optimizer's state is kept for them.
 
 ``optimizer.step()`` of a master-weight optimizer normally runs the optimizer on the fp32 masters and then copies
 the masters into the half model weights. For ``torch.optim.Adam``, ``AdamW`` and ``SGD`` created with
 ``fused=True`` (the user asked for a fused kernel's numerics), on CUDA with Triton importable, the step is instead
-one Triton launch per (weight dtype) list (``ampinit._triton_master``): it reads each master grad, updates the
-master and the optimizer state, and writes the half weight, so no copy-back pass follows. The optimizer's
-``state`` keeps torch's layout (``step``, ``exp_avg``, ``exp_avg_sq``; ``momentum_buffer``), so checkpoints
-move freely between this path and torch's.
+one Triton launch per (weight dtype) list (``ampinit._masters.triton_kernels``): it reads each master grad,
+updates the master and the optimizer state, and writes the half weight, so no copy-back pass follows. Remainder
+masters take the same kernels, group by group. The optimizer's ``state`` keeps torch's layout (``step``,
+``exp_avg``, ``exp_avg_sq``; ``momentum_buffer``), so checkpoints move freely between this path and torch's.
 
-Anything else takes torch's own step: other optimizers, subclasses, options the kernels do not cover (amsgrad,
-tensor lr, differentiable, sparse or non-contiguous grads), step hooks, or an optimizer whose ``step`` someone
-other than an lr scheduler has wrapped.
+The rule, for both kinds of masters: the optimizer's update is torch's (``ampinit._masters.update.update_of``),
+its group asks for the fused numerics and takes no option the kernels lack (:func:`group_takes_kernels`: amsgrad,
+tensor lr or betas, differentiable), the device has kernels (:func:`kernels_for`), and every tensor is dense,
+contiguous, on one device, with a grad of its master's dtype (:func:`kernels_taking`). fp32 masters also leave the
+step to torch when its ``step`` has hooks or was wrapped by anyone but an lr scheduler (the remainder step never
+calls ``step``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Container, Iterator, Mapping
 from types import ModuleType
 from typing import Any
 
 import torch
 import torch.optim.optimizer as optim_module
 
-from ampinit import _fused_master
 from ampinit import _kernels as engine_kernels
-from ampinit._fused_master import AdamSettings, Masters, SgdSettings
+from ampinit._masters import reference
+from ampinit._masters.reference import AdamSettings, Masters, SgdSettings
+from ampinit._masters.update import Update
 
-# Tests set this to run the Triton kernels on CPU tensors through Triton's interpreter (TRITON_INTERPRET=1).
-_TRITON_ON_CPU = False
+#: The one test switch: tests set it to run the kernels on CPU tensors through Triton's interpreter (with
+#: TRITON_INTERPRET=1 when ``triton_kernels`` is imported; tests/conftest.py's ``kernels_on_cpu`` does both).
+TRITON_ON_CPU = False
 
 
-def _kernels(device: torch.device) -> ModuleType | None:
-    if device.type != "cuda" and not (device.type == "cpu" and _TRITON_ON_CPU):
+def triton_available() -> bool:
+    """Whether ``triton`` can be imported (it ships with torch's CUDA wheels; never with the CPU ones)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def kernels_for(device: torch.device) -> ModuleType | None:
+    """``ampinit._masters.triton_kernels`` if the kernels run on ``device``, else None."""
+    if device.type != "cuda" and not (device.type == "cpu" and TRITON_ON_CPU):
         return None
-    if not _fused_master.triton_available():
+    if not triton_available():
         return None
-    from ampinit import _triton_master
+    from ampinit._masters import triton_kernels
 
-    return _triton_master
+    return triton_kernels
+
+
+def group_takes_kernels(update: Update | None, group: dict[str, Any]) -> bool:
+    """Whether ``group`` of an optimizer whose update is ``update`` asks for the kernels' numerics and fits them."""
+    if update not in ("adam", "sgd") or not group.get("fused") or group.get("differentiable"):
+        return False
+    if not isinstance(group["lr"], float):
+        return False
+    return update == "sgd" or (not group["amsgrad"] and all(isinstance(b, float) for b in group["betas"]))
+
+
+def kernels_taking(
+    params: list[torch.Tensor],
+    found_inf: torch.Tensor | None,
+    weights: Mapping[int, torch.Tensor],
+    remainders: Container[int],
+) -> ModuleType | None:
+    """The kernels, if they take every one of ``params`` (the optimizer's, each with a grad), else None.
+
+    Every parameter is on one device (the flag's, when there is one) and is an fp32 master, or a bf16 weight
+    whose id is in ``remainders``; it and its grad (of its own dtype) are dense and contiguous, and so is the model
+    weight ``weights`` maps its id to, if any.
+    """
+    if not params:
+        return None
+    device = params[0].device if found_inf is None else found_inf.device
+    kernels = kernels_for(device)
+    if kernels is None:
+        return None
+    for param in params:
+        grad, weight = param.grad, weights.get(id(param))
+        master_dtype = torch.bfloat16 if id(param) in remainders else torch.float32
+        if not (
+            grad is not None
+            and param.dtype == master_dtype
+            and param.device == device
+            and param.is_contiguous()
+            and not grad.is_sparse
+            and grad.dtype == param.dtype
+            and grad.is_contiguous()
+            and (weight is None or weight.is_contiguous())
+        ):
+            return None
+    return kernels
 
 
 def _plain_step(opt: torch.optim.Optimizer, original: Callable[..., Any]) -> bool:
@@ -51,41 +110,21 @@ def _plain_step(opt: torch.optim.Optimizer, original: Callable[..., Any]) -> boo
     return getattr(original, "__func__", None) is type(opt).step
 
 
-def _kind(opt: torch.optim.Optimizer) -> str | None:
-    if type(opt) in (torch.optim.Adam, torch.optim.AdamW):
-        ok = all(
-            group.get("fused")
-            and not group["amsgrad"]
-            and not group.get("differentiable")
-            and isinstance(group["lr"], float)
-            and all(isinstance(b, float) for b in group["betas"])
-            for group in opt.param_groups
-        )
-        return "adam" if ok else None
-    if type(opt) is torch.optim.SGD:
-        ok = all(
-            group.get("fused") and not group.get("differentiable") and isinstance(group["lr"], float)
-            for group in opt.param_groups
-        )
-        return "sgd" if ok else None
-    return None
-
-
-def try_step(
+def step_fp32_masters(
     opt: torch.optim.Optimizer,
+    update: Update | None,
     model_of: dict[int, torch.Tensor],
     original: Callable[..., Any],
     found_inf: torch.Tensor | None,
 ) -> bool:
-    """Take ``opt``'s step through the fused kernels, writing the half weights; False (nothing done) if it can't.
+    """Take ``opt``'s step through the kernels, writing the half weights; False (nothing done) if it can't.
 
-    ``model_of`` maps id(master) -> half model parameter. ``found_inf`` is the device flag of a step that skips
-    by itself (sync-free mode), or None for a step decided on the host.
+    ``update`` is ``update_of(opt)``; ``model_of`` maps id(master) -> half model parameter. ``found_inf`` is the
+    device flag of a step that skips by itself (sync-free mode), or None for a step decided on the host.
     """
-    kind = _kind(opt)
-    if kind is None or not _plain_step(opt, original):
+    if not all(group_takes_kernels(update, group) for group in opt.param_groups) or not _plain_step(opt, original):
         return False
-    planned = _plan(opt, kind, model_of, found_inf)
+    planned = _plan(opt, update, model_of, found_inf)
     if planned is None:
         return False
     kernels, plan = planned
@@ -96,50 +135,27 @@ def try_step(
         for weight_dtype in set(dtype_of.values()):
             chosen = [p for p in params if dtype_of[id(p)] == weight_dtype]
             weights = [model_of[id(p)] for p in chosen] if weight_dtype is not None else []
-            kernel_step(kind, kernels, opt, group, chosen, Masters.fp32(chosen, weights), found_inf)
+            run_kernels(update, kernels, opt, group, chosen, Masters.fp32(chosen, weights), found_inf)
     return True
 
 
 def _plan(
-    opt: torch.optim.Optimizer, kind: str, model_of: dict[int, torch.Tensor], found_inf: torch.Tensor | None
+    opt: torch.optim.Optimizer, update: Update | None, model_of: dict[int, torch.Tensor], found_inf: torch.Tensor | None
 ) -> tuple[ModuleType, list[tuple[dict[str, Any], list[torch.Tensor]]]] | None:
     """The kernels and each group's parameters with a grad, or None when any of them is beyond the kernels."""
-    plan: list[tuple[dict[str, Any], list[torch.Tensor]]] = []
-    kernels: ModuleType | None = None
-    for group in opt.param_groups:
-        params = [p for p in group["params"] if p.grad is not None]
-        for p in params:
-            device_kernels = _kernels(p.device) if _fits(p, model_of.get(id(p))) else None
-            if device_kernels is None or (kernels is not None and device_kernels is not kernels):
-                return None
-            kernels = device_kernels
-        first_momentum = any("momentum_buffer" not in opt.state.get(p, {}) for p in params)
-        if kind == "sgd" and group["momentum"] != 0 and found_inf is not None and first_momentum:
-            return None  # a first step that may be skipped on the device: torch's path handles it
-        plan.append((group, params))
+    params_of = [(group, [p for p in group["params"] if p.grad is not None]) for group in opt.param_groups]
+    kernels = kernels_taking([p for _, params in params_of for p in params], found_inf, model_of, ())
     if kernels is None:
         return None
-    if found_inf is not None and any(p.device != found_inf.device for _, params in plan for p in params):
-        return None
-    return kernels, plan
+    for group, params in params_of:
+        first_momentum = any("momentum_buffer" not in opt.state.get(p, {}) for p in params)
+        if update == "sgd" and group["momentum"] != 0 and found_inf is not None and first_momentum:
+            return None  # a first step that may be skipped on the device: torch's path handles it
+    return kernels, params_of
 
 
-def _fits(master: torch.Tensor, weight: torch.Tensor | None) -> bool:
-    """Whether the kernels take ``master`` (fp32, with a dense contiguous fp32 grad) and its model ``weight``."""
-    grad = master.grad
-    assert grad is not None
-    return (
-        master.dtype == torch.float32
-        and not grad.is_sparse
-        and grad.dtype == torch.float32
-        and master.is_contiguous()
-        and grad.is_contiguous()
-        and (weight is None or weight.is_contiguous())
-    )
-
-
-def kernel_step(
-    kind: str,
+def run_kernels(
+    update: Update | None,
     kernels: ModuleType,
     opt: torch.optim.Optimizer,
     group: dict[str, Any],
@@ -147,9 +163,9 @@ def kernel_step(
     masters: Masters,
     found_inf: torch.Tensor | None,
 ) -> None:
-    """``kind`` ("adam" or "sgd") on ``masters`` through ``kernels``; ``params`` (the optimizer's own) hold the
+    """``update`` ("adam" or "sgd") on ``masters`` through ``kernels``; ``params`` (the optimizer's own) hold the
     grads and key the optimizer's state. Adam is one launch; SGD two when some momentum buffers start."""
-    if kind == "adam":
+    if update == "adam":
         inputs = adam_inputs(opt, group, params, found_inf)
         kernels.adam_([_grad(p) for p in params], masters, *inputs, found_inf=found_inf)
         return
@@ -164,7 +180,7 @@ def _grad(param: torch.Tensor) -> torch.Tensor:
     return param.grad
 
 
-# -- torch's optimizer state for the kernels (also the remainder kernels' in ampinit._remainder_masters) ----------
+# -- torch's optimizer state, for the kernels and for the remainder step on torch's update -----------------------
 def adam_state(opt: torch.optim.Optimizer, group: dict[str, Any], param: torch.Tensor) -> dict[str, Any]:
     """``param``'s state in torch's Adam layout (``Adam._init_group``), created on first use.
 
@@ -197,7 +213,7 @@ def adam_inputs(
     steps = [s["step"] for s in states]
     engine_kernels.advance_steps_(steps, found_inf)
     settings = AdamSettings.of(opt, group)
-    scalars = _fused_master.adam_step_scalars(steps, settings.beta1, settings.beta2, settings.lr)
+    scalars = reference.adam_step_scalars(steps, settings.beta1, settings.beta2, settings.lr)
     return [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], scalars.to(params[0].device), settings
 
 

@@ -1,4 +1,4 @@
-"""The master-weight optimizer step as one operation: the reference, and the dispatch to the Triton kernels.
+"""The master-weight optimizer step as one operation, in plain torch ops: the reference of the Triton kernels.
 
 With master weights (O2/O5) a step, unfused, is: widen the half grads to fp32 and unscale them, check them for
 inf/NaN, run the optimizer on the fp32 masters, and copy the masters back into the half model weights. The
@@ -11,7 +11,7 @@ functions here do all of it in one call, per list of tensors:
   master from its bf16 weight and remainder and split it back instead.
 
 The functions in this module are the *reference*: plain torch ops in a fixed order, each op rounded to fp32 (no
-fused multiply-add), so that ``ampinit._triton_master``'s kernels, which take the same arguments, reproduce them
+fused multiply-add), so that ``ampinit._masters.triton_kernels``, which take the same arguments, reproduce them
 bit for bit. The per-element math is that of torch's fused CPU kernels (``m*beta1 + g*(1-beta1)``, ``v*beta2 +
 g*g*(1-beta2)``, ``sqrt(v)/sqrt(bc2) + eps``), with the bias corrections computed once per tensor in float64 by
 :func:`adam_step_scalars`.
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ampinit import _remainder
+from ampinit._masters import remainder as encoding
 from ampinit._types import TensorList
 
 
@@ -71,7 +71,7 @@ class Masters:
     """Where one list's fp32 masters live: what every master-step function updates.
 
     Either fp32 ``masters``, updated in place, and the half model ``weights`` written from them (empty: none),
-    or bf16 ``weights`` with the int16 ``remainders`` that make them fp32 masters (:mod:`ampinit._remainder`).
+    or bf16 ``weights`` with the int16 ``remainders`` that make them fp32 masters (:mod:`ampinit._masters.remainder`).
     Build one with :meth:`fp32` or :meth:`remainder`.
     """
 
@@ -97,23 +97,14 @@ class Masters:
 
     def master(self, i: int) -> torch.Tensor:
         """Master ``i`` as an fp32 tensor: the master itself, or joined from its weight and remainder."""
-        return _remainder.join(self.weights[i], self.remainders[i]) if self.remainders else self.masters[i]
+        return encoding.join(self.weights[i], self.remainders[i]) if self.remainders else self.masters[i]
 
     def store(self, i: int, master: torch.Tensor) -> None:
         """Keep the updated ``master`` ``i``: written into its half weight, or split back (``master`` is scratch)."""
         if self.remainders:
-            _remainder.split_(master, self.weights[i], self.remainders[i])
+            encoding.split_(master, self.weights[i], self.remainders[i])
         elif self.weights:
             self.weights[i].copy_(master)
-
-
-def triton_available() -> bool:
-    """Whether ``triton`` can be imported (it ships with torch's CUDA wheels; never with the CPU ones)."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def adam_step_scalars(steps: Sequence[torch.Tensor], beta1: float, beta2: float, lr: float) -> torch.Tensor:

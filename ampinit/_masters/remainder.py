@@ -30,8 +30,8 @@ because rounding a NaN's upper half up can carry out of the exponent field (0x7F
 a NaN into a number. A pair that ``split`` did not produce (a weight written behind the optimizer's back, with
 a stale remainder) joins to a value within one bf16 ulp of the weight.
 
-The master step on remainder masters (``ampinit._fused_master``'s reference, with ``Masters.remainder``, and
-its Triton kernels) joins each master, updates it, and splits it back.
+The master step on remainder masters (``ampinit._masters.reference``, with ``Masters.remainder``, and its
+Triton kernels) joins each master, updates it, and splits it back.
 """
 
 from __future__ import annotations

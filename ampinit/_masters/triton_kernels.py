@@ -1,6 +1,6 @@
-"""Triton kernels for the master-weight step: the fused twins of ``ampinit._fused_master``'s reference functions.
+"""Triton kernels for the master-weight step: the fused twins of ``ampinit._masters.reference``'s functions.
 
-Imported only when ``triton`` is importable (``ampinit._fused_master.triton_available``). Each public function
+Imported only when ``triton`` is importable (``ampinit._masters.kernel_step.kernels_for``). Each public function
 takes exactly the arguments of the reference function of the same name and gives the same bits:
 
 - one launch per list (per dtype combination): every tensor's data pointer goes into a small int64 table, and a
@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ampinit._fused_master import AdamSettings, Masters, SgdSettings
+from ampinit._masters.reference import AdamSettings, Masters, SgdSettings
 from ampinit._types import TensorList
 
 _BLOCK = 1024
@@ -90,7 +90,7 @@ def _adam_update(
     g, p, m_ptr, v_ptr, offs, mask, t, step_scalars, beta1, one_minus_beta1, beta2, one_minus_beta2, eps,
     weight_decay, decay_factor, DECAY: tl.constexpr,
 ):  # fmt: skip
-    """Adam/AdamW on fp32 master values ``p`` (``ampinit._fused_master.adam_``): stores m and v, returns p."""
+    """Adam/AdamW on fp32 master values ``p`` (``ampinit._masters.reference.adam_``): stores m and v, returns p."""
     if DECAY == 1:
         g = g + p * weight_decay
     if DECAY == 2:
@@ -110,7 +110,7 @@ def _sgd_update(
     g, p, ptrs, buf_list, n_tensors, t, offs, mask, lr, momentum, one_minus_dampening, weight_decay,
     HAS_DECAY: tl.constexpr, HAS_MOMENTUM: tl.constexpr, FIRST_STEP: tl.constexpr, NESTEROV: tl.constexpr,
 ):  # fmt: skip
-    """SGD on fp32 master values ``p`` (``ampinit._fused_master.sgd_``); the momentum buffers are list
+    """SGD on fp32 master values ``p`` (``ampinit._masters.reference.sgd_``); the momentum buffers are list
     ``buf_list`` of ``ptrs``. Stores the buffer, returns p."""
     if HAS_DECAY:
         g = g + p * weight_decay
@@ -134,18 +134,18 @@ def _sgd_update(
 # Each kernel's pointer table holds its own lists first, then two lists that hold the masters (STORAGE):
 _MASTER = 0  # fp32 masters, updated in place; nothing else is written
 _MASTER_AND_WEIGHT = 1  # fp32 masters, and the half model weights, written from them
-_REMAINDER = 2  # bf16 weights and int16 remainders (ampinit._remainder): joined, updated, split back
+_REMAINDER = 2  # bf16 weights and int16 remainders (ampinit._masters.remainder): joined, updated, split back
 
 
 @triton.jit
 def _join_master(weight_bits, remainder):
-    # (weight << 16) + remainder on the int16 bit patterns, read back as fp32: ampinit._remainder.join.
+    # (weight << 16) + remainder on the int16 bit patterns, read back as fp32: ampinit._masters.remainder.join.
     return (weight_bits.to(tl.int32) * 65536 + remainder.to(tl.int32)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _split_master(p):
-    # ampinit._remainder.split_: NaN made canonical, then the upper half rounded half up on the signed bits
+    # ampinit._masters.remainder.split_: NaN made canonical, then the upper half rounded half up on the signed bits
     # (ties away from zero on the magnitude) and what is left below it.
     bits = tl.where(p != p, 0x7FC00000, p.to(tl.int32, bitcast=True))
     upper = (bits + 0x8000) >> 16
@@ -261,7 +261,7 @@ def _pointers(device: torch.device, *lists: Sequence[torch.Tensor]) -> torch.Ten
 
 
 def check_finite_(grads: TensorList, found_inf: torch.Tensor) -> None:
-    """See ``ampinit._fused_master.check_finite_``."""
+    """See ``ampinit._masters.reference.check_finite_``."""
     if not grads:
         return
     device = grads[0].device
@@ -341,7 +341,7 @@ def adam_(
     inv_scale: torch.Tensor | None = None,
     found_inf: torch.Tensor | None = None,
 ) -> None:
-    """See ``ampinit._fused_master.adam_`` (same arguments, same bits)."""
+    """See ``ampinit._masters.reference.adam_`` (same arguments, same bits)."""
     s = settings
     betas = (s.beta1, 1 - s.beta1, s.beta2, 1 - s.beta2)
     scalars = (step_scalars.contiguous(), *betas, s.eps, s.weight_decay, 1 - s.lr * s.weight_decay)
@@ -360,7 +360,7 @@ def sgd_(
     inv_scale: torch.Tensor | None = None,
     found_inf: torch.Tensor | None = None,
 ) -> None:
-    """See ``ampinit._fused_master.sgd_`` (same arguments, same bits)."""
+    """See ``ampinit._masters.reference.sgd_`` (same arguments, same bits)."""
     s = settings
     scalars = (s.lr, s.momentum, 1 - s.dampening, s.weight_decay)
     flags = {"HAS_DECAY": s.weight_decay != 0, "HAS_MOMENTUM": s.momentum != 0, "NESTEROV": s.nesterov}

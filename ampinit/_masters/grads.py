@@ -25,7 +25,9 @@ from typing import Any
 
 import torch
 
-from ampinit import _fused_step, _kernels
+from ampinit import _kernels
+from ampinit._masters import kernel_step
+from ampinit._masters.update import Update, update_of
 from ampinit._scaler import LossScaler
 from ampinit._types import HALF_DTYPES
 
@@ -39,6 +41,7 @@ class OptimizerGrads:
     def __init__(self, optimizer: torch.optim.Optimizer, master_weights: bool) -> None:
         self.optimizer = optimizer
         self.master_weights = master_weights
+        self.update: Update | None = update_of(optimizer)  # the update amp could run itself (kernel_step)
         # id(model param) -> (model param, master), and id(master) -> model param.
         self._master_of: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._model_of: dict[int, torch.Tensor] = {}
@@ -302,14 +305,17 @@ class OptimizerGrads:
         entry = self._zeroed.get(id(param))
         return entry is not None and entry[0] is param.grad and entry[0]._version == entry[1]
 
-    def fused_step(self, original: Callable[..., Any], found_inf: torch.Tensor | None) -> bool:
-        """Step the optimizer and write the half weights in one kernel per list, if it can (see ``_fused_step``)."""
-        return self.master_weights and _fused_step.try_step(self.optimizer, self._model_of, original, found_inf)
+    def step_in_amp_kernels(self, original: Callable[..., Any], found_inf: torch.Tensor | None) -> bool:
+        """Whether amp's kernels took the step: the masters updated and the half weights written, one launch per
+        list (see ``kernel_step``). False: nothing was done, and the optimizer's own ``step`` must run."""
+        if not self.master_weights:
+            return False
+        return kernel_step.step_fp32_masters(self.optimizer, self.update, self._model_of, original, found_inf)
 
     def after_step(self, stepped: bool, weights_written: bool = False) -> None:
         """Copy updated masters into the model (if the step ran) and release the master grads (as Apex does).
 
-        ``weights_written``: the fused step already wrote the half weights.
+        ``weights_written``: amp's kernels already wrote the half weights.
         """
         pairs = list(self.pairs())
         if stepped and pairs and not weights_written:

@@ -1,0 +1,24 @@
+"""The master-weight wing: how grads reach an optimizer's masters under amp, and how its step updates them.
+
+``OptimizerRecord`` (``ampinit._optimizer_record``) holds one ``OptimizerGrads`` per optimizer; the rest is
+beneath it. Nothing here imports ``ampinit.optimizers``: an optimizer whose update amp may run declares it
+(``update.MasterUpdate``).
+
+===================  =========================================================================================
+``grads``            ``OptimizerGrads``: one optimizer's gradient flow under amp at every level (fp32 masters,
+                     the stash, unscaling into master grads, the copy back), and the masters following the model
+``remainder``        the remainder encoding: an fp32 master as its bf16 weight plus 16 low bits
+``remainder_grads``  ``RemainderGrads``: ``master_weights="remainder"``, its gradient flow and its chunked step
+``update``           which update an optimizer's step runs (the one classifier), and the ``MasterUpdate`` protocol
+``kernel_step``      when a step takes the Triton kernels (the one rule, ``kernels_for``, the test switch), and
+                     torch's optimizer-state layout the kernels keep
+``reference``        the master step in plain torch ops: the reference the kernels match bit for bit
+``triton_kernels``   the Triton kernels (imported only when a step takes them)
+===================  =========================================================================================
+"""
+
+from ampinit._masters.grads import OptimizerGrads
+from ampinit._masters.remainder_grads import RemainderGrads
+from ampinit._masters.update import MasterChunk, MasterUpdate, remainder_update
+
+__all__ = ["MasterChunk", "MasterUpdate", "OptimizerGrads", "RemainderGrads", "remainder_update"]
