@@ -4,10 +4,10 @@ conftest.py: two snapshots taken around a test must be equal.
 Covered: torch's thread-wide state (autocast per device and its cache, default dtype, grad mode), CUDA's
 sync-debug mode (on a CUDA run), whether ``ampinit._masters.triton_kernels`` is built for Triton's interpreter,
 the user's pending function registrations and every function patched (``register_*_function``, list edits,
-Apex's tensor rules), the autocast kernels registered through ``torch.library``, the cast-policy scopes of this thread, Apex's O1 lists as ``apex.amp.lists``
-holds them, the Apex import alias
-(``sys.modules`` entries and the finder on ``sys.meta_path``), and ``sys.meta_path`` itself. Live amp sessions
-are checked separately (conftest closes them so that one leak does not cascade).
+Apex's tensor rules), the autocast kernels registered through ``torch.library``, the cast-policy scopes of this
+thread, Apex's O1 lists as ``apex.amp.lists`` holds them, the Apex import alias (``sys.modules`` entries and the
+finder on ``sys.meta_path``), and ``sys.meta_path`` itself. Live amp sessions are checked separately (conftest
+closes them so that one leak does not cascade).
 """
 
 from __future__ import annotations
