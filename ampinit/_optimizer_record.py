@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ampinit import _kernels, _skip
+from ampinit import _skip, _torch_kernels
 from ampinit._masters import OptimizerGrads, RemainderGrads
 from ampinit._scaler import LossScaler
 from ampinit._undo import UndoStack
@@ -98,7 +98,7 @@ class OptimizerRecord:
         assert kept is not None
         kept_by, version, scale = kept
         if kept_by is not scaler or version != scaler.version:
-            self.grads.rescale_kept(scaler.scale_tensor / _kernels.to_device(scale, scaler.scale_tensor.device))
+            self.grads.rescale_kept(scaler.scale_tensor / _torch_kernels.to_device(scale, scaler.scale_tensor.device))
 
     def abort_backward(self) -> None:
         """The block raised: its gradients are dropped, and scaled ones kept by delay_unscale with them."""

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ampinit import _kernels
+from ampinit import _torch_kernels
 from ampinit._loss_scale import DynamicLossScale
 
 # A growth interval no step count reaches: static scalers count clean steps but never grow.
@@ -78,7 +78,7 @@ class LossScaler:
         multiply: torch's CPU unscale kernel takes bf16 element by element, so there the fp32 kernel on the
         widened grad is faster (0.36x against 1.07x an fp32 AdamW step over as many elements, on the Intel
         Xeon with AMX-BF16). With nothing to multiply (a static scale of 1) the bf16 check is a fast sum
-        (see :func:`ampinit._kernels.check_finite_`) and stays before widening.
+        (see :func:`ampinit._torch_kernels.check_finite_`) and stays before widening.
         """
         if not self.unscales_exactly_in(dtype):
             return False
@@ -156,7 +156,7 @@ class LossScaler:
         self.materialize(loss.device)
         if self.unit:
             return loss.float()  # the same values and grads, without a multiply in the graph
-        return loss.float() * _kernels.to_device(self.scale_tensor, loss.device)
+        return loss.float() * _torch_kernels.to_device(self.scale_tensor, loss.device)
 
     def clear_overflow(self) -> None:
         self.found_inf.zero_()
@@ -166,18 +166,18 @@ class LossScaler:
         if grads and self.unit:
             self.check_(grads)
         elif grads:
-            _kernels.unscale_and_check_(grads, self.found_inf, self.inv_scale)
+            _torch_kernels.unscale_and_check_(grads, self.found_inf, self.inv_scale)
 
     def check_(self, grads: list[torch.Tensor]) -> None:
         """Raise the overflow flag if any of ``grads`` is inf/NaN, leaving their values as they are (times 1)."""
         if grads:
             assert self._one is not None, "materialize() first"
-            _kernels.check_finite_(grads, self.found_inf, self._one)
+            _torch_kernels.check_finite_(grads, self.found_inf, self._one)
 
     def unscale_unchecked_(self, grads: list[torch.Tensor]) -> None:
         """Unscale ``grads`` in place without touching the overflow flag (values already checked elsewhere)."""
         if grads:
-            _kernels.mul_(grads, self.inv_scale)
+            _torch_kernels.mul_(grads, self.inv_scale)
 
     def update(self) -> None:
         """Fold this step's overflow flag into the scale, on device (no host sync)."""
@@ -187,11 +187,11 @@ class LossScaler:
             self.version += 1
         if cfg is None:
             # A static scale only counts clean steps (Apex's ``_unskipped``): factors of 1, no growth ever.
-            _kernels.update_scale_(self._scale, self._unskipped, self.found_inf, 1.0, 1.0, _NEVER)
+            _torch_kernels.update_scale_(self._scale, self._unskipped, self.found_inf, 1.0, 1.0, _NEVER)
             return
         if cfg.hysteresis == 1:
             # Apex's rule is GradScaler's plus a ceiling and an optional floor: one kernel and a clamp or two.
-            _kernels.update_scale_(
+            _torch_kernels.update_scale_(
                 self._scale, self._unskipped, self.found_inf, cfg.growth_factor, cfg.backoff_factor, cfg.growth_interval
             )
             self._scale.clamp_(min=cfg.min_scale, max=cfg.max_scale)

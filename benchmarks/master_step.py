@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ampinit import _kernels, amp
+from ampinit import _torch_kernels, amp
 
 
 class OpCounter(TorchDispatchMode):
@@ -140,7 +140,7 @@ def time_pieces(params: int, tensors: int, rounds: int, half: torch.dtype) -> di
         "widen half grads -> fp32": lambda: torch._foreach_copy_(grads, half_grads),
         "unscale + check, fp32": lambda: torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, inv_scale),
         "unscale + check, half": lambda: torch._amp_foreach_non_finite_check_and_unscale_(half_grads, flag, inv_scale),
-        "check only, half (check_finite_)": lambda: _kernels.check_finite_(half_grads, flag, torch.ones(1)),
+        "check only, half (check_finite_)": lambda: _torch_kernels.check_finite_(half_grads, flag, torch.ones(1)),
         "copy masters -> half weights": lambda: torch._foreach_copy_(weights, masters),
         "AdamW with grad_scale/found_inf": lambda: adamw(
             masters, grads, exp_avgs, exp_avg_sqs, grad_scale=torch.tensor(1.0), found_inf=torch.zeros(())

@@ -1,4 +1,5 @@
-"""The read-only inf/NaN check (`_kernels.check_finite_`) and where a master step unscales (before or after widening).
+"""The read-only inf/NaN check (`_torch_kernels.check_finite_`) and where a master step unscales (before or after
+widening).
 
 References: ``torch.isfinite(t).all()`` per tensor for the flag, the untouched input for the values, and a plain
 fp32 re-implementation of the master step for the training result.
@@ -11,11 +12,11 @@ import torch
 from torch import nn
 
 import ampinit
-from ampinit import DynamicLossScale, _kernels, amp
+from ampinit import DynamicLossScale, _torch_kernels, amp
 from ampinit._scaler import LossScaler
 
 # Around the size from which bf16 CPU grads are summed instead of going through the unscale kernel.
-_SIZES = [1, 7, 4095, _kernels._SUM_CHECK_MIN_NUMEL - 1, _kernels._SUM_CHECK_MIN_NUMEL, 50_001, 1 << 17]
+_SIZES = [1, 7, 4095, _torch_kernels._SUM_CHECK_MIN_NUMEL - 1, _torch_kernels._SUM_CHECK_MIN_NUMEL, 50_001, 1 << 17]
 _BAD = [float("inf"), float("-inf"), float("nan")]
 
 
@@ -35,7 +36,7 @@ def test_flag_matches_isfinite_and_values_are_untouched(dtype: torch.dtype, size
             grad[where] = bad
     before = [g.clone() for g in grads]
     found_inf = torch.zeros(1)
-    _kernels.check_finite_(grads, found_inf, torch.ones(1))
+    _torch_kernels.check_finite_(grads, found_inf, torch.ones(1))
     assert found_inf.item() == _reference_flag(grads)
     for got, want in zip(grads, before):
         # Values unchanged (a NaN stays a NaN; torch's unscale kernel, used below the sum size, may rewrite its
@@ -47,16 +48,16 @@ def test_one_bad_value_among_many_tensors_of_mixed_sizes_and_dtypes() -> None:
     gen = torch.Generator().manual_seed(0)
     grads = [torch.randn(n, generator=gen).to(d) for n in _SIZES for d in (torch.bfloat16, torch.float32)]
     found_inf = torch.zeros(1)
-    _kernels.check_finite_(grads, found_inf, torch.ones(1))
+    _torch_kernels.check_finite_(grads, found_inf, torch.ones(1))
     assert found_inf.item() == 0.0
     grads[5][3] = float("nan")  # a large bf16 tensor: the summed path
-    _kernels.check_finite_(grads, found_inf, torch.ones(1))
+    _torch_kernels.check_finite_(grads, found_inf, torch.ones(1))
     assert found_inf.item() == 1.0
 
 
 def test_flag_is_only_ever_raised() -> None:
     found_inf = torch.ones(1)
-    _kernels.check_finite_([torch.zeros(1 << 16, dtype=torch.bfloat16)], found_inf, torch.ones(1))
+    _torch_kernels.check_finite_([torch.zeros(1 << 16, dtype=torch.bfloat16)], found_inf, torch.ones(1))
     assert found_inf.item() == 1.0
 
 
@@ -64,10 +65,10 @@ def test_largest_finite_bf16_values_do_not_alarm_until_their_sum_overflows() -> 
     big = torch.finfo(torch.bfloat16).max
     found_inf = torch.zeros(1)
     # 65536 terms of 2**100 sum to 2**116: finite, no alarm.
-    _kernels.check_finite_([torch.full((1 << 16,), 2.0**100, dtype=torch.bfloat16)], found_inf, torch.ones(1))
+    _torch_kernels.check_finite_([torch.full((1 << 16,), 2.0**100, dtype=torch.bfloat16)], found_inf, torch.ones(1))
     assert found_inf.item() == 0.0
     # The documented false alarm: finite terms whose sum passes bf16's (= fp32's) largest value.
-    _kernels.check_finite_([torch.full((1 << 16,), big, dtype=torch.bfloat16)], found_inf, torch.ones(1))
+    _torch_kernels.check_finite_([torch.full((1 << 16,), big, dtype=torch.bfloat16)], found_inf, torch.ones(1))
     assert found_inf.item() == 1.0
 
 

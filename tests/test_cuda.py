@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from ampinit import _kernels, amp
+from ampinit import _torch_kernels, amp
 from ampinit.compat.apex import amp as apex_amp
 from ampinit.optimizers import FusedAdam
 from tests import _device, _leaks
@@ -171,7 +171,7 @@ def test_unscale_is_exact_with_grads_and_scale_on_different_devices() -> None:
         grads[-1][7] = float("inf")
         expected[-1][7] = float("inf")
         found_inf = torch.zeros(1, device=scale_device)
-        _kernels.unscale_and_check_(grads, found_inf, torch.full((), 2.0**-10, device=scale_device))
+        _torch_kernels.unscale_and_check_(grads, found_inf, torch.full((), 2.0**-10, device=scale_device))
         assert found_inf.item() == 1.0
         for g, e in zip(grads, expected):
             assert torch.equal(g.cpu(), e)

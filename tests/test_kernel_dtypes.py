@@ -4,7 +4,7 @@ CPU kernels take dtypes that CUDA's refuse (``_amp_foreach_non_finite_check_and_
 raises on CUDA: issue 21, O5 dead at its first GPU step), so a CPU run proves nothing by passing. Here a
 ``TorchDispatchMode`` records every private kernel call (``_amp_*``, ``_fused_*``, ``_foreach_*``) of real
 training steps and of every ``amp_C`` op, and fails on one that ATen's CUDA kernel would refuse, per
-``ampinit._kernels.KERNEL_DTYPES``: the table the library routes by, whose rows cite ATen's dispatch macros.
+``ampinit._torch_kernels.KERNEL_DTYPES``: the table the library routes by, whose rows cite ATen's dispatch macros.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ampinit
-from ampinit import _kernels, amp
+from ampinit import _torch_kernels, amp
 from ampinit._scaler import LossScaler
 from ampinit.compat.apex import amp_C
 from tests.conftest import SmallNet
@@ -40,9 +40,9 @@ def _arguments(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[
 def cuda_refusal(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
     """Why CUDA would refuse this call, or None where its kernel takes it."""
     name = func._schema.name.split("::")[-1]
-    rule = _kernels.KERNEL_DTYPES.get((name, "cuda"))
+    rule = _torch_kernels.KERNEL_DTYPES.get((name, "cuda"))
     if rule is None:
-        return f"{name}: no CUDA row in _kernels.KERNEL_DTYPES, so nobody has read what its CUDA kernel accepts"
+        return f"{name}: no CUDA row in _torch_kernels.KERNEL_DTYPES, so nobody has read what its CUDA kernel accepts"
     named = _arguments(func, args, kwargs)
     listed = [t for arg in rule.lists for t in (named.get(arg) or ()) if isinstance(t, torch.Tensor)]
     dtypes = {t.dtype for t in listed}
@@ -98,12 +98,12 @@ def routes_as_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
         return before_widening(self, dtype, "cuda" if device_type == "cpu" else device_type)
 
     monkeypatch.setattr(LossScaler, "unscales_before_widening", as_on_cuda)
-    table = dict(_kernels.KERNEL_DTYPES)
+    table = dict(_torch_kernels.KERNEL_DTYPES)
     for kernel, device in list(table):
         if device == "cpu":
             del table[(kernel, device)]
     table.update({(kernel, "cpu"): rule for (kernel, device), rule in table.items() if device == "cuda"})
-    monkeypatch.setattr(_kernels, "KERNEL_DTYPES", table)
+    monkeypatch.setattr(_torch_kernels, "KERNEL_DTYPES", table)
 
 
 @contextmanager

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ampinit.multi_tensor as mt
-from ampinit import _kernels
+from ampinit import _torch_kernels
 from ampinit.optimizers import (
     FusedAdagrad,
     FusedAdam,
@@ -237,13 +237,13 @@ def test_sync_counter_sees_what_it_must(sync_counter: CountSyncs) -> None:
     [("cuda", "2.8.1+cu128", False), ("cuda", "2.9.0", True), ("cuda", "2.10.0a0+git", True), ("cpu", "2.5.0", True)],
 )
 def test_fused_adagrad_kernel_availability(device: str, version: str, expected: bool) -> None:
-    assert _kernels.has_fused_adagrad(torch.device(device), version) is expected
-    assert _kernels.has_fused_adagrad(torch.device("mps"), version) is False
+    assert _torch_kernels.has_fused_adagrad(torch.device(device), version) is expected
+    assert _torch_kernels.has_fused_adagrad(torch.device("mps"), version) is False
 
 
 def test_fused_adagrad_unknown_version_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="'nightly'"):
-        _kernels.has_fused_adagrad(torch.device("cuda"), "nightly")
+        _torch_kernels.has_fused_adagrad(torch.device("cuda"), "nightly")
 
 
 @pytest.mark.parametrize("adagrad_w_mode", [False, True])
@@ -262,7 +262,7 @@ def test_fused_adagrad_falls_back_to_foreach_without_a_kernel(
     def no_kernel(*args: object, **kwargs: object) -> None:
         raise AssertionError("torch._fused_adagrad_ called although the version check said it has no kernel")
 
-    monkeypatch.setattr(_kernels, "has_fused_adagrad", lambda device, version=None: False)
+    monkeypatch.setattr(_torch_kernels, "has_fused_adagrad", lambda device, version=None: False)
     monkeypatch.setattr(torch, "_fused_adagrad_", no_kernel)
     for found in (0.0, 1.0, 0.0):
         for opt in (ref_opt, new_opt):

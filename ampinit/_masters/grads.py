@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ampinit import _kernels
+from ampinit import _torch_kernels
 from ampinit._masters import kernel_step
 from ampinit._masters.update import Update, update_of
 from ampinit._scaler import LossScaler
@@ -216,7 +216,7 @@ class OptimizerGrads:
         """Multiply the grads kept scaled by delay_unscale (model grads, direct grads; not the stash) by ``factor``."""
         kept = [p.grad for p, _ in self.pairs() if p.grad is not None]
         kept += [p.grad for p in self.direct_params() if p.grad is not None]
-        _kernels.mul_(kept, factor)
+        _torch_kernels.mul_(kept, factor)
 
     def abort_backward(self) -> None:
         """Forget a backward that raised: grads are as they were before ``prepare_backward``."""
@@ -251,10 +251,10 @@ class OptimizerGrads:
             # 1, or a power of two on bf16 off CPU: see unscales_before_widening). The model's half grads are
             # left unscaled in this case.
             scaler.unscale_([*copy_src, *acc_src, *direct])
-            _kernels.copy_(copy_dst, copy_src)
-            _kernels.add_(acc_dst, acc_src)
+            _torch_kernels.copy_(copy_dst, copy_src)
+            _torch_kernels.add_(acc_dst, acc_src)
         else:
-            _kernels.copy_(copy_dst, copy_src)
+            _torch_kernels.copy_(copy_dst, copy_src)
             scaler.unscale_([*copy_dst, *direct])
             if acc_dst:
                 # Master grads already hold unscaled values from an earlier backward. Bringing them to the
@@ -263,8 +263,8 @@ class OptimizerGrads:
                 # this backward's grads are checked (Apex's rule): an inf kept from an earlier block was
                 # counted by that block's scaler, and must not make this one back off or skip again.
                 scaler.check_(acc_src)
-                _kernels.mul_(acc_dst, scaler.scale_tensor)
-                _kernels.add_(acc_dst, acc_src)
+                _torch_kernels.mul_(acc_dst, scaler.scale_tensor)
+                _torch_kernels.add_(acc_dst, acc_src)
                 scaler.unscale_unchecked_(acc_dst)
         self._merge_stash()
 
@@ -277,7 +277,7 @@ class OptimizerGrads:
             else:
                 acc_dst.append(param.grad)
                 acc_src.append(grad)
-        _kernels.add_(acc_dst, acc_src)
+        _torch_kernels.add_(acc_dst, acc_src)
         self._stash = []
 
     def _grad_buffer(self, master: torch.Tensor) -> torch.Tensor:
@@ -319,7 +319,7 @@ class OptimizerGrads:
         """
         pairs = list(self.pairs())
         if stepped and pairs and not weights_written:
-            _kernels.copy_([p for p, _ in pairs], [m for _, m in pairs])
+            _torch_kernels.copy_([p for p, _ in pairs], [m for _, m in pairs])
         for _, master in pairs:
             master.grad = None
 
@@ -331,5 +331,5 @@ class OptimizerGrads:
             for model_param, _ in self.pairs():
                 model_param.grad = None
         elif grads:
-            _kernels.foreach_zero_(grads)
+            _torch_kernels.foreach_zero_(grads)
             self._zeroed = {id(p): (p.grad, p.grad._version) for p, _ in self.pairs() if p.grad is not None}

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.optim.optimizer as optim_module
 
-from ampinit import _kernels as engine_kernels
+from ampinit import _torch_kernels as engine_kernels
 from ampinit._masters import reference
 from ampinit._masters.reference import AdamSettings, Masters, SgdSettings
 from ampinit._masters.update import Update

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ampinit import _kernels
+from ampinit import _torch_kernels
 
 
 def bias_corrections(t: Tensor, beta1: float, beta2: float, enabled: bool) -> tuple[Tensor, Tensor]:
@@ -45,18 +45,18 @@ def adam_update_foreach(
     """
     beta1, beta2, beta3 = betas
     if not decoupled and weight_decay != 0:
-        _kernels.foreach_add_(grads, params, alpha=weight_decay)
-    _kernels.foreach_mul_(exp_avgs, beta1)
-    _kernels.foreach_add_(exp_avgs, grads, alpha=beta3)
-    _kernels.foreach_mul_(exp_avg_sqs, beta2)
-    _kernels.foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
-    denom = _kernels.foreach_div(exp_avg_sqs, corrections[1])
-    _kernels.foreach_sqrt_(denom)
-    _kernels.foreach_add_(denom, eps)
-    update = _kernels.foreach_div(exp_avgs, corrections[0])
-    _kernels.foreach_div_(update, denom)
+        _torch_kernels.foreach_add_(grads, params, alpha=weight_decay)
+    _torch_kernels.foreach_mul_(exp_avgs, beta1)
+    _torch_kernels.foreach_add_(exp_avgs, grads, alpha=beta3)
+    _torch_kernels.foreach_mul_(exp_avg_sqs, beta2)
+    _torch_kernels.foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+    denom = _torch_kernels.foreach_div(exp_avg_sqs, corrections[1])
+    _torch_kernels.foreach_sqrt_(denom)
+    _torch_kernels.foreach_add_(denom, eps)
+    update = _torch_kernels.foreach_div(exp_avgs, corrections[0])
+    _torch_kernels.foreach_div_(update, denom)
     if decoupled and weight_decay != 0:
-        _kernels.foreach_add_(update, params, alpha=weight_decay)
+        _torch_kernels.foreach_add_(update, params, alpha=weight_decay)
     return list(update)
 
 

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ampinit import _kernels
-from ampinit._kernels import device_scalar, fp32_copies, l2_norms, total_norm
+from ampinit import _torch_kernels
+from ampinit._torch_kernels import device_scalar, fp32_copies, l2_norms, total_norm
 from ampinit.optimizers._adam_math import bias_corrections
 
 TensorLists = Sequence[Sequence[Tensor]]
@@ -96,7 +96,7 @@ def times(tensors: list[Tensor], factor: Tensor) -> list[Tensor]:
     """Float32 copies of ``tensors`` multiplied by the one-element ``factor`` (Apex's ``inv_scale``)."""
     work = fp32_copies(tensors)
     if work:
-        _kernels.foreach_mul_(work, factor.to(device=work[0].device, dtype=torch.float32).reshape(()))
+        _torch_kernels.foreach_mul_(work, factor.to(device=work[0].device, dtype=torch.float32).reshape(()))
     return work
 
 

@@ -10,7 +10,7 @@ from typing import Any, Literal, TypedDict, get_args
 import torch
 from torch import Tensor
 
-from ampinit._kernels import device_scalar
+from ampinit._torch_kernels import device_scalar
 
 Implementation = Literal["multi_tensor", "single_tensor"]
 IMPLEMENTATIONS: tuple[str, ...] = get_args(Implementation)

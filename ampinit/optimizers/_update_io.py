@@ -8,8 +8,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ampinit import _kernels
-from ampinit._kernels import fp32_copies, write_back
+from ampinit import _torch_kernels
+from ampinit._torch_kernels import fp32_copies, write_back
 from ampinit.optimizers._base import AmpScaling
 
 
@@ -27,7 +27,7 @@ def unscaled_copies(grads: Sequence[Tensor], grad_scale: Tensor | None) -> list[
     """Float32 copies of ``grads`` (all on one device), divided by ``grad_scale`` when there is one."""
     copies = fp32_copies(grads)
     if grad_scale is not None and copies:
-        _kernels.foreach_div_(copies, grad_scale.to(copies[0].device))
+        _torch_kernels.foreach_div_(copies, grad_scale.to(copies[0].device))
     return copies
 
 

@@ -7,8 +7,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from ampinit import _kernels
-from ampinit._kernels import fp32_work, group_indices, pick, write_back
+from ampinit import _torch_kernels
+from ampinit._torch_kernels import fp32_work, group_indices, pick, write_back
 from ampinit.optimizers._apex_ops import TensorLists, check_lists
 from ampinit.optimizers._base import FusedOptimizer, Implementation, ParamsT
 from ampinit.optimizers._update_io import amp_on, reference_inputs, unscaled_copies, write_back_fused
@@ -35,16 +35,16 @@ def adagrad_multi_tensor(
     for (device, dtypes), indices in group_indices([params, grads, state_sums]).items():
         p, g, h = pick(params, indices), pick(grads, indices), pick(state_sums, indices)
         amp = amp_on(device, grad_scale, found_inf)
-        if not _kernels.has_fused_adagrad(device):
+        if not _torch_kernels.has_fused_adagrad(device):
             _adagrad_foreach(p, g, h, lr, eps, weight_decay, adagrad_w_mode, grad_scale, amp.skip)
             continue
         wp, wg, wh = (p, g, h) if len(set(dtypes)) == 1 else (fp32_work(p), fp32_work(g), fp32_work(h))
         if adagrad_w_mode and weight_decay != 0:
             keep = torch.ones((), device=device) if amp.found_inf is None else 1 - amp.found_inf
-            _kernels.foreach_mul_(wp, 1 - lr * weight_decay * keep)
+            _torch_kernels.foreach_mul_(wp, 1 - lr * weight_decay * keep)
         # lr_decay is 0, so the kernel's step count only enters as (step - 1) * 0.
         steps = [torch.ones((), device=device) for _ in wp]
-        _kernels.fused_adagrad_(
+        _torch_kernels.fused_adagrad_(
             wp,
             wg,
             wh,
@@ -80,14 +80,14 @@ def _adagrad_foreach(
     if grad_scale is not None:
         write_back(grads, g, skip)
     if not adagrad_w_mode and weight_decay != 0:
-        g = list(_kernels.foreach_add(g, wp, alpha=weight_decay))
-    _kernels.foreach_addcmul_(wh, g, g)
-    denom = _kernels.foreach_sqrt(wh)
-    _kernels.foreach_add_(denom, eps)
-    update = _kernels.foreach_div(g, denom)
+        g = list(_torch_kernels.foreach_add(g, wp, alpha=weight_decay))
+    _torch_kernels.foreach_addcmul_(wh, g, g)
+    denom = _torch_kernels.foreach_sqrt(wh)
+    _torch_kernels.foreach_add_(denom, eps)
+    update = _torch_kernels.foreach_div(g, denom)
     if adagrad_w_mode and weight_decay != 0:
-        _kernels.foreach_add_(update, wp, alpha=weight_decay)
-    _kernels.foreach_add_(wp, update, alpha=-lr)
+        _torch_kernels.foreach_add_(update, wp, alpha=weight_decay)
+    _torch_kernels.foreach_add_(wp, update, alpha=-lr)
     write_back(params, wp, skip)
     write_back(state_sums, wh, skip)
 

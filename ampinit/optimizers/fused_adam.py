@@ -10,9 +10,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ampinit import _kernels
-from ampinit._kernels import device_scalar, fp32_copies, fp32_work, group_indices, pick, write_back
+from ampinit import _torch_kernels
 from ampinit._masters.update import MasterChunk
+from ampinit._torch_kernels import device_scalar, fp32_copies, fp32_work, group_indices, pick, write_back
 from ampinit.optimizers._adam_math import adam_update_foreach, adam_update_single
 from ampinit.optimizers._apex_ops import (
     TensorLists,
@@ -85,7 +85,7 @@ def adam_multi_tensor(
     are float32 copies of ``params`` that the update runs on instead.
     When ``grad_scale`` is given, the gradients are left unscaled in place, as torch's fused kernels do.
     """
-    kernel = _kernels.fused_adamw_ if adam_w_mode else _kernels.fused_adam_
+    kernel = _torch_kernels.fused_adamw_ if adam_w_mode else _torch_kernels.fused_adam_
     lists = [params, grads, exp_avgs, exp_avg_sqs] + ([masters] if masters is not None else [])
     for (device, dtypes), indices in group_indices(lists).items():
         p, g, m, v = (pick(t, indices) for t in lists[:4])
@@ -209,8 +209,8 @@ def _adam_capturable(
             decoupled=decoupled,
             corrections=float64_corrections(step, beta1, beta2, bias_correction, device),
         )
-        _kernels.foreach_mul_(update, lr.to(device=device, dtype=torch.float32).reshape(()))
-        _kernels.foreach_sub_(wp, update)
+        _torch_kernels.foreach_mul_(update, lr.to(device=device, dtype=torch.float32).reshape(()))
+        _torch_kernels.foreach_sub_(wp, update)
         if not decoupled and weight_decay != 0:
             # The gradient stored back is the unscaled one, without the L2 term.
             wg = times(g, inv_scale)

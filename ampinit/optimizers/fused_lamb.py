@@ -8,8 +8,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ampinit import _kernels
-from ampinit._kernels import (
+from ampinit import _torch_kernels
+from ampinit._torch_kernels import (
     fp32_work,
     group_indices,
     l2_norms,
@@ -69,7 +69,7 @@ def lamb_multi_tensor(
         wp, wm, wv = (fp32_work(t, private=skip is not None) for t in (p, m, v))
         g = unscaled_copies(pick(grads, indices), grad_scale)
         norm = global_grad_norm.to(device=device, dtype=torch.float32).reshape(())
-        _kernels.foreach_div_(g, clip_divisor(norm, max_grad_norm))
+        _torch_kernels.foreach_div_(g, clip_divisor(norm, max_grad_norm))
         update = adam_update_foreach(
             wp,
             g,
@@ -83,9 +83,9 @@ def lamb_multi_tensor(
         )
         if use_nvlamb or weight_decay != 0:
             ratio = trust_ratio(torch.stack(l2_norms(wp)), torch.stack(l2_norms(update)), lr)
-            _kernels.foreach_sub_(wp, _kernels.foreach_mul(update, list(ratio.unbind())))
+            _torch_kernels.foreach_sub_(wp, _torch_kernels.foreach_mul(update, list(ratio.unbind())))
         else:
-            _kernels.foreach_add_(wp, update, alpha=-lr)
+            _torch_kernels.foreach_add_(wp, update, alpha=-lr)
         write_back(p + m + v, wp + wm + wv, skip)
         for i, u in zip(indices, update):
             updates[i] = u
@@ -179,7 +179,7 @@ def multi_tensor_lamb(
         max_grad_norm=max_grad_norm,
         use_nvlamb=bool(use_nvlamb),
     )
-    _kernels.copy_(list(g), updates)
+    _torch_kernels.copy_(list(g), updates)
     multi_tensor_l2norm(chunk_size, noop_flag, [g])
 
 

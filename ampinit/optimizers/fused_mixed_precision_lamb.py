@@ -9,8 +9,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ampinit import _kernels
-from ampinit._kernels import fp32_copies, group_indices, l2_norms, pick, write_back
+from ampinit import _torch_kernels
+from ampinit._torch_kernels import fp32_copies, group_indices, l2_norms, pick, write_back
 from ampinit.optimizers._adam_math import adam_update_foreach, clip_divisor
 from ampinit.optimizers._apex_ops import (
     TensorLists,
@@ -71,7 +71,9 @@ def multi_tensor_lamb_mp(
     for (device, _), indices in group_indices([g, p, m, v]).items():
         wg = times(pick(g, indices), inv_scale)
         norm = global_grad_norm.to(device=device, dtype=torch.float32).reshape(())
-        _kernels.foreach_div_(wg, clip_divisor(norm, max_grad_norm.to(device=device, dtype=torch.float32).reshape(())))
+        _torch_kernels.foreach_div_(
+            wg, clip_divisor(norm, max_grad_norm.to(device=device, dtype=torch.float32).reshape(()))
+        )
         wm, wv = fp32_copies(pick(m, indices)), fp32_copies(pick(v, indices))
         update = adam_update_foreach(
             fp32_copies(pick(p, indices)),
@@ -113,7 +115,7 @@ def _lamb_mp_apply(
             pairs = [(p_norms[i].to(device), u_norms[i].to(device)) for i in indices]
             ratios = [torch.where((pn != 0) & (un != 0), learning_rate * (pn / un), learning_rate) for pn, un in pairs]
         wp = fp32_copies(pick(p, indices))
-        _kernels.foreach_sub_(wp, _kernels.foreach_mul(fp32_copies(pick(g, indices)), ratios))
+        _torch_kernels.foreach_sub_(wp, _torch_kernels.foreach_mul(fp32_copies(pick(g, indices)), ratios))
         write_back(pick(p, indices), wp, skip)
         if len(tensor_lists) == 5:
             write_back(pick(tensor_lists[4], indices), wp, skip)

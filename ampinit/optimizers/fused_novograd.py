@@ -8,8 +8,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ampinit import _kernels
-from ampinit._kernels import fp32_work, l2_norms, write_back
+from ampinit import _torch_kernels
+from ampinit._torch_kernels import fp32_work, l2_norms, write_back
 from ampinit.optimizers._adam_math import bias_corrections
 from ampinit.optimizers._apex_ops import TensorLists, adam_arguments, check_lists
 from ampinit.optimizers._base import FusedOptimizer, Implementation, ParamsT, adam_defaults
@@ -27,7 +27,7 @@ def layer_norms(grads: Sequence[Tensor], norm_type: int) -> Tensor:
         return torch.stack(l2_norms(grads))
     # The infinity norm of an empty tensor is undefined in torch; Apex's kernel reports 0 for it.
     nonempty = [g if g.numel() else g.new_zeros(1) for g in grads]
-    return torch.stack(_kernels.foreach_norm(nonempty, float("inf")))
+    return torch.stack(_torch_kernels.foreach_norm(nonempty, float("inf")))
 
 
 def blend_norms(old: Tensor, new: Tensor, beta2: float, norm_type: int) -> Tensor:
@@ -73,18 +73,18 @@ def novograd_multi_tensor(
     denoms = list((norms / bias2.sqrt() + eps).unbind())
     beta3 = 1 - beta1 if grad_averaging else 1.0
     if moment_mode == 0:
-        _kernels.foreach_div_(g, denoms)
-        _kernels.foreach_add_(g, wp, alpha=weight_decay)
-        _kernels.foreach_mul_(wm, beta1)
-        _kernels.foreach_add_(wm, g, alpha=beta3)
-        _kernels.foreach_add_(wp, _kernels.foreach_div(wm, bias1), alpha=-lr)
+        _torch_kernels.foreach_div_(g, denoms)
+        _torch_kernels.foreach_add_(g, wp, alpha=weight_decay)
+        _torch_kernels.foreach_mul_(wm, beta1)
+        _torch_kernels.foreach_add_(wm, g, alpha=beta3)
+        _torch_kernels.foreach_add_(wp, _torch_kernels.foreach_div(wm, bias1), alpha=-lr)
     else:
-        _kernels.foreach_mul_(wm, beta1)
-        _kernels.foreach_add_(wm, g, alpha=beta3)
-        update = _kernels.foreach_div(wm, bias1)
-        _kernels.foreach_div_(update, denoms)
-        _kernels.foreach_add_(update, wp, alpha=weight_decay)
-        _kernels.foreach_add_(wp, update, alpha=-lr)
+        _torch_kernels.foreach_mul_(wm, beta1)
+        _torch_kernels.foreach_add_(wm, g, alpha=beta3)
+        update = _torch_kernels.foreach_div(wm, bias1)
+        _torch_kernels.foreach_div_(update, denoms)
+        _torch_kernels.foreach_add_(update, wp, alpha=weight_decay)
+        _torch_kernels.foreach_add_(wp, update, alpha=-lr)
     write_back(params, wp, skip)
     write_back(exp_avgs, wm, skip)
     write_back([grad_norms], [norms], skip)

@@ -9,9 +9,9 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import _RequiredParameter, required
 
-from ampinit import _kernels
-from ampinit._kernels import fp32_copies, fp32_work, group_indices, pick, write_back
+from ampinit import _torch_kernels
 from ampinit._masters.update import MasterChunk
+from ampinit._torch_kernels import fp32_copies, fp32_work, group_indices, pick, write_back
 from ampinit.optimizers._apex_ops import TensorLists, check_lists
 from ampinit.optimizers._base import FusedOptimizer, Implementation, ParamsT
 from ampinit.optimizers._update_io import amp_on, reference_inputs
@@ -59,7 +59,7 @@ def sgd_multi_tensor(
             # float32 runs in place; everything else goes through float32 work copies.
             direct = model_params is None and set(dtypes) == {torch.float32}
             wp, wg, wm = (p, g, m) if direct else (fp32_work(p), fp32_work(g), fp32_work(m))
-            _kernels.fused_sgd_(
+            _torch_kernels.fused_sgd_(
                 wp,
                 wg,
                 wm,
@@ -94,16 +94,16 @@ def _sgd_foreach(
 ) -> None:
     """SGD with weight decay added after momentum, in place on float32 ``p``, ``m`` and a private ``g``."""
     if grad_scale is not None:
-        _kernels.foreach_div_(g, grad_scale)
+        _torch_kernels.foreach_div_(g, grad_scale)
     direction: Sequence[Tensor] = g
     if momentum != 0:
         if first_run:
-            _kernels.copy_(m, g)
+            _torch_kernels.copy_(m, g)
         else:
-            _kernels.foreach_mul_(m, momentum)
-            _kernels.foreach_add_(m, g, alpha=1 - dampening)
-        direction = _kernels.foreach_add(g, m, alpha=momentum) if nesterov else m
-    _kernels.foreach_add_(p, _kernels.foreach_add(list(direction), p, alpha=weight_decay), alpha=-lr)
+            _torch_kernels.foreach_mul_(m, momentum)
+            _torch_kernels.foreach_add_(m, g, alpha=1 - dampening)
+        direction = _torch_kernels.foreach_add(g, m, alpha=momentum) if nesterov else m
+    _torch_kernels.foreach_add_(p, _torch_kernels.foreach_add(list(direction), p, alpha=weight_decay), alpha=-lr)
 
 
 # sgd_multi_tensor's signature, spelled out: the two are interchangeable (``implementation`` picks one).
@@ -166,7 +166,7 @@ def multi_tensor_sgd(
     g, p, m = tensor_lists[:3]
     if scale != 1.0:
         g = fp32_copies(g)
-        _kernels.foreach_mul_(g, scale)
+        _torch_kernels.foreach_mul_(g, scale)
     sgd_multi_tensor(
         p,
         g,

@@ -26,8 +26,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ampinit import _kernels
-from ampinit._kernels import device_scalar, fp32_copies, group_indices, l2_norms, pick
+from ampinit import _torch_kernels
+from ampinit._torch_kernels import device_scalar, fp32_copies, group_indices, l2_norms, pick
 from ampinit.optimizers._apex_ops import TensorLists, check_lists, flag_if, multi_tensor_l2norm, norm_result
 from ampinit.optimizers.fused_adagrad import multi_tensor_adagrad
 from ampinit.optimizers.fused_adam import (
@@ -77,13 +77,13 @@ def _scale_into(inputs: Sequence[Tensor], outputs: Sequence[Tensor], scale: floa
         if _exact_copy(src_dtype, dst_dtype):
             pairs = [(d, s) for s, d in zip(src, dst) if s is not d]
             if pairs:
-                _kernels.copy_([d for d, _ in pairs], [s for _, s in pairs])
+                _torch_kernels.copy_([d for d, _ in pairs], [s for _, s in pairs])
             work = dst
         else:
             work = fp32_copies(src)
-        _kernels.unscale_and_check_(work, found, device_scalar(scale, device))
+        _torch_kernels.unscale_and_check_(work, found, device_scalar(scale, device))
         if work is not dst:
-            _kernels.copy_(dst, work)
+            _torch_kernels.copy_(dst, work)
         flags.append(found)
     return flags
 
@@ -109,11 +109,11 @@ def multi_tensor_axpby(
         found = torch.zeros(1, dtype=torch.float32, device=device)
         for work, factor, checked in ((x, a, arg_to_check in (-1, 0)), (y, b, arg_to_check in (-1, 1))):
             if checked:
-                _kernels.unscale_and_check_(work, found, device_scalar(factor, device))
+                _torch_kernels.unscale_and_check_(work, found, device_scalar(factor, device))
             else:
-                _kernels.foreach_mul_(work, factor)
-        _kernels.foreach_add_(x, y)
-        _kernels.copy_(pick(tensor_lists[2], indices), x)
+                _torch_kernels.foreach_mul_(work, factor)
+        _torch_kernels.foreach_add_(x, y)
+        _torch_kernels.copy_(pick(tensor_lists[2], indices), x)
         flag_if(noop_flag, found)
 
 

@@ -11,14 +11,14 @@ from collections.abc import Sequence
 
 import torch
 
-from ampinit import _kernels
+from ampinit import _torch_kernels
 
 __all__ = ["flatten", "unflatten"]
 
 
 def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """One contiguous 1-D tensor holding every tensor's elements, in order."""
-    flat: torch.Tensor = _kernels.flatten_dense_tensors(list(tensors))
+    flat: torch.Tensor = _torch_kernels.flatten_dense_tensors(list(tensors))
     return flat
 
 
@@ -31,4 +31,4 @@ def unflatten(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> tuple[torc
     total = sum(t.numel() for t in tensors)
     if flat.numel() < total:
         raise ValueError(f"flat has {flat.numel()} elements but the tensors hold {total}")
-    return tuple(_kernels.unflatten_dense_tensors(flat, list(tensors)))
+    return tuple(_torch_kernels.unflatten_dense_tensors(flat, list(tensors)))

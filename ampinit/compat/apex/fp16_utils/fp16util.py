@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ampinit import _kernels
+from ampinit import _torch_kernels
 
 __all__ = [
     "BN_convert_float",
@@ -89,7 +89,7 @@ def prep_param_lists(model: nn.Module, flat_master: bool = False) -> tuple[list[
     if flat_master:
         # Mixed dtypes (a network_to_half model keeps BatchNorm in fp32) are promoted by the flattening, as in
         # Apex on torch >= 1.5: the master is float32 either way.
-        flat_data = _kernels.flatten_dense_tensors([p.data for p in model_params])
+        flat_data = _torch_kernels.flatten_dense_tensors([p.data for p in model_params])
         flat = nn.Parameter(flat_data.float())
         flat.grad = torch.empty_like(flat)
         return model_params, [flat]
@@ -105,7 +105,7 @@ def model_grads_to_master_grads(
         grad = master_params[0].grad
         assert grad is not None, "prep_param_lists(flat_master=True) preallocates the flat master's grad"
         grads = [p.grad for p in model_params if p.grad is not None]
-        grad.copy_(_kernels.flatten_dense_tensors(grads))
+        grad.copy_(_torch_kernels.flatten_dense_tensors(grads))
         return
     for model, master in zip(model_params, master_params):
         if model.grad is None:
@@ -122,7 +122,7 @@ def master_params_to_model_params(
     """Copy the (updated) masters' values into the model's params."""
     with torch.no_grad():
         if flat_master:
-            values = _kernels.unflatten_dense_tensors(master_params[0].data, model_params)
+            values = _torch_kernels.unflatten_dense_tensors(master_params[0].data, model_params)
             for model, master in zip(model_params, values):
                 model.copy_(master)
             return

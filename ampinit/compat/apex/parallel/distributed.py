@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ampinit import _kernels
+from ampinit import _torch_kernels
 from ampinit.compat.apex.parallel._ddp_arguments import NO_EFFECT
 
 __all__ = ["DistributedDataParallel", "Reducer", "flat_dist_call"]
@@ -136,7 +136,7 @@ def flat_dist_call(tensors: Sequence[torch.Tensor], call: Callable[..., Any], ex
     for tensor in tensors:
         groups.setdefault((str(tensor.device), tensor.dtype), []).append(tensor)
     for bucket in groups.values():
-        flat: torch.Tensor = _kernels.flatten_dense_tensors(bucket)
+        flat: torch.Tensor = _torch_kernels.flatten_dense_tensors(bucket)
         if extra_args is not None:
             call(flat, *extra_args)
         else:
@@ -144,7 +144,7 @@ def flat_dist_call(tensors: Sequence[torch.Tensor], call: Callable[..., Any], ex
         if call is dist.all_reduce:
             flat /= dist.get_world_size()
         with torch.no_grad():
-            for tensor, synced in zip(bucket, _kernels.unflatten_dense_tensors(flat, bucket)):
+            for tensor, synced in zip(bucket, _torch_kernels.unflatten_dense_tensors(flat, bucket)):
                 tensor.copy_(synced)
 
 
