@@ -22,6 +22,7 @@ from tests._scripts import as_apex_code, exec_source
 TRAINER = textwrap.dedent(
     """
     import torch
+    from torch.nn.utils import clip_grad_norm_
 
     try:
         from apex import amp
@@ -50,9 +51,9 @@ TRAINER = textwrap.dedent(
                 else:
                     loss.backward()
             if self.fp16:
-                torch.nn.utils.clip_grad_norm_(amp.master_params(self.optimizer), 1.0)
+                clip_grad_norm_(amp.master_params(self.optimizer), 1.0)
             else:
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+                clip_grad_norm_(self.model.parameters(), 1.0)
             self.optimizer.step()
             return loss.item()
 
@@ -73,6 +74,7 @@ TRAINER = textwrap.dedent(
 TRAINER_TORCH = textwrap.dedent(
     '''
     import torch
+    from torch.nn.utils import clip_grad_norm_
 
 
     def grad_scaler_state(state):
@@ -113,9 +115,9 @@ TRAINER_TORCH = textwrap.dedent(
                     loss.backward()
             if self.fp16:
                 self.amp_scaler.unscale_(self.optimizer)
-                torch.nn.utils.clip_grad_norm_((p for group in self.optimizer.param_groups for p in group["params"]), 1.0)
+                clip_grad_norm_((p for group in self.optimizer.param_groups for p in group["params"]), 1.0)
             else:
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+                clip_grad_norm_(self.model.parameters(), 1.0)
             self.amp_scaler.step(self.optimizer)
             self.amp_scaler.update()
             return loss.item()
@@ -229,7 +231,7 @@ def _variant(old: str, new: str) -> str:
                 "        self.model = torch.nn.DataParallel(self.model)\n",
                 "        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.2)\n",
             ),
-            "`self.optimizer` is assigned again (line 18) after amp.initialize returned it",
+            "`self.optimizer` is assigned again (line 19) after amp.initialize returned it",
         ),
         (  # the fallback is read: after the rewrite `amp` would be unbound
             _variant("        self.fp16 = fp16\n", "        self.fp16 = fp16 and amp is not None\n"),

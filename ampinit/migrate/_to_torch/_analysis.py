@@ -90,8 +90,10 @@ def availability_guard(node: cst.CSTNode, amp: str) -> bool:
 
 def _fallback(handler: cst.ExceptHandler, amp: str) -> bool:
     caught = handler.type
+    if caught is None or handler.name is not None:
+        return False
     names = [e.value for e in caught.elements] if isinstance(caught, cst.Tuple) else [caught]
-    if caught is None or handler.name is not None or not all(_cst.dotted(n) in _MISSING for n in names):
+    if not all(_cst.dotted(n) in _MISSING for n in names):
         return False
     for statement in handler.body.body:
         if not isinstance(statement, cst.SimpleStatementLine):
@@ -373,7 +375,10 @@ class Analysis:
         source = node
         if isinstance(node, cst.Name) and node.value in _parameters(function):
             assert isinstance(function, cst.FunctionDef)
-            return NOT_LITERAL, f"`{node.value}` is a parameter of {function.name.value}(): its callers may pass any level"
+            return (
+                NOT_LITERAL,
+                f"`{node.value}` is a parameter of {function.name.value}(): its callers may pass any level",
+            )
         if isinstance(node, cst.Name):
             stores = [t for t in self.assignments if _cst.code(t) == node.value and self.function_of(t) is function]
             if len(stores) != 1 or self.line(stores[0]) >= self.line(call):

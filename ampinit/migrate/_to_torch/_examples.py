@@ -66,7 +66,7 @@ NO_INITIALIZE = edit(INIT, "")
 INITIALIZE_NOT_CALLED = "from apex import amp\n\ninitialize = amp.initialize\n"
 INITIALIZE_STAR_ARGS = "from apex import amp\n\nmodel, optimizer = amp.initialize(*objects)\n"
 INITIALIZE_LISTS = "from apex import amp\n\nmodels, optimizer = amp.initialize([a, b], optimizer)\n"
-INITIALIZE_WITHOUT_OPTIMIZER = "from apex import amp\n\nmodel = amp.initialize(model, opt_level=\"O1\")\n"
+INITIALIZE_WITHOUT_OPTIMIZER = 'from apex import amp\n\nmodel = amp.initialize(model, opt_level="O1")\n'
 OPT_LEVEL_HALF = _initialize('opt_level="O2"')
 OPT_LEVEL_UNKNOWN = _initialize("opt_level=config.opt_level")
 NUM_LOSSES = _initialize('opt_level="O1", num_losses=2')
