@@ -20,6 +20,7 @@ ROWS = [
     "initialize_not_called",
     "initialize_star_args",
     "initialize_not_one_model",
+    "initialize_without_optimizer",
     "opt_level_half",
     "opt_level_unknown",
     "initialize_cast_model_type",
@@ -38,6 +39,7 @@ ROWS = [
     "flag_assigned_again",
     "apex_import_guarded",
     "amp_use_unreachable",
+    "amp_as_object",
     "amp_use_not_native",
     "scale_loss_not_in_with",
     "scale_loss_without_as",
@@ -62,7 +64,7 @@ ROWS = [
     "step_in_scale_loss",
     "step_unreachable",
     "scaler_attribute_slots",
-    "model_assigned_again",
+    "optimizer_assigned_again",
     "flag_differs_elsewhere",
     "flag_assigned_elsewhere",
     "scaler_created_late",
@@ -130,3 +132,50 @@ def test_an_alone_row_stays_silent_beside_another_reason() -> None:
     """The clipping with no step after it in its block is refused only in a file no other row refuses."""
     source = _examples.edit(_examples.STEP, "        optimizer.step(closure)\n", _examples.MASTER_PARAMS_WITHOUT_STEP)
     assert _refusals(source) == ["step_with_closure"]
+
+
+def _messages(source: str) -> list[str]:
+    result = migrate_source(source, "torch")
+    assert result.refused and not result.changed
+    return [site.message for site in result.needs_human]
+
+
+def test_another_apex_name_under_if_is_refused_for_itself_not_as_a_guarded_amp_import() -> None:
+    """FastSpeech's ``if profiling: from apex import pyprof``: the rewrite never touches that import; what stops
+    the file is that pyprof has no native equivalent."""
+    source = _examples.LOOP + "\n\nif profiling:\n    from apex import pyprof\n\n    pyprof.nvtx.init()\n"
+    messages = _messages(source)
+    assert messages == ["apex.pyprof has no native torch equivalent (nor an ampinit one)"]
+
+
+def test_an_opt_level_parameter_is_named_as_one() -> None:
+    """ignite's ``def main(..., opt="O1")``: not "not assigned once in this function", but a parameter."""
+    source = _examples.edit(
+        "def train(batches):\n",
+        "def train(batches, level):\n    global model, optimizer\n"
+        "    model, optimizer = amp.initialize(model, optimizer, opt_level=level)\n",
+        _examples.edit(_examples.INIT, ""),
+    )
+    reason = "opt_level is not a literal: the native equivalent exists only for O0 and O1 (`level` is a parameter "
+    assert _messages(source) == [reason + "of train(): its callers may pass any level)"]
+
+
+def test_scale_loss_is_not_said_to_get_another_optimizer_when_initialize_could_not_be_read() -> None:
+    """With ``amp.initialize([a, b], ...)`` the initialized optimizer is unknown: the one reason is that call."""
+    source = _examples.INITIALIZE_LISTS + "\n\ndef check(loss):\n    with amp.scale_loss(loss, optimizer) as s:\n"
+    source += "        s.backward()\n"
+    assert _messages(source) == ["amp.initialize needs exactly one model and one optimizer (no lists) for --to torch"]
+
+
+def test_with_statements_are_not_branches_of_the_path_to_the_step() -> None:
+    """A scale_loss block and the step in two ``with`` bodies (FastSpeech's ``with Nvtx("backward"):``) run on
+    one path: the step is not "on a path without amp.scale_loss"."""
+    source = _examples.edit(
+        _examples.BLOCK + _examples.STEP,
+        "        with timer('backward'):\n"
+        + _examples.BLOCK.replace("\n        ", "\n            ").replace("        with amp", "            with amp")
+        + "        with timer('step'):\n            optimizer.step()\n",
+    )
+    result = migrate_source(source, "torch")
+    assert not result.refused and not result.needs_human, [s.render() for s in result.sites]
+    assert "            scaler.step(optimizer)\n            scaler.update()\n" in result.migrated

@@ -265,6 +265,44 @@ def _listed(functions: set[str]) -> str:
     return ", ".join(f"{name}()" for name in sorted(functions))
 
 
+class _SelfCalls(cst.CSTVisitor):
+    """In ``__init__``, what could run a method of this instance: ``self.<method>()``, and ``self`` itself handed
+    out (``register(self)``, ``super().__init__()``), after which any code may call back. ``self.model.train()``
+    calls the model's method, not this object's."""
+
+    def __init__(self, owner: str) -> None:
+        self.owner = owner
+        self.methods: set[str] = set()
+        self.escapes: list[str] = []
+
+    def visit_Call(self, node: cst.Call) -> None:
+        func = node.func
+        if isinstance(func, cst.Attribute) and isinstance(func.value, cst.Name) and func.value.value == self.owner:
+            self.methods.add(func.attr.value)
+        if isinstance(func, cst.Name) and func.value == "super":
+            self.escapes.append("super()")
+
+    def visit_Attribute(self, node: cst.Attribute) -> bool:
+        if not (isinstance(node.value, cst.Name) and node.value.value == self.owner):
+            node.value.visit(self)  # `self.x` reads an attribute; `x.self` names one: neither hands `self` out
+        return False
+
+    def visit_Name(self, node: cst.Name) -> None:
+        if node.value == self.owner:
+            self.escapes.append(f"`{self.owner}` itself")
+
+
+def _reaches_self(statement: cst.CSTNode, owner: str, early: set[str]) -> str | None:
+    calls = _SelfCalls(owner)
+    statement.visit(calls)
+    methods = sorted(calls.methods & early)
+    if methods:
+        return f"{owner}.{methods[0]}() is called"
+    if calls.escapes:
+        return f"{calls.escapes[0]} is handed to other code"
+    return None
+
+
 def runs_first(
     module: cst.Module, home: Home, guard: cst.CSTNode, users: set[str], owner: cst.ClassDef | None = None
 ) -> str | None:
@@ -291,6 +329,15 @@ def runs_first(
         if statement is guard:
             return None
         if isinstance(statement, (cst.FunctionDef, cst.ClassDef)):
+            continue
+        if home.kind == "attribute":
+            why = _reaches_self(statement, home.owner, early)
+            if why is not None:
+                return (
+                    f"{why} before amp.initialize's `if <flag>:` in {home.describe()} and may reach "
+                    f"{_listed(users)}: with the flag off that worked without amp, after the rewrite it would find "
+                    "no GradScaler"
+                )
             continue
         hit = sorted(_called(statement) & early)
         if hit:

@@ -6,6 +6,7 @@ the ``if <flag>:`` that guards it, where the GradScaler would live). No verdict 
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any
 
@@ -59,6 +60,54 @@ def negates(test: cst.BaseExpression, flag: str) -> bool:
     return negated and _cst.dotted(test.expression) == flag  # type: ignore[attr-defined]
 
 
+def imports_amp(statement: cst.CSTNode) -> bool:
+    """Whether an import statement binds ``apex.amp`` (``from apex import amp``, ``import apex.amp``), as opposed
+    to another Apex name (``from apex import pyprof``), which the later ``--to torch`` pass reports by name."""
+    if isinstance(statement, cst.ImportFrom) and not isinstance(statement.names, cst.ImportStar):
+        return any(_cst.dotted(a.name) == "amp" for a in statement.names)
+    return isinstance(statement, cst.Import) and any(_cst.dotted(a.name) == "apex.amp" for a in statement.names)
+
+
+_MISSING = ("ImportError", "ModuleNotFoundError")
+
+
+def availability_guard(node: cst.CSTNode, amp: str) -> bool:
+    """``try: from apex import amp`` / ``except ImportError: amp = None`` (or ``pass``): the guard code written for
+    machines without Apex. Its ``try`` body is the amp import alone, and each handler catches a failed import only
+    and binds nothing but ``amp = None``; torch.amp cannot be missing, so the rewrite drops the whole statement."""
+    if not isinstance(node, cst.Try) or node.orelse is not None or node.finalbody is not None:
+        return False
+    body = node.body.body
+    if len(body) != 1 or not isinstance(body[0], cst.SimpleStatementLine) or len(body[0].body) != 1:
+        return False
+    imported = body[0].body[0]
+    if not isinstance(imported, (cst.Import, cst.ImportFrom)) or not imports_amp(imported):
+        return False
+    if len(imported.names) != 1:  # type: ignore[arg-type]
+        return False
+    return all(_fallback(handler, amp) for handler in node.handlers)
+
+
+def _fallback(handler: cst.ExceptHandler, amp: str) -> bool:
+    caught = handler.type
+    if caught is None or handler.name is not None:
+        return False
+    names = [e.value for e in caught.elements] if isinstance(caught, cst.Tuple) else [caught]
+    if not all(_cst.dotted(n) in _MISSING for n in names):
+        return False
+    for statement in handler.body.body:
+        if not isinstance(statement, cst.SimpleStatementLine):
+            return False
+        for small in statement.body:
+            none = cst.Name("None")
+            bound = isinstance(small, cst.Assign) and len(small.targets) == 1
+            if isinstance(small, cst.Pass):
+                continue
+            if not (bound and _cst.code(small.targets[0].target) == amp and small.value.deep_equals(none)):  # type: ignore[attr-defined]
+                return False
+    return True
+
+
 def prefixes(flag: str) -> set[str]:
     """``a.b.c`` -> {``a``, ``a.b``, ``a.b.c``}: assigning any of them may change the flag."""
     parts = flag.split(".")
@@ -107,6 +156,12 @@ class _Collect(cst.CSTVisitor):
             return
         if node.value == self.analysis.amp:
             self.analysis.references += 1
+            if not (isinstance(parent, cst.Attribute) and parent.value is node):
+                self.analysis.bare.append(node)
+
+    def visit_Try(self, node: cst.Try) -> None:
+        if availability_guard(node, self.analysis.amp):
+            self.analysis.guards.append(node)
 
     def visit_Import(self, node: cst.Import) -> bool:
         if any(_cst.dotted(a.name) in ("apex", "apex.amp") for a in node.names):
@@ -153,6 +208,8 @@ class Analysis:
         self.ifs: list[cst.If] = []
         self.assignments: list[cst.BaseExpression] = []  # every assignment target, to prove a flag stable
         self.references = 0  # uses of the amp name outside its imports
+        self.bare: list[cst.Name] = []  # the amp name used as an object (`amp is None`, `{"amp": amp}`)
+        self.guards: list[cst.Try] = []  # the availability guards around the amp import (availability_guard)
         self.names: set[str] = set()  # every name in the file, to pick fresh ones
         # what follows from the one amp.initialize
         self.inits: list[cst.Attribute] = []
@@ -211,8 +268,13 @@ class Analysis:
         return out
 
     def path(self, node: cst.CSTNode) -> list[int]:
-        """:meth:`blocks` on the path where amp is enabled: the bodies of `if <condition>:` are always entered."""
-        return [b for b in self.blocks(node) if b not in self.enabled_bodies]
+        """:meth:`blocks` on the path where amp is enabled: the bodies of `if <condition>:` are always entered, and
+        so are those of `with` statements (``with Nvtx("backward"):``), which the path does not branch on."""
+        return [b for b in self.blocks(node) if b not in self.enabled_bodies and b not in self._with_bodies]
+
+    @functools.cached_property
+    def _with_bodies(self) -> set[int]:
+        return {id(n.body) for n in self.parents if isinstance(n, cst.With)}
 
     def guard(self, node: cst.CSTNode) -> str | None:
         """The compound statement under which ``node`` runs only on some paths (``if``, ``try``, ``for``...), if any:
@@ -311,6 +373,12 @@ class Analysis:
         values: set[Any] | None = None
         why = ""
         source = node
+        if isinstance(node, cst.Name) and node.value in _parameters(function):
+            assert isinstance(function, cst.FunctionDef)
+            return (
+                NOT_LITERAL,
+                f"`{node.value}` is a parameter of {function.name.value}(): its callers may pass any level",
+            )
         if isinstance(node, cst.Name):
             stores = [t for t in self.assignments if _cst.code(t) == node.value and self.function_of(t) is function]
             if len(stores) != 1 or self.line(stores[0]) >= self.line(call):
@@ -387,6 +455,15 @@ class Analysis:
             return
         self.scale_loss[id(attribute)] = (call, block, args)
         self.scale_blocks.append(block)
+
+
+def _parameters(function: cst.CSTNode) -> set[str]:
+    if not isinstance(function, cst.FunctionDef):
+        return set()
+    params = function.params
+    every = [*params.posonly_params, *params.params, *params.kwonly_params]
+    every += [p for p in (params.star_arg, params.star_kwarg) if isinstance(p, cst.Param)]
+    return {p.name.value for p in every}
 
 
 def _literal_choices(node: cst.BaseExpression) -> set[Any] | None:

@@ -66,6 +66,7 @@ NO_INITIALIZE = edit(INIT, "")
 INITIALIZE_NOT_CALLED = "from apex import amp\n\ninitialize = amp.initialize\n"
 INITIALIZE_STAR_ARGS = "from apex import amp\n\nmodel, optimizer = amp.initialize(*objects)\n"
 INITIALIZE_LISTS = "from apex import amp\n\nmodels, optimizer = amp.initialize([a, b], optimizer)\n"
+INITIALIZE_WITHOUT_OPTIMIZER = 'from apex import amp\n\nmodel = amp.initialize(model, opt_level="O1")\n'
 OPT_LEVEL_HALF = _initialize('opt_level="O2"')
 OPT_LEVEL_UNKNOWN = _initialize("opt_level=config.opt_level")
 NUM_LOSSES = _initialize('opt_level="O1", num_losses=2')
@@ -81,6 +82,7 @@ AMP_USE_UNREACHABLE = (
     .replace("def train(batches):", "def train(model, optimizer, batches):\n    " + INIT.rstrip())
     .replace("optimizer.step()\n", "optimizer.step()\n\n\ndef save():\n    return amp.state_dict()\n")
 )
+AMP_AS_OBJECT = edit(INIT, INIT + 'to_save = {"model": model, "amp": amp}\n')
 AMP_USE_NOT_NATIVE = edit(INIT, INIT + 'amp.register_half_function(torch, "mm")\n')
 SCALE_LOSS_NOT_IN_WITH = edit(INIT, INIT + "context = amp.scale_loss\n")
 SCALE_LOSS_WITHOUT_AS = _check("with amp.scale_loss(loss, optimizer):", "    pass")
@@ -128,7 +130,9 @@ class Trainer:
             self.optimizer.step()
 """
 SCALER_ATTRIBUTE_SLOTS = _TRAINER
-MODEL_ASSIGNED_AGAIN = edit(INIT, INIT + "model = torch.nn.Linear(4, 4)\n")
+# the optimizer replaced after amp.initialize processed it (a model wrapped or replaced there is no reason: autocast
+# casts whatever module runs under it)
+OPTIMIZER_ASSIGNED_AGAIN = edit(INIT, INIT + "optimizer = torch.optim.SGD(model.parameters(), lr=0.2)\n")
 _FLAGGED = edit(INIT, f"use_amp = True\nif use_amp:\n    {INIT}")
 FLAG_DIFFERS_ELSEWHERE = """\
 import torch

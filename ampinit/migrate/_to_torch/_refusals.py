@@ -25,6 +25,7 @@ from ampinit.migrate._to_torch._analysis import (
     NOT_LITERAL,
     Analysis,
     call_args,
+    imports_amp,
     literal,
     negates,
     prefixes,
@@ -119,6 +120,14 @@ def _file(analysis: Analysis) -> list[cst.CSTNode]:
     return [analysis.module]
 
 
+def _optimizers_given(analysis: Analysis) -> bool:
+    """Whether ``amp.initialize`` is given an optimizer (not ``None``, not left out); True where its arguments
+    cannot be read (refused for that)."""
+    assert analysis.init_call is not None
+    args = call_args(analysis.init_call, APEX_SIGNATURE)
+    return args is None or literal(args.get("optimizers")) is not None
+
+
 def _initialize(analysis: Analysis) -> list[cst.CSTNode]:
     return [analysis.init] if analysis.init is not None else []
 
@@ -144,8 +153,22 @@ def _steps(analysis: Analysis) -> list[cst.CSTNode]:
     return list(analysis.optimizer_steps)
 
 
-def _imports(analysis: Analysis) -> list[cst.CSTNode]:
-    return list(analysis.imports)
+def _amp_imports(analysis: Analysis) -> list[cst.CSTNode]:
+    return [i for i in analysis.imports if imports_amp(i)]
+
+
+def _bare(analysis: Analysis) -> list[cst.CSTNode]:
+    """The amp name used as an object, but for the ``amp = None`` of an availability guard."""
+    guards = {id(g) for g in analysis.guards}
+    out: list[cst.CSTNode] = []
+    for name in analysis.bare:
+        current: cst.CSTNode | None = name
+        while current is not None and not isinstance(current, cst.ExceptHandler):
+            current = analysis.parents.get(current)
+        handler = analysis.parents.get(current) if current is not None else None
+        if handler is None or id(handler) not in guards:
+            out.append(name)
+    return out
 
 
 def _backwards(analysis: Analysis) -> list[cst.CSTNode]:
@@ -232,6 +255,8 @@ def _guarded_import(analysis: Analysis, statement: cst.CSTNode) -> Hit | None:
     guard = analysis.guard(statement)
     if guard is None or _in_guard_if(analysis, statement) or _in_enabled_body(analysis, statement):
         return None
+    if any(analysis.parent(analysis.parent(analysis.parent(statement))) is g for g in analysis.guards):
+        return None  # `try: from apex import amp / except ImportError: amp = None`: the rewrite drops it
     return hit(guard=guard)
 
 
@@ -298,6 +323,8 @@ def _scale_loss_argument(name: str, allowed: tuple[object, ...]) -> Test:
 
 def _other_optimizer(analysis: Analysis, call: cst.CSTNode) -> Hit | None:
     optimizers = next(a for c, _, a in analysis.scale_loss.values() if c is call).get("optimizers")
+    if not analysis.optimizer:  # amp.initialize's own arguments could not be read: refused for that
+        return None
     if optimizers is not None and _cst.code(optimizers) == analysis.optimizer:
         return None
     return hit(optimizer=analysis.optimizer or "unknown")
@@ -397,7 +424,9 @@ def _class_names(owner: cst.ClassDef) -> set[str]:
 def _assigned_again(analysis: Analysis, module: cst.CSTNode) -> Hit | None:
     assert analysis.home is not None and analysis.scopes is not None
     statement = _init_statement(analysis)
-    names = (analysis.model, analysis.optimizer)
+    # the model is not: autocast casts whatever module runs under it (a DataParallel wrapper too), as Apex's O1
+    # patched every function, and neither keeps the model; the GradScaler steps the optimizer it is given
+    names = (analysis.optimizer,)
     why = assigned_again(analysis.scopes, analysis.home, names, analysis.line(statement), analysis.line)
     return None if why is None else hit(statement, why=why)
 
@@ -553,10 +582,20 @@ REFUSALS: tuple[Refusal, ...] = (
         "initialize_not_one_model",
         _initialize,
         lambda a, n: (
-            hit(a.init_call) if a.init_call is not None and a.init_args is None and not _args_unknown(a) else None
+            hit(a.init_call)
+            if a.init_call is not None and a.init_args is None and not _args_unknown(a) and _optimizers_given(a)
+            else None
         ),
         "amp.initialize needs exactly one model and one optimizer (no lists) for --to torch",
         ex.INITIALIZE_LISTS,
+    ),
+    Refusal(
+        "initialize_without_optimizer",
+        _initialize,
+        lambda a, n: hit(a.init_call) if a.init_call is not None and not _optimizers_given(a) else None,
+        "amp.initialize without an optimizer prepares a model for inference only: there is no loop for a "
+        "GradScaler; put its forward passes under torch.autocast by hand, or use --to ampinit",
+        ex.INITIALIZE_WITHOUT_OPTIMIZER,
     ),
     Refusal(
         "opt_level_half",
@@ -631,7 +670,7 @@ REFUSALS: tuple[Refusal, ...] = (
     ),
     Refusal(
         "apex_import_guarded",
-        _imports,
+        _amp_imports,
         _guarded_import,
         "the Apex import sits under `{guard}` (an availability guard or a switch): after the rewrite the "
         "import could not fail or be skipped any more, so the code's other path would change; rewrite the "
@@ -645,6 +684,14 @@ REFUSALS: tuple[Refusal, ...] = (
         _unreachable_use,
         "amp.{name}: {why}",
         ex.AMP_USE_UNREACHABLE,
+    ),
+    Refusal(
+        "amp_as_object",
+        _bare,
+        lambda a, n: hit(a.statement_of(n), code=_cst.code(a.statement_of(n)).strip().splitlines()[0]),
+        "the amp module is used as an object (`{code}`), not through its functions: after the rewrite the name "
+        "would be unbound, and no native object stands in for it; rewrite it by hand, or use --to ampinit",
+        ex.AMP_AS_OBJECT,
     ),
     Refusal(
         "amp_use_not_native",
@@ -837,11 +884,11 @@ REFUSALS: tuple[Refusal, ...] = (
         ex.SCALER_ATTRIBUTE_SLOTS,
     ),
     Refusal(
-        "model_assigned_again",
+        "optimizer_assigned_again",
         _when_shared,
         _assigned_again,
         "{why}",
-        ex.MODEL_ASSIGNED_AGAIN,
+        ex.OPTIMIZER_ASSIGNED_AGAIN,
     ),
     Refusal(
         "flag_differs_elsewhere",

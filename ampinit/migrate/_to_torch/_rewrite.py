@@ -20,7 +20,13 @@ from ampinit.migrate._helper_modules import GRAD_SCALER_STATE, add_definitions
 from ampinit.migrate._reach import Home
 from ampinit.migrate._report import Site
 from ampinit.migrate._to_ampinit import add_comments
-from ampinit.migrate._to_torch._analysis import APEX_SIGNATURE, SCALE_LOSS_SIGNATURE, Analysis, call_args
+from ampinit.migrate._to_torch._analysis import (
+    APEX_SIGNATURE,
+    SCALE_LOSS_SIGNATURE,
+    Analysis,
+    availability_guard,
+    call_args,
+)
 from ampinit.migrate._to_torch._refusals import elsewhere, loss_scale_call, loss_scale_read
 
 Block = cst.Module | cst.IndentedBlock
@@ -77,10 +83,13 @@ def _wrap_forward_before(analysis: Analysis, plan: _Plan, block: cst.With, loss:
     """Plan autocast around the statements that compute ``loss`` before the ``scale_loss`` block, or note why not."""
     anchor: cst.CSTNode = block
     container = analysis.parent(block)
-    while id(container) in analysis.enabled_bodies and isinstance(container, cst.IndentedBlock):
+    while isinstance(container, cst.IndentedBlock) and (
+        id(container) in analysis.enabled_bodies or isinstance(analysis.parent(container), cst.With)
+    ):
         if container.body[0] is not anchor:
             break
-        anchor = analysis.parent(container)  # `if <flag>: with amp.scale_loss(...)`: the forward is before the if
+        # `if <flag>: with amp.scale_loss(...)`, `with Nvtx("backward"): ...`: the forward is before the if/with
+        anchor = analysis.parent(container)
         container = analysis.parent(anchor)
     if not isinstance(container, (cst.Module, cst.IndentedBlock)) or not isinstance(loss, cst.Name):
         plan.notes.append(Site(analysis.line(block), _AUTOCAST_NOTE, True))
@@ -232,6 +241,17 @@ class _Rewrite(cst.CSTTransformer):
             index += 1
         body.insert(index, cst.parse_statement("import torch"))
         return updated_node.with_changes(body=body)
+
+    def leave_Try(self, original_node: cst.Try, updated_node: cst.Try) -> Any:
+        """An availability guard (``try: from apex import amp / except ImportError: amp = None``) goes whole: torch.amp
+        is always there, so the fallback path cannot be taken any more, and the refusals proved nothing reads it."""
+        if not availability_guard(original_node, self.plan.amp):
+            return updated_node
+        if self.depth == 0 and not self.has_torch:
+            self.has_torch = True
+            statement = cst.parse_statement("import torch")
+            return statement.with_changes(leading_lines=original_node.leading_lines)
+        return cst.RemoveFromParent()
 
     def leave_If(self, original_node: cst.If, updated_node: cst.If) -> Any:
         """The `if <flag>:` that guarded amp.initialize: the GradScaler is created before it, on every path."""
