@@ -183,56 +183,6 @@ def test_cast_weights_are_never_stale(level: str, dtype: torch.dtype) -> None:
         amp.deinitialize()
 
 
-# -- threads and torch.compile ---------------------------------------------------------------------------------------
-class Head(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(6, 6)
-        self.ln = nn.LayerNorm(6)
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        h = self.fc(x)
-        return h, self.ln(h), torch.softmax(h, -1).sum(-1)
-
-
-@pytest.mark.parametrize(("level", "dtype"), LEVELS)
-def test_model_forward_follows_the_apex_policy_in_other_threads(level: str, dtype: torch.dtype) -> None:
-    model = Head()
-    amp.initialize(model, opt_level=level, verbosity=0)
-    seen: dict[str, Any] = {}
-
-    def worker() -> None:
-        seen["model"] = [t.dtype for t in model(g(2, 6))]
-        seen["plain"] = torch.softmax(g(2, 6).to(dtype), -1).dtype
-
-    try:
-        thread = threading.Thread(target=worker)
-        thread.start()
-        thread.join()
-    finally:
-        amp.deinitialize()
-    assert seen == {"model": [dtype, torch.float32, torch.float32], "plain": dtype}
-
-
-@pytest.mark.parametrize(("level", "dtype"), LEVELS)
-def test_compiled_model_gives_the_same_dtypes(level: str, dtype: torch.dtype) -> None:
-    torch._dynamo.reset()
-    model = on_device(Head())
-    amp.initialize(model, opt_level=level, verbosity=0)
-    try:
-        x = on_device(g(2, 6))
-        eager = model(x)
-        compiled = torch.compile(model, backend="aot_eager")
-        out = compiled(x)
-        assert [t.dtype for t in out] == [t.dtype for t in eager] == [dtype, torch.float32, torch.float32]
-        for a, b in zip(out, eager):
-            torch.testing.assert_close(a, b)
-    finally:
-        amp.deinitialize()
-        torch._dynamo.reset()
-
-
-# -- weights changed outside a model forward are never read stale ------------------------------------------------------
 def linear_in(dtype: torch.dtype, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
     """What a lower-precision ``F.linear`` must give: inputs and the weights *as they are now*, cast to ``dtype``."""
     with torch.no_grad():
@@ -245,11 +195,11 @@ def test_weights_outside_the_model_are_not_read_stale_after_an_in_place_update(l
     then used again: the second call must see the new weights.
 
     docs/cast-policy.md ("Weight-cast cache") promises that weights changed outside the optimizer are never read
-    stale, and tests/test_cast_models.py checks it outside the model only for an op of ampinit's own cache
-    (``torch.mv``, which compares versions). The native autocast kernels (``linear``, ``mm``, ``matmul``...) go
-    through torch's cache, which checks no version: ampinit keeps the initializing thread inside one autocast
-    region for the whole session and clears that cache only at model-forward entry, ``scale_loss`` exit and
-    ``step``, so outside the model the old cast came back (got: the output of the weights before ``mul_``).
+    stale, and ``test_cast_weights_are_never_stale`` above checks it outside the model only for an op of ampinit's
+    own cache (``torch.mv``, which compares versions). The native autocast kernels (``linear``, ``mm``,
+    ``matmul``...) go through torch's cache, which checks no version: ampinit keeps the initializing thread inside
+    one autocast region for the whole session and clears that cache only at model-forward entry, ``scale_loss`` exit
+    and ``step``, so outside the model the old cast came back (got: the output of the weights before ``mul_``).
     Native ``torch.autocast`` has the same cache, but its region is the user's ``with`` block.
 
     Found by: the review of the O1/O4 cast policy.
@@ -328,7 +278,55 @@ def test_weights_are_still_cast_once_per_model_forward(level: str, dtype: torch.
     assert torch.is_autocast_cache_enabled() == cache_before
 
 
-# -- a nested forward refused by its own pre-hook ----------------------------------------------------------------------
+# -- threads and torch.compile ---------------------------------------------------------------------------------------
+class Head(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+        self.ln = nn.LayerNorm(6)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        h = self.fc(x)
+        return h, self.ln(h), torch.softmax(h, -1).sum(-1)
+
+
+@pytest.mark.parametrize(("level", "dtype"), LEVELS)
+def test_model_forward_follows_the_apex_policy_in_other_threads(level: str, dtype: torch.dtype) -> None:
+    model = Head()
+    amp.initialize(model, opt_level=level, verbosity=0)
+    seen: dict[str, Any] = {}
+
+    def worker() -> None:
+        seen["model"] = [t.dtype for t in model(g(2, 6))]
+        seen["plain"] = torch.softmax(g(2, 6).to(dtype), -1).dtype
+
+    try:
+        thread = threading.Thread(target=worker)
+        thread.start()
+        thread.join()
+    finally:
+        amp.deinitialize()
+    assert seen == {"model": [dtype, torch.float32, torch.float32], "plain": dtype}
+
+
+@pytest.mark.parametrize(("level", "dtype"), LEVELS)
+def test_compiled_model_gives_the_same_dtypes(level: str, dtype: torch.dtype) -> None:
+    torch._dynamo.reset()
+    model = on_device(Head())
+    amp.initialize(model, opt_level=level, verbosity=0)
+    try:
+        x = on_device(g(2, 6))
+        eager = model(x)
+        compiled = torch.compile(model, backend="aot_eager")
+        out = compiled(x)
+        assert [t.dtype for t in out] == [t.dtype for t in eager] == [dtype, torch.float32, torch.float32]
+        for a, b in zip(out, eager):
+            torch.testing.assert_close(a, b)
+    finally:
+        amp.deinitialize()
+        torch._dynamo.reset()
+
+
 class _Inner(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -17,6 +17,10 @@ import pytest
 import ampinit
 from ampinit.cli import main
 
+needs_libcst = pytest.mark.skipif(importlib.util.find_spec("libcst") is None, reason="ampinit migrate needs libcst")
+
+APEX_SCRIPT = 'from apex import amp\nmodel, opt = amp.initialize(model, opt, opt_level="O1")\n'
+
 
 def test_version_flag(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
@@ -114,12 +118,6 @@ def test_public_names_load_on_first_use() -> None:
 
 
 # -- migrate: bad paths and unreadable files are reported, --write changes only what it reports ------------------------
-needs_libcst = pytest.mark.skipif(importlib.util.find_spec("libcst") is None, reason="ampinit migrate needs libcst")
-
-
-APEX_SCRIPT = 'from apex import amp\nmodel, opt = amp.initialize(model, opt, opt_level="O1")\n'
-
-
 @needs_libcst
 def test_migrate_a_missing_path_is_a_usage_error_and_writes_nothing(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
