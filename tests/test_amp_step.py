@@ -1,5 +1,5 @@
-"""The amp step on fused optimizers: sync-free skipping, its equivalence with the default mode, and a constant
-number of dispatched ops whatever the number of parameters."""
+"""The amp step on fused optimizers: sync-free skipping, its equivalence with the default mode, a constant number
+of dispatched ops whatever the number of parameters, and no host sync in a sync-free step."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ampinit import amp
 from ampinit.optimizers import FusedAdam, FusedSGD
+from tests._device import HostSyncCounter, on_device
 from tests.conftest import make_problem
 
 
@@ -146,3 +147,25 @@ def test_sync_free_refuses_raise_at_min() -> None:
     config = ampinit.DynamicLossScale(min_scale=1.0, raise_at_min=True)
     with pytest.raises(ValueError, match="cannot be sync_free"):
         amp.initialize(nn.Linear(2, 2), opt_level="O2", loss_scale=config, sync_free=True)
+
+
+def test_sync_free_step_makes_no_host_sync(device: torch.device) -> None:
+    """A sync-free O2 step (fused AdamW) makes no host sync.
+
+    Found by: the device review (what a GPU or an older torch would break, shown on the CPU).
+    """
+    model, x, y = make_problem()
+    model, x, y = on_device((model, x, y))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    amp.initialize(model, opt, opt_level="O2", verbosity=0, sync_free=True)
+    try:
+        for step in range(3):
+            with HostSyncCounter() as counter:
+                opt.zero_grad()
+                loss = nn.functional.mse_loss(model(x).float(), y)
+                with amp.scale_loss(loss, opt) as scaled:
+                    scaled.backward()
+                opt.step()
+            assert counter.syncs == [], f"step {step}: {counter.syncs}"
+    finally:
+        amp.deinitialize()

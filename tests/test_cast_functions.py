@@ -8,11 +8,16 @@ import types
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import ampinit as amp
 
 LEVELS = [pytest.param("O1", torch.float16, id="O1-fp16"), pytest.param("O4", torch.bfloat16, id="O4-bf16")]
+
+
+def g(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
 def dtypes(*tensors: torch.Tensor) -> tuple[torch.dtype, ...]:
@@ -126,3 +131,83 @@ def test_registering_during_a_session_warns_and_waits_for_the_next() -> None:
     finally:
         amp.deinitialize()
     assert module.op is original
+
+
+@pytest.mark.parametrize("how", ["apex list edit", "register_float_function"])
+def test_function_patches_survive_sessions_closing_out_of_order(how: str) -> None:
+    """Two O1 sessions open at once (supported: "Sessions may close in any order", CastPolicy), both patching
+    ``torch.sigmoid`` to fp32, through an edit of Apex's lists (read by every ``initialize``) or a
+    ``register_float_function`` before each ``initialize``. Apex's rule for such a name: while casts are on, its
+    floating inputs are cast to fp32 (docs/cast-policy.md, "Editing Apex's lists" / "User functions").
+
+    Got: closing the first session put back the ``torch.sigmoid`` it had found, dropping the open second session's
+    patch (``torch.sigmoid`` of a half tensor gave float16 under the open session); closing the second then
+    reinstalled the first session's wrapper, which outlived every session (``torch.sigmoid`` not the original).
+
+    Found by: the review of the O1/O4 cast policy.
+    """
+    from ampinit.compat.apex.amp.lists import torch_overrides
+
+    original = torch.sigmoid
+    sessions = []
+    if how == "apex list edit":
+        torch_overrides.FP32_FUNCS.append("sigmoid")
+    try:
+        for index in range(2):
+            if how == "register_float_function":
+                if index == 0:
+                    amp.register_float_function(torch, "sigmoid")
+                else:  # registered while the first session is open: for the next initialize (a warning says so)
+                    with pytest.warns(UserWarning, match="takes effect at the next"):
+                        amp.register_float_function(torch, "sigmoid")
+            model = nn.Linear(4, 4)
+            amp.initialize(model, torch.optim.SGD(model.parameters(), 0.1), opt_level="O1", verbosity=0)
+            sessions.append(amp.current_session())
+        half = g(3).half()
+        assert torch.sigmoid(half).dtype == torch.float32
+        sessions[0].close()
+        assert torch.sigmoid(half).dtype == torch.float32  # the second session is still open
+        sessions[1].close()
+        assert torch.sigmoid is original
+    finally:
+        for session in reversed(sessions):
+            session.close()
+        if how == "apex list edit":
+            torch_overrides.FP32_FUNCS.remove("sigmoid")
+        torch.sigmoid = original  # so that the leak check reports this test only
+
+
+@pytest.mark.parametrize(("level", "dtype"), LEVELS)
+def test_registering_a_listed_torch_function_gives_it_the_registered_cast(level: str, dtype: torch.dtype) -> None:
+    """Apex applied the user's ``register_*_function`` patches first, innermost, around the original function
+    (shared/reference/apex-amp.md §3.2 step 0, before the lists in step 1): the original C function then ran on
+    the arguments as the registration cast them, whatever list the name was also on. So after
+    ``register_float_function(torch, "matmul")`` (forcing fp32 attention scores, say) ``torch.matmul`` is fp32,
+    and after ``register_half_function(torch, "exp")`` ``torch.exp`` is half.
+
+    Got: the registration cast the arguments, then torch's autocast cast them back by the list (``torch.mm``,
+    ``torch.matmul``, ``F.linear`` half; ``torch.exp`` fp32): registering a listed function had no effect. The
+    same reaches a pybind11 extension decorated with ``half_function`` (Apex's documented use): autocast cast
+    the ATen calls it makes inside, which Apex never did.
+
+    Found by: the review of the O1/O4 cast policy.
+    """
+    amp.register_float_function(torch, "mm")
+    amp.register_float_function(torch, "matmul")
+    amp.register_float_function(F, "linear")
+    amp.register_half_function(torch, "exp")
+    amp.register_float_function(torch.Tensor, "bmm")
+    model = nn.Linear(4, 4)
+    amp.initialize(model, torch.optim.SGD(model.parameters(), 0.1), opt_level=level, verbosity=0)
+    a, b = g(4, 4), g(4, 4, seed=1)
+    try:
+        torch.testing.assert_close(torch.mm(a, b), torch.mm(a.double(), b.double()).float())
+        assert torch.matmul(a.to(dtype), b).dtype == torch.float32
+        assert F.linear(a, b).dtype == torch.float32
+        assert a[None].bmm(b[None]).dtype == torch.float32
+        assert torch.equal(torch.exp(a), torch.exp(a.to(dtype)))
+        # a Python function keeps the policy inside (Apex's patched functions applied inside it)
+        helper = amp.float_function(lambda x, y: torch.bmm(x[None], y[None]))
+        assert helper(a.to(dtype), b).dtype == dtype
+    finally:
+        amp.deinitialize()

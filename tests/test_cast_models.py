@@ -183,6 +183,101 @@ def test_cast_weights_are_never_stale(level: str, dtype: torch.dtype) -> None:
         amp.deinitialize()
 
 
+def linear_in(dtype: torch.dtype, x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+    """What a lower-precision ``F.linear`` must give: inputs and the weights *as they are now*, cast to ``dtype``."""
+    with torch.no_grad():
+        return F.linear(x.to(dtype), layer.weight.to(dtype), layer.bias.to(dtype))
+
+
+@pytest.mark.parametrize(("level", "dtype"), LEVELS)
+def test_weights_outside_the_model_are_not_read_stale_after_an_in_place_update(level: str, dtype: torch.dtype) -> None:
+    """A module outside the initialized model (a loss head, a probe) used in the training loop, updated in place,
+    then used again: the second call must see the new weights.
+
+    docs/cast-policy.md ("Weight-cast cache") promises that weights changed outside the optimizer are never read
+    stale, and ``test_cast_weights_are_never_stale`` above checks it outside the model only for an op of ampinit's
+    own cache (``torch.mv``, which compares versions). The native autocast kernels (``linear``, ``mm``,
+    ``matmul``...) go through torch's cache, which checks no version: ampinit keeps the initializing thread inside
+    one autocast region for the whole session and clears that cache only at model-forward entry, ``scale_loss`` exit
+    and ``step``, so outside the model the old cast came back (got: the output of the weights before ``mul_``).
+    Native ``torch.autocast`` has the same cache, but its region is the user's ``with`` block.
+
+    Found by: the review of the O1/O4 cast policy.
+    """
+    model = nn.Linear(6, 6)
+    amp.initialize(model, torch.optim.SGD(model.parameters(), 0.1), opt_level=level, verbosity=0)
+    head = nn.Linear(6, 6)
+    x = g(4, 6)
+    try:
+        assert torch.equal(head(x), linear_in(dtype, x, head).detach())
+        with torch.no_grad():
+            head.weight.mul_(2)
+        assert torch.equal(head(x), linear_in(dtype, x, head))
+        # the same under no_grad (an eval loop over checkpoints of the head)
+        with torch.no_grad():
+            head(x)
+            head.load_state_dict(nn.Linear(6, 6).state_dict())
+            assert torch.equal(head(x), linear_in(dtype, x, head))
+    finally:
+        amp.deinitialize()
+
+
+@pytest.mark.parametrize(("level", "dtype"), LEVELS)
+def test_weights_outside_the_model_are_not_read_stale_after_a_data_swap(level: str, dtype: torch.dtype) -> None:
+    """``param.data = new`` keeps the Parameter and its version counter: ampinit's own cache (the extra kernels,
+    here ``torch.mv`` on the CPU) compares object and version only, so outside a model forward it returned the
+    cast of the old data. Same rule as above: weights changed outside the optimizer are never read stale.
+
+    Found by: the review of the O1/O4 cast policy.
+    """
+    model = nn.Linear(6, 6)
+    amp.initialize(model, torch.optim.SGD(model.parameters(), 0.1), opt_level=level, verbosity=0)
+    weight = nn.Parameter(g(6, 6))
+    v = g(6, seed=1)
+    try:
+        torch.mv(weight, v)
+        weight.data = g(6, 6, seed=2)
+        with torch.no_grad():
+            expected = torch.mv(weight.to(dtype), v.to(dtype))
+        assert torch.equal(torch.mv(weight, v).detach(), expected)
+    finally:
+        amp.deinitialize()
+
+
+@pytest.mark.parametrize(("level", "dtype"), LEVELS)
+def test_weights_are_still_cast_once_per_model_forward(level: str, dtype: torch.dtype) -> None:
+    """The fix keeps the cache inside model forwards: a weight used twice in one forward is one cast (one autograd
+    node), and the thread's cache flag is what it was once the forward and the session are over.
+
+    Found by: the review of the O1/O4 cast policy.
+    """
+    cache_before = torch.is_autocast_cache_enabled()
+
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(6, 6)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return self.a(x), self.a(x)
+
+    model = Twice()
+    amp.initialize(model, torch.optim.SGD(model.parameters(), 0.1), opt_level=level, verbosity=0)
+    try:
+        first, second = model(g(2, 6))
+        assert first.dtype == second.dtype == dtype
+        # the weight's cast node (ToCopyBackward) is shared by the two linears
+        weight_node = lambda out: next(  # noqa: E731
+            f for f, _ in out.grad_fn.next_functions if f is not None and "ToCopy" in type(f).__name__
+        )
+        # Both nodes are held while compared (see ``_weight_casts``: an ``id()`` of a dropped one proves nothing).
+        first_cast, second_cast = weight_node(first), weight_node(second)
+        assert first_cast is second_cast
+    finally:
+        amp.deinitialize()
+    assert torch.is_autocast_cache_enabled() == cache_before
+
+
 # -- threads and torch.compile ---------------------------------------------------------------------------------------
 class Head(nn.Module):
     def __init__(self) -> None:
@@ -230,3 +325,69 @@ def test_compiled_model_gives_the_same_dtypes(level: str, dtype: torch.dtype) ->
     finally:
         amp.deinitialize()
         torch._dynamo.reset()
+
+
+class _Inner(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+
+class _Outer(nn.Module):
+    """Tries an initialized inner model and falls back when it refuses the input (its pre-hook raises)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        try:
+            h = self.inner(x)
+        except ValueError:
+            h = x
+        return self.fc(h)
+
+
+@pytest.mark.parametrize(("level", "dtype"), LEVELS)
+def test_a_nested_forward_refused_by_a_pre_hook_leaves_the_enclosing_forward_cast(
+    level: str, dtype: torch.dtype
+) -> None:
+    """In a thread other than the initializing one, a model forward is cast by the policy's forward hooks
+    (docs/cast-policy.md, "Scope"). Here the outer model's forward calls an initialized inner model whose own
+    pre-hook (an input check) raises before the policy's pre-hook runs; the outer forward catches it and goes on.
+
+    Got: the policy's forward hook runs with ``always_call=True``, so it ran for the refused inner call and closed
+    the *outer* forward's region: the rest of the outer forward ran uncast (its Linear gave float32, not the half
+    dtype that native ``torch.autocast`` around the same forward gives).
+
+    Found by: the review of the O1/O4 cast policy.
+    """
+    inner = _Inner()
+
+    def refuse_batches(module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+        if args[0].shape[0] > 1:
+            raise ValueError("the inner path takes one sample at a time")
+
+    inner.register_forward_pre_hook(refuse_batches)
+    outer = _Outer(inner)
+    amp.initialize([outer, inner], opt_level=level, verbosity=0)
+    seen: dict[str, object] = {}
+
+    def worker() -> None:
+        seen["dtype"] = outer(g(2, 4)).dtype
+        seen["autocast after"] = torch.is_autocast_enabled("cpu")
+
+    try:
+        thread = threading.Thread(target=worker)
+        thread.start()
+        thread.join()
+    finally:
+        amp.deinitialize()
+    with torch.autocast("cpu", dtype=dtype):
+        native = outer(g(2, 4)).dtype
+    assert seen == {"dtype": native, "autocast after": False}
+    assert native == dtype

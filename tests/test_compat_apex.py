@@ -1,6 +1,6 @@
-"""The Apex aliases: import alias, API surface and return shapes, ``_amp_state`` views, the old ``amp.init`` handle,
-``fp16_utils``, ``parallel`` (DDP, SyncBatchNorm, LARC), each compared with Apex's documented behaviour
-(shared/reference/apex-amp.md) or a plain re-implementation."""
+"""The Apex aliases: import alias, API surface and return shapes, ``_amp_state`` views, the old ``amp.init`` handle
+(its devices and its weight-cast cache), ``fp16_utils``, ``parallel`` (DDP, SyncBatchNorm, LARC), each compared
+with Apex's documented behaviour (shared/reference/apex-amp.md) or a plain re-implementation."""
 
 from __future__ import annotations
 
@@ -17,11 +17,23 @@ from torch import nn
 import ampinit
 from ampinit.compat import apex as compat
 from ampinit.compat.apex import amp
+from ampinit.compat.apex.amp import amp as apex_amp_module
 from ampinit.compat.apex.amp.handle import OLD_API_MESSAGE
-from ampinit.compat.apex.fp16_utils import fp16_optimizer
-from ampinit.compat.apex.parallel import distributed
+from ampinit.compat.apex.fp16_utils import (
+    fp16_optimizer,
+    master_params_to_model_params,
+    model_grads_to_master_grads,
+    network_to_half,
+    prep_param_lists,
+    to_python_float,
+)
+from ampinit.compat.apex.parallel import DistributedDataParallel, convert_syncbn_model, distributed
 from ampinit.compat.apex.parallel.LARC import LARC
 from tests.conftest import make_problem
+
+
+def g(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
 @pytest.fixture
@@ -157,6 +169,31 @@ def test_allow_incoming_model_not_fp32_accepts_a_half_model_at_o2() -> None:
         amp._amp_state.allow_incoming_model_not_fp32 = False
 
 
+def test_disabled_initialize_is_a_passthrough_every_time() -> None:
+    """Apex's ``amp.initialize(..., enabled=False)`` returns its arguments at once (``if not enabled: return
+    models, optimizers``), with nothing recorded on the model. A script that calls it again for the same model
+    (a second training phase with a new optimizer, with ``enabled=args.fp16`` false) therefore runs under Apex.
+    ampinit records the disabled session as the model's owner and refuses the second call ("already belongs to
+    a live amp session").
+
+    Found by: the review of the Apex compatibility layer.
+    """
+    model = nn.Linear(4, 2)
+    first = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        assert amp.initialize(model, first, enabled=False) == (model, first)
+        second = torch.optim.Adam(model.parameters(), lr=0.1)
+        assert amp.initialize(model, second, enabled=False) == (model, second)
+        loss = model(torch.randn(3, 4)).sum()
+        with amp.scale_loss(loss, second) as scaled:
+            assert scaled is loss
+            scaled.backward()
+        second.step()
+    finally:
+        while ampinit.current_session() is not None:
+            ampinit.deinitialize()
+
+
 # -- the old amp.init() handle API (Apex's L0 tests set up with it) ---------------------------------------------
 def test_init_handle_casts_and_deactivates(device: torch.device) -> None:
     x, w = torch.randn(4, 4, device=device), torch.randn(4, 4, device=device)
@@ -176,6 +213,59 @@ def test_init_handle_casts_and_deactivates(device: torch.device) -> None:
     assert not handle.is_active() and torch.mm(x, w).dtype == torch.float32
     noop = amp.init(enabled=False)
     assert not noop.is_active() and torch.mm(x, w).dtype == torch.float32
+
+
+def _weight_casts(out: torch.Tensor) -> int:
+    """How many distinct cast nodes (``ToCopyBackward``) of leaves feed ``out``'s graph.
+
+    Every node reached is held until the count is done. torch 2.11 gives an autograd node a new Python object each
+    time it is reached unless one is alive (2.13 keeps one per node), so ids of dropped objects are reused: one
+    node could count twice, or two nodes once, depending on the allocator, i.e. on the tests run before.
+    """
+    seen: dict[int, object] = {}
+    casts: set[int] = set()
+    stack = [out.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen[id(node)] = node
+        feeds_leaf = any("AccumulateGrad" in type(f).__name__ for f, _ in node.next_functions)
+        if "ToCopy" in type(node).__name__ and feeds_leaf:
+            casts.add(id(node))
+        stack.extend(f for f, _ in node.next_functions)
+    return len(casts)
+
+
+@pytest.mark.parametrize("enable_caching", [True, False])
+def test_old_api_init_caches_weight_casts_as_apex_did(enable_caching: bool) -> None:
+    """Apex's old ``amp.init(enable_caching=True)`` cast a weight once until the next ``scale_loss`` exit (an
+    unrolled RNN cell keeps one fp16 copy of its weights, not one per step); ``enable_caching=False`` cast per use.
+    Its sessions have no model forward, where ampinit caches, so the compat ``init`` keeps the cache on.
+
+    Found by: the review of the O1/O4 cast policy.
+    """
+    from ampinit.compat.apex import amp as apex_amp
+
+    handle = apex_amp.init(enable_caching=enable_caching)
+    try:
+        layer = nn.Linear(4, 4)
+        x = g(2, 4)
+        out = layer(layer(x))
+        assert _weight_casts(out) == (2 if enable_caching else 4)  # weight and bias, once or twice each
+    finally:
+        handle._deactivate()
+
+
+def test_amp_init_casts_cuda_only_on_a_gpu_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The old ``amp.init()`` casts CUDA only where CUDA is available, as Apex did; the CPU elsewhere.
+
+    Found by: the device review (what a GPU or an older torch would break, shown on the CPU).
+    """
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert apex_amp_module.cast_devices() == ["cuda"]  # Apex never cast CPU tensors
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert apex_amp_module.cast_devices() == ["cpu"]
 
 
 # -- fp16_utils ------------------------------------------------------------------------------------------------
@@ -258,6 +348,49 @@ def test_fp16_optimizer_skips_on_overflow_with_a_dynamic_scale(caplog: pytest.Lo
     assert opt.overflow and opt.loss_scale == 32768.0 and opt.clip_master_grads(1.0) == -1
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert "Gradient overflow.  Skipping step, reducing loss scale to 32768.0" in caplog.text
+
+
+def test_to_python_float_returns_item_unchanged() -> None:
+    """Apex's ``fp16util.to_python_float(t)`` is ``return t.item()`` (``t[0]`` without ``item``): an integer
+    tensor gives a Python int and a bool tensor a bool, as ``Tensor.item()`` does. ImageNet-style scripts pass
+    counts through it (``correct = to_python_float(pred.eq(target).sum())``) and format them with ``{:d}``,
+    which raises ``ValueError`` for a float. ampinit wrapped the result in ``float()``.
+
+    Found by: the review of the Apex compatibility layer.
+    """
+    count = to_python_float(torch.tensor(5))
+    assert type(count) is int and count == 5
+    assert f"{count:d}" == "5"
+    assert type(to_python_float(torch.tensor(True))) is bool
+    assert type(to_python_float(torch.tensor(2.5))) is float and to_python_float(torch.tensor(2.5)) == 2.5
+
+
+def test_flat_master_of_a_network_to_half_model_with_batchnorm() -> None:
+    """Apex's ``prep_param_lists(model, flat_master=True)`` is ``_flatten_dense_tensors([p.data for p in
+    model_params]).float()``; it re-raises only if the flattening fails, and on torch >= 1.5 ``torch.cat`` promotes
+    mixed dtypes, so a ``network_to_half`` model (half Linear, fp32 BatchNorm) gets one float32 flat master, and
+    ``model_grads_to_master_grads`` / ``master_params_to_model_params`` work on it. ampinit raised TypeError.
+
+    Found by: the review of the Apex compatibility layer.
+    """
+    torch.manual_seed(0)
+    model = network_to_half(nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)))
+    model_params, (flat,) = prep_param_lists(model, flat_master=True)
+    assert {p.dtype for p in model_params} == {torch.float16, torch.float32}
+    assert flat.dtype == torch.float32 and flat.numel() == 12 + 4 + 4 + 4 and flat.grad is not None
+    torch.testing.assert_close(flat.detach(), torch.cat([p.detach().float().reshape(-1) for p in model_params]))
+    model(torch.randn(5, 3)).float().sum().backward()
+    model_grads_to_master_grads(model_params, [flat], flat_master=True)
+    assert flat.grad is not None
+    torch.testing.assert_close(flat.grad, torch.cat([p.grad.float().reshape(-1) for p in model_params]))  # type: ignore[union-attr]
+    with torch.no_grad():
+        flat.add_(1.0)
+    master_params_to_model_params(model_params, [flat], flat_master=True)
+    offset = 0
+    for p in model_params:
+        n = p.numel()
+        assert torch.equal(p, flat[offset : offset + n].view_as(p).to(p.dtype))
+        offset += n
 
 
 # -- parallel --------------------------------------------------------------------------------------------------
@@ -353,3 +486,53 @@ def test_one_table_of_apex_ddp_arguments() -> None:
         table.DDP_DROPPED_WITH_EFFECT
     )
     assert set(table.NO_EFFECT) == set(table.DDP_DROPPED_SILENTLY) - {"message_size"}
+
+
+def test_convert_syncbn_model_keeps_the_dtype_of_a_half_batchnorm() -> None:
+    """Apex's ``convert_syncbn_model`` sets ``mod.weight.data = module.weight.data.clone().detach()`` (and the
+    same for the bias) and hands over the running statistics: the SyncBatchNorm has the BatchNorm's dtype. ampinit
+    copied a half BatchNorm's weights into new float32 parameters while keeping its half running statistics, so
+    the converted layer of a ``.half()`` model failed in its forward ("mixed dtype").
+
+    Found by: the review of the Apex compatibility layer.
+    """
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4)).half().eval()
+    with torch.no_grad():
+        model[1].running_mean.uniform_(-1, 1)
+        model[1].weight.uniform_(0.5, 1.5)
+    x = torch.randn(2, 3, 5, 5).half()
+    expected = model(x)
+    converted = convert_syncbn_model(model).eval()
+    bn = converted[1]
+    assert bn.weight.dtype == bn.bias.dtype == bn.running_mean.dtype == torch.float16
+    assert torch.equal(converted(x), expected)
+
+
+def test_ddp_disable_and_enable_allreduce(process_group: None) -> None:
+    """Apex's ``DistributedDataParallel`` has ``disable_allreduce()`` and ``enable_allreduce()`` (they set
+    ``self._disable_allreduce``, which its forward and its backward hooks check): gradient-accumulation loops
+    call ``disable_allreduce()`` on the micro-batches that must not communicate. ampinit's class had neither
+    method (AttributeError).
+
+    One process shows the difference through Apex's reduction rule: with ``gradient_average=False`` and
+    ``gradient_predivide_factor=2`` a reduced gradient is the local one divided by 2; a gradient that is not
+    reduced is the local one.
+
+    Found by: the review of the Apex compatibility layer.
+    """
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    ddp = DistributedDataParallel(model, gradient_average=False, gradient_predivide_factor=2.0)
+    x = torch.randn(4, 3)
+    local = torch.autograd.grad(model(x).sum(), model.weight)[0]
+
+    ddp.disable_allreduce()
+    ddp(x).sum().backward()
+    assert model.weight.grad is not None
+    torch.testing.assert_close(model.weight.grad, local)
+
+    model.weight.grad = None
+    ddp.enable_allreduce()
+    ddp(x).sum().backward()
+    torch.testing.assert_close(model.weight.grad, local / 2)

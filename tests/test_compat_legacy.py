@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ampinit.compat import apex as compat
+from ampinit.compat.apex import apex_C
 from ampinit.compat.apex.normalization import FusedLayerNorm, FusedRMSNorm, MixedFusedLayerNorm, MixedFusedRMSNorm
 
 
@@ -179,3 +180,22 @@ def test_functional_forms_match_torch() -> None:
     half_x = x.bfloat16()
     assert module.mixed_dtype_fused_layer_norm_affine(half_x, w, b, (8,)).dtype == torch.float32
     assert module.mixed_dtype_fused_rms_norm_affine(half_x, w, (8,)).dtype == torch.float32
+
+
+def test_apex_c_unflatten_accepts_a_padded_buffer() -> None:
+    """Apex's ``apex_C.unflatten(flat, tensors)`` is ``torch::utils::unflatten_dense_tensors`` (csrc/
+    flatten_unflatten.cpp), which narrows ``flat`` tensor by tensor: a flat buffer longer than the tensors (padded
+    to an alignment, as contiguous gradient buffers are) gives views of its leading elements. ampinit raised
+    ValueError unless the sizes were equal. Expected values: torch's own C++ function.
+
+    Found by: the review of the Apex compatibility layer.
+    """
+    tensors = [torch.zeros(2, 3), torch.zeros(4)]
+    padded = torch.arange(16.0)
+    views = apex_C.unflatten(padded, tensors)
+    expected = torch._C._nn.unflatten_dense_tensors(padded, tensors)
+    assert [v.shape for v in views] == [t.shape for t in tensors]
+    for view, want in zip(views, expected):
+        assert torch.equal(view, want)
+    views[1].fill_(-1.0)  # views, not copies
+    assert torch.equal(padded[6:10], torch.full((4,), -1.0))

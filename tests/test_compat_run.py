@@ -118,3 +118,23 @@ def test_simple_distributed_runs_unchanged_on_two_processes() -> None:
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert_losses_match_fp32(result.stdout, 50)
     assert "delay_allreduce" not in result.stderr  # honoured (find_unused_parameters=True), nothing to explain
+
+
+def test_run_takes_a_directory_with_main_as_python_does(tmp_path: Path) -> None:
+    """``ampinit run`` promises to run a script "as ``python SCRIPT ARGS...`` would"; ``python DIR`` runs
+    ``DIR/__main__.py`` with ``sys.path[0] == DIR``, but ``ampinit run DIR`` answered "no such file: 'DIR'" (exit 2)
+    for a path that exists.
+
+    Found by: the review of the distributed layer and the command-line tools.
+    """
+    app = tmp_path / "app"
+    app.mkdir()
+    (app / "__main__.py").write_text("import sys\nprint('argv', sys.argv, 'path0', sys.path[0])\n", encoding="utf-8")
+    command = [sys.executable, "-m", "ampinit", "run", str(app), "a"]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert f"argv [{str(app)!r}, 'a'] path0 {app}" in result.stdout
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    result = subprocess.run([*command[:4], str(empty)], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert result.returncode == 2 and f"can't find '__main__' module in {str(empty)!r}" in result.stderr

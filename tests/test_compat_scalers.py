@@ -1,6 +1,7 @@
 """Apex's two scaler APIs (``apex.amp.scaler.LossScaler``, ``apex.fp16_utils`` loss scalers) against Apex's rules
 written out here from Apex's source, and their private fields that public code touches (``_scale_seq_len``,
-``_overflow_buf``, ``_has_overflow``, ``update_scale()``). Both run on ampinit's one engine scaler."""
+``_overflow_buf``, ``_has_overflow``, ``update_scale()``). Both run on ampinit's one engine scaler, and the
+fp16_utils overflow check reads the device once, however many gradients it checks."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from torch import nn
 
 from ampinit.compat.apex.amp.scaler import LossScaler
 from ampinit.compat.apex.fp16_utils import DynamicLossScaler
 from ampinit.compat.apex.fp16_utils import LossScaler as StaticFp16Scaler
+from tests._device import HostSyncCounter
 
 
 @dataclass
@@ -191,3 +194,27 @@ def test_fp16_utils_scalers_fields_and_errors() -> None:
     assert static.loss_scale == 4.0 and static.has_overflow([]) is False
     static.update_scale(True)
     assert static.cur_scale == 4.0
+
+
+def make_grads(n: int, bad: float | None) -> list[nn.Parameter]:
+    params = [nn.Parameter(torch.zeros(5, dtype=torch.float16)) for _ in range(n)]
+    for i, p in enumerate(params):
+        p.grad = torch.full_like(p, float(i))
+    if bad is not None:
+        assert params[-1].grad is not None
+        params[-1].grad[2] = bad
+    return params
+
+
+@pytest.mark.parametrize("bad", [None, float("inf"), float("-inf"), float("nan"), 65504.0])
+def test_fp16_utils_overflow_check_reads_the_host_once(bad: float | None) -> None:
+    """``fp16_utils.DynamicLossScaler.has_overflow`` reads the device once, not once per gradient as Apex's loop did.
+
+    Found by: the device review (what a GPU or an older torch would break, shown on the CPU).
+    """
+    params = make_grads(20, bad)
+    expected = any(p.grad is not None and not torch.isfinite(p.grad).all() for p in params)
+    with HostSyncCounter() as counter:
+        found = DynamicLossScaler().has_overflow(params)
+    assert found == expected
+    assert len(counter.syncs) == 1, counter.syncs  # Apex's loop: one per grad tensor (20)

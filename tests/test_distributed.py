@@ -1,5 +1,6 @@
 """Real 2-process gloo jobs on loopback: DDP at every opt level, ranks agreeing on every skip, checkpoint and
-resume, no_sync accumulation, FSDP2 with O1/O4 (and the refusal of O2 on sharded parameters)."""
+resume, no_sync accumulation, FSDP2 with O1/O4 (and the refusal of O2 on sharded parameters, which finds DTensor
+without importing it)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import ampinit
@@ -210,3 +212,16 @@ def test_a_checkpoint_every_rank_loads_before_the_wrap_resumes_bitwise(results: 
         assert_bitwise(rank["resumed"]["params"], rank["uninterrupted"]["params"])
         assert rank["resumed"]["amp"] == rank["uninterrupted"]["amp"]
     assert_bitwise(rank0["resumed"]["masters"], rank1["resumed"]["masters"])
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="this torch build has no torch.distributed")
+def test_dtensor_is_found_under_either_spelling() -> None:
+    """The FSDP2 refusal finds torch's DTensor class, looked up lazily, under the spelling every supported torch has.
+
+    Found by: the device review (what a GPU or an older torch would break, shown on the CPU).
+    """
+    from torch.distributed._tensor import DTensor  # the one spelling torch 2.4 to 2.14 all have
+
+    # Looked up lazily (importing it eagerly costs `import ampinit` half a second): once any code has imported
+    # DTensor, the FSDP2 refusal sees it.
+    assert _distributed._dtensor_type() is DTensor

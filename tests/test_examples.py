@@ -8,6 +8,7 @@ All example runs share one subprocess (one torch import): each script runs there
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import math
 import os
@@ -16,6 +17,7 @@ import runpy
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -222,3 +224,35 @@ def test_ddp_example_under_plain_python_says_to_use_torchrun() -> None:
     )
     assert done.returncode == 2
     assert "launch it with torchrun" in done.stderr and "RANK expected" not in done.stderr
+
+
+def load_example() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("train_ddp", ROOT / "examples" / "distributed" / "train_ddp.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    ("gpus", "local_rank", "ranks", "expected"),
+    [(1, 1, 2, ("cuda:0", "gloo")), (2, 1, 2, ("cuda:1", "nccl")), (1, 0, 1, ("cuda:0", "nccl"))],
+)
+def test_ddp_example_maps_ranks_onto_the_gpus_there_are(
+    monkeypatch: pytest.MonkeyPatch, gpus: int, local_rank: int, ranks: int, expected: tuple[str, str]
+) -> None:
+    """The torchrun example maps local ranks onto the GPUs there are, and picks gloo where ranks share a GPU.
+
+    Found by: the device review (what a GPU or an older torch would break, shown on the CPU).
+    """
+    example = load_example()
+    chosen: list[torch.device] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.setenv("LOCAL_RANK", str(local_rank))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(ranks))
+    device, backend = example.pick_device()
+    assert (str(device), backend) == expected
+    assert chosen == [device]
+    sys.modules.pop("train_ddp", None)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import threading
 
 import pytest
 import torch
@@ -13,6 +14,10 @@ from ampinit import amp
 from tests.conftest import SmallNet, make_problem
 
 LEVELS = ["O0", "O1", "O2", "O3", "O4", "O5"]
+
+
+def g(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
 def sgd(model: nn.Module) -> torch.optim.Optimizer:
@@ -367,3 +372,43 @@ def test_ddp_wrapped_model_is_refused() -> None:
         ),
     ):
         amp.initialize(ddp, opt_level="O2", verbosity=0)
+
+
+def test_close_refused_in_another_thread_can_be_retried_from_the_initializing_thread() -> None:
+    """``close()`` from a thread other than the one that called ``initialize`` raises, and its message says to
+    close from the initializing thread. Doing so must then restore everything (docs/api.md: ``close()`` undoes
+    everything, autocast state restored).
+
+    Got: the refused ``close()`` had already marked the session closed and undone the rest (hooks, optimizer
+    methods), so the retry was a no-op; the initializing thread stayed in autocast with the policy in force and
+    the extra autocast kernels stayed registered in the process for good.
+
+    Found by: the review of the O1/O4 cast policy.
+    """
+    from ampinit._casting import kernels, scopes
+
+    autocast_before = torch.is_autocast_enabled("cpu")
+    kernels_before = kernels.KERNELS.registered()
+    model = nn.Linear(4, 4)
+    amp.initialize(model, torch.optim.SGD(model.parameters(), 0.1), opt_level="O1", verbosity=0)
+    session = amp.current_session()
+    assert session is not None
+    errors: list[BaseException] = []
+
+    def close_elsewhere() -> None:
+        try:
+            session.close()
+        except RuntimeError as err:
+            errors.append(err)
+
+    try:
+        thread = threading.Thread(target=close_elsewhere)
+        thread.start()
+        thread.join()
+        assert len(errors) == 1 and "thread that called initialize()" in str(errors[0])
+    finally:
+        session.close()  # the retry the message asks for
+    assert torch.is_autocast_enabled("cpu") == autocast_before
+    assert not scopes.thread_scopes()
+    assert kernels.KERNELS.registered() == kernels_before
+    assert torch.mm(g(2, 2), g(2, 2)).dtype == torch.float32

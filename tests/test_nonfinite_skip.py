@@ -173,3 +173,41 @@ def test_skip_nonfinite_must_be_a_bool(value: object) -> None:
     with pytest.raises(TypeError, match=r"skip_nonfinite must be True or False, got"):
         ampinit.initialize(model, opt, opt_level="O0", skip_nonfinite=value)  # type: ignore[arg-type]
     assert ampinit.current_session() is None
+
+
+# -- a refused closure does not consume the pending skip ---------------------------------------------------------------
+def _mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return (out.float() - y).pow(2).mean()
+
+
+def _plant_inf(model: SmallNet) -> None:
+    grad = model.fc1.weight.grad
+    assert grad is not None
+    grad[0, 0] = float("inf")
+
+
+@pytest.mark.parametrize("sync_free", [False, True])
+def test_pending_skip_survives_a_step_refused_for_its_closure(sync_free: bool) -> None:
+    """After an overflow, ``step(closure)`` is refused; the skip must still be pending for the next ``step()``.
+
+    Apex (§1.2: ``skip_step`` raises "Currently, Amp does not support closure use with optimizers." before it
+    restores ``opt.step``) keeps the one-shot skip in place when the closure is refused, so the following
+    ``step()`` is still skipped. The current code consumes the skip decision and then raises: at O1 the next
+    ``step()`` applies the inf grads, and the weights become non-finite.
+
+    Found by: the review of the loss-scaling and overflow machinery.
+    """
+    model, x, y = make_problem()
+    model.eval()
+    opt = torch.optim.SGD(model.parameters(), 0.1)
+    amp.initialize(model, opt, opt_level="O1", verbosity=0, sync_free=sync_free)
+    with amp.scale_loss(_mse(model(x), y), opt) as scaled:
+        scaled.backward()
+        _plant_inf(model)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="does not support closure"):
+        opt.step(lambda: _mse(model(x), y))
+    opt.step()
+    assert amp.step_was_skipped(opt)
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    amp.deinitialize()

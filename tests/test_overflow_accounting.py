@@ -5,6 +5,10 @@ Apex checks, at each ``scale_loss`` exit, only the gradients that the backward i
 earlier block of the same iteration was counted by that block and is not counted again. The reference below
 is that rule written out; the tests drive ampinit through scripted iterations and compare, bitwise, the scales,
 the clean-step counters, which optimizers skipped, and that a skipped optimizer's weights did not move.
+
+``delay_overflow_check=True`` moves a block's decision (and its scale update) from the block's exit to the next
+``step()`` of an optimizer the block fed (ampinit's documented replacement for Apex's "never decided"); the same
+rule holds across it: one overflow halves the scale once and skips only the optimizers of its block.
 """
 
 from __future__ import annotations
@@ -165,3 +169,78 @@ def test_optimizer_with_finite_grads_does_not_skip(level: str, overrides: dict[s
 def test_overflow_in_one_of_two_optimizers_of_a_block_skips_both(level: str, overrides: dict[str, object]) -> None:
     # Apex: one scaler, one flag for the block, every optimizer passed to it skips.
     _run(level, overrides, 1, [[Block(0, (0, 1), inf_in=1)], [Block(0, (0, 1))]])
+
+
+# -- delay_overflow_check: one overflow, one back-off, only the optimizers of its block skip ---------------------------
+def _mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return (out.float() - y).pow(2).mean()
+
+
+def _plant_inf_in_fc1(model: SmallNet) -> None:
+    grad = model.fc1.weight.grad
+    assert grad is not None
+    grad[0, 0] = float("inf")
+
+
+def _block(
+    model: SmallNet, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, *, inf: bool, defer: bool
+) -> None:
+    with amp.scale_loss(_mse(model(x), y), opt, delay_overflow_check=defer) as scaled:
+        scaled.backward()
+        if inf:
+            _plant_inf_in_fc1(model)
+
+
+@pytest.mark.parametrize("inf_in", [0, 1], ids=["inf-in-deferred-block", "inf-in-plain-block"])
+def test_deferred_then_plain_block_backs_off_once_for_one_overflow(inf_in: int) -> None:
+    """One overflow must halve the scale once, whichever of the two blocks it is in.
+
+    Two accumulation blocks on loss 0 before one ``step()``: the first with ``delay_overflow_check=True``, the
+    second plain; an inf is planted in one of them. Apex's rule (one decision per exit, each on the grads of its
+    own backward; an overflow halves the scale once) gives 65536 -> 32768 and a skipped step. The current code
+    leaves the deferred block's flag uncleared, so the plain block's decision sees it, and the deferred decision
+    taken at ``step()`` reads the same flag again: 65536 -> 16384, the overflow counted twice.
+
+    Found by: the review of the loss-scaling and overflow machinery.
+    """
+    model, x, y = make_problem()
+    model.eval()
+    opt = torch.optim.SGD(model.parameters(), 0.1)
+    amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    opt.zero_grad()
+    _block(model, opt, x[:32], y[:32], inf=inf_in == 0, defer=True)
+    _block(model, opt, x[32:], y[32:], inf=inf_in == 1, defer=False)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.step()
+    assert amp.step_was_skipped(opt)
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert amp.stats().loss_scales == (32768.0,)
+    amp.deinitialize()
+
+
+def test_deferred_overflow_of_one_optimizer_does_not_skip_another_optimizers_clean_block() -> None:
+    """A clean plain block must not be skipped because of another block's deferred overflow.
+
+    Optimizer A's block (loss 0, ``delay_overflow_check=True``) overflows; optimizer B's block (loss 0, plain)
+    is clean. Apex's rule: only the optimizers passed to an overflowing block skip, and the scale backs off once.
+    Expected: B steps, A skips, scale 32768. The current code decides B's block on the flag A's block left
+    raised: B skips, and A's deferred decision backs off a second time (16384).
+
+    Found by: the review of the loss-scaling and overflow machinery.
+    """
+    (model_a, x, y), (model_b, _, _) = make_problem(0), make_problem(1)
+    model_a.eval()
+    model_b.eval()
+    opt_a = torch.optim.SGD(model_a.parameters(), 0.1)
+    opt_b = torch.optim.SGD(model_b.parameters(), 0.1)
+    amp.initialize([model_a, model_b], [opt_a, opt_b], opt_level="O2", verbosity=0)
+    _block(model_a, opt_a, x, y, inf=True, defer=True)
+    _block(model_b, opt_b, x, y, inf=False, defer=False)
+    b_before = [p.detach().clone() for p in model_b.parameters()]
+    opt_b.step()
+    assert not amp.step_was_skipped(opt_b), "B's own block was clean"
+    assert not all(torch.equal(p, b) for p, b in zip(model_b.parameters(), b_before))
+    opt_a.step()
+    assert amp.step_was_skipped(opt_a)
+    assert amp.stats().loss_scales == (32768.0,)
+    amp.deinitialize()
