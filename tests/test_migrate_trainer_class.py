@@ -99,7 +99,7 @@ TRAINER_TORCH = textwrap.dedent(
             self.optimizer = optimizer
             self.fp16 = fp16
             self.model.train()
-            self.amp_device = "cuda" if torch.cuda.is_available() else "cpu"
+            self.amp_device = next(self.model.parameters()).device.type
             self.amp_scaler = torch.amp.GradScaler(self.amp_device, enabled=bool(self.fp16))
             self.model = torch.nn.DataParallel(self.model)
 

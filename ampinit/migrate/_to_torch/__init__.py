@@ -24,6 +24,7 @@ The work is three steps, one module each:
 ``_analysis.py``   what the file does with amp, collected once (:class:`~._analysis.Analysis`)
 ``_refusals.py``   the table of reasons to refuse (one row each: the nodes, the test, the reason text, an
                    example file), run in one loop over the analysis
+``_predicates.py`` the nodes a row applies to and the tests over one node that the rows name
 ``_rewrite.py``    where autocast goes, and the rewrite of a file no row refused
 ``_examples.py``   the example file of each row: the tests run every one
 =================  ===================================================================================

@@ -27,7 +27,7 @@ from ampinit.migrate._to_torch._analysis import (
     availability_guard,
     call_args,
 )
-from ampinit.migrate._to_torch._refusals import elsewhere, loss_scale_call, loss_scale_read
+from ampinit.migrate._to_torch._predicates import elsewhere, loss_scale_call, loss_scale_read
 
 Block = cst.Module | cst.IndentedBlock
 
