@@ -12,6 +12,8 @@ from torch import Tensor
 
 from ampinit import multi_tensor as mt
 from ampinit.multi_tensor import amp_C, multi_tensor_applier
+from ampinit.optimizers.fused_lamb import global_grad_norm
+from ampinit.optimizers.fused_novograd import layer_norms
 from tests._device import device_under_test
 
 SIZES = (0, 1, 17, 2**20 + 3)
@@ -190,6 +192,28 @@ def test_unscale_l2norm_leaves_tensors_alone() -> None:
     assert all(torch.equal(a, b) for a, b in zip(ts, before)) and noop.item() == 0
 
 
+# norms of large tensors: fp32 accumulation per chunk, as Apex
+def test_norms_of_a_30m_element_tensor_match_float64() -> None:
+    """Found by: the sweep of edge cases of the fused optimizers and amp_C ops."""
+    gen = torch.Generator().manual_seed(0)
+    big = torch.randn(30_000_000, generator=gen).mul_(3).add_(1)  # a mean offset is what defeats naive sums
+    small = torch.randn(1000, generator=gen)
+    expected = torch.tensor([big.double().norm().item(), small.double().norm().item()], dtype=torch.float64)
+    total_expected = expected.square().sum().sqrt()
+
+    def close(actual: Tensor, wanted: Tensor) -> None:
+        torch.testing.assert_close(actual.double().reshape(wanted.shape), wanted, rtol=1e-6, atol=0)
+
+    flag = torch.zeros(1, dtype=torch.int32)
+    total, per = mt.multi_tensor_l2norm(0, flag, [[big, small]], True)
+    close(total, total_expected)
+    close(per, expected)
+    total, per = mt.multi_tensor_l2norm_mp(0, flag, [[big, small]], True)
+    close(total, total_expected)
+    close(global_grad_norm([big, small], big.device), total_expected)
+    close(layer_norms([big, small], 2), expected)
+
+
 def adam_reference(g: Tensor, p: Tensor, m: Tensor, v: Tensor, step: int, mode: int, wd: float) -> Tensor:
     g = g.float() + (wd * p.float() if mode == 0 else 0)
     m.mul_(0.9).add_(0.1 * g)
@@ -298,3 +322,30 @@ def test_novograd_op_blends_norms() -> None:
 def test_list_shape_errors(lists: list[list[Tensor]], message: str) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
         mt.multi_tensor_scale(0, flag(), lists, 1.0)
+
+
+def test_amp_c_ops_accept_empty_lists() -> None:
+    """Found by: the sweep of edge cases of the fused optimizers and amp_C ops."""
+    flag = torch.zeros(1, dtype=torch.int32)
+    lr, step, scale = torch.full((), 0.1), torch.ones((), dtype=torch.int32), torch.ones(1)
+    mt.multi_tensor_scale(0, flag, [[], []], 2.0)
+    mt.multi_tensor_axpby(0, flag, [[], [], []], 1.0, 1.0, -1)
+    mt.multi_tensor_adam(0, flag, [[], [], [], []], 1e-3, 0.9, 0.999, 1e-8, 1, 1, 1, 0.0)
+    mt.multi_tensor_adam_capturable(0, flag, [[], [], [], []], lr, 0.9, 0.999, 1e-8, step, 1, 1, 0.0, scale)
+    mt.multi_tensor_adam_capturable_master(0, flag, [[]] * 5, lr, 0.9, 0.999, 1e-8, step, 1, 1, 0.0, scale)
+    mt.multi_tensor_sgd(0, flag, [[], [], []], 0.0, 0.9, 0.0, 0.1, False, True, False)
+    mt.multi_tensor_adagrad(0, flag, [[], [], []], 0.1, 1e-10, 0, 0.0)
+    mt.multi_tensor_novograd(0, flag, [[], [], []], torch.zeros(0), 1e-3, 0.9, 0.999, 1e-8, 1, 1, 0.0, 1, 1, 2)
+    norm = torch.zeros(1)
+    mt.multi_tensor_lamb(0, flag, [[]] * 4, 1e-3, 0.9, 0.999, 1e-6, 1, 1, 0.01, 1, 1, norm, 1.0)
+    mt.multi_tensor_lamb_mp(
+        0, flag, [[]] * 4, lr, 0.9, 0.999, 1e-6, step, 1, 0.01, 1, 1, norm, torch.ones(1), False, norm, scale
+    )
+    for op in (mt.multi_tensor_l2norm, mt.multi_tensor_l2norm_mp):
+        total, per = op(0, flag, [[]], True)
+        assert torch.equal(total, torch.zeros(1)) and per.numel() == 0
+    total, _ = mt.multi_tensor_l2norm_scale(0, flag, [[], []], 2.0)
+    assert torch.equal(total, torch.zeros(1))
+    total, _ = mt.multi_tensor_unscale_l2norm(0, flag, [[]], torch.ones(1))
+    assert torch.equal(total, torch.zeros(1))
+    assert flag.item() == 0

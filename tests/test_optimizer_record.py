@@ -1,4 +1,5 @@
-"""``ampinit._optimizer_record``: the stage of each optimizer between two steps, and the misuse it refuses."""
+"""``ampinit._optimizer_record``: the stage of each optimizer between two steps, and the misuse it refuses (a refused
+step leaves the skip it was to take pending)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 import ampinit
 from ampinit import amp
 from ampinit._optimizer_record import OptimizerRecord, Stage
+from tests._amp_loop import MASTER_SETUPS, mse, weights
 from tests.conftest import make_problem
 
 
@@ -73,4 +75,33 @@ def test_a_backward_outside_scale_loss_is_refused_with_master_weights() -> None:
     with pytest.raises(RuntimeError, match="never reached the fp32 master weights"):
         opt.step()
     assert record.stage is Stage.READY
+    amp.deinitialize()
+
+
+# -- a refused step must not consume the pending skip ----------------------------------------------------------
+@pytest.mark.parametrize(("level", "master_weights"), MASTER_SETUPS)
+def test_a_refused_closure_step_keeps_the_overflow_skip(level: str, master_weights: bool | str) -> None:
+    """After an overflow, ``opt.step(closure)`` is refused (closures are not supported with master weights). The
+    skip that the overflow decided must still apply to the next ``opt.step()``.
+
+    Apex: the overflow patches ``step`` with ``skip_step``, which raises on a closure *before* restoring the
+    original step (shared/reference/apex-amp.md §1.2), so the following ``step()`` is still the skip. The old code
+    consumed the skip before raising, and the retried step applied the inf/NaN gradients to the weights.
+
+    Found by: the review of the master-weight machinery, checkpoints and teardown.
+    """
+    model, x, y = make_problem()
+    opt = torch.optim.SGD(model.parameters(), 0.1)
+    amp.initialize(model, opt, opt_level=level, master_weights=master_weights, verbosity=0)
+    before = weights(model)
+    opt.zero_grad()
+    with amp.scale_loss(mse(model(x), y), opt) as scaled:
+        scaled.backward()
+        model.fc1.weight.grad[0, 0] = float("inf")
+    with pytest.raises(RuntimeError, match="closure"):
+        opt.step(lambda: 0.0)
+    opt.step()
+    assert amp.step_was_skipped(opt)
+    for a, b in zip(before, model.parameters()):
+        assert torch.equal(a, b)
     amp.deinitialize()

@@ -11,8 +11,9 @@ from typing import Any
 
 import pytest
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
+from ampinit import _torch_kernels
 from ampinit.optimizers import FusedAdagrad, FusedAdam, FusedLAMB, FusedNovoGrad, FusedSGD
 from tests._device import device_under_test
 
@@ -651,3 +652,189 @@ def test_novograd_refuses_a_changed_parameter_set() -> None:
 def test_grad_scaler_sees_amp_support_flag() -> None:
     for cls in (FusedAdam, FusedSGD, FusedLAMB, FusedAdagrad, FusedNovoGrad):
         assert cls._step_supports_amp_scaling is True
+
+
+# ---------------------------------------------------------------- empty and frozen param groups
+# Apex and torch.optim skip them. Each fused optimizer in the configurations whose steps take different paths.
+OPTIMIZERS: list[tuple[type[torch.optim.Optimizer], dict[str, Any]]] = [
+    (FusedAdam, {"weight_decay": 0.01}),
+    (FusedAdam, {"bias_correction": False}),
+    (FusedAdam, {"capturable": True, "master_weights": True}),
+    (FusedLAMB, {}),
+    (FusedNovoGrad, {}),
+    (FusedSGD, {"lr": 0.1, "momentum": 0.9}),
+    (FusedAdagrad, {"weight_decay": 0.01}),
+]
+IDS = ["adam", "adam-no-bias-correction", "adam-capturable-master", "lamb", "novograd", "sgd", "adagrad"]
+
+
+def small_net(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+def train_steps(net: nn.Module, optimizer: torch.optim.Optimizer, steps: int = 3) -> None:
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        net(torch.randn(6, 4, generator=gen)).square().mean().backward()
+        optimizer.step()
+
+
+@pytest.mark.parametrize(("cls", "kwargs"), OPTIMIZERS, ids=IDS)
+def test_empty_and_frozen_groups_change_nothing_and_do_not_disturb_live_ones(
+    cls: type[torch.optim.Optimizer], kwargs: dict[str, Any]
+) -> None:
+    """Found by: the sweep of edge cases of the fused optimizers and amp_C ops."""
+    frozen, live, reference = small_net(0), small_net(1), small_net(1)
+    for p in frozen.parameters():
+        p.requires_grad_(False)
+    before = [p.clone() for p in frozen.parameters()]
+    groups: list[dict[str, Any]] = [
+        {"params": []},
+        {"params": list(frozen.parameters())},
+        {"params": list(live.parameters())},
+    ]
+    train_steps(live, cls(groups, **kwargs))
+    train_steps(reference, cls(reference.parameters(), **kwargs))
+    for p, b in zip(frozen.parameters(), before):
+        assert torch.equal(p, b)
+    for p, q in zip(live.parameters(), reference.parameters()):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize(("cls", "kwargs"), OPTIMIZERS, ids=IDS)
+def test_all_frozen_or_empty_optimizer_steps_like_torch_optim(
+    cls: type[torch.optim.Optimizer], kwargs: dict[str, Any]
+) -> None:
+    """Found by: the sweep of edge cases of the fused optimizers and amp_C ops."""
+    net = small_net(0)
+    for p in net.parameters():
+        p.requires_grad_(False)
+    before = [p.clone() for p in net.parameters()]
+    groups: list[dict[str, Any]] = [{"params": []}, {"params": list(net.parameters())}]
+    fused = cls(groups, **kwargs)
+    plain = torch.optim.SGD([dict(g) for g in groups], lr=0.1)
+    for optimizer in (fused, plain):
+        optimizer.zero_grad()
+        optimizer.step()
+        optimizer.step()
+    assert all(torch.equal(p, b) for p, b in zip(net.parameters(), before))
+    assert not any(fused.state[p] for p in net.parameters())
+
+
+# ---------------------------------------------------------------- FusedAdagrad without a fused kernel
+# (CUDA before torch 2.9)
+@pytest.mark.parametrize(
+    ("device", "version", "expected"),
+    [("cuda", "2.8.1+cu128", False), ("cuda", "2.9.0", True), ("cuda", "2.10.0a0+git", True), ("cpu", "2.5.0", True)],
+)
+def test_fused_adagrad_kernel_availability(device: str, version: str, expected: bool) -> None:
+    """Found by: the sweep of edge cases of the fused optimizers and amp_C ops."""
+    assert _torch_kernels.has_fused_adagrad(torch.device(device), version) is expected
+    assert _torch_kernels.has_fused_adagrad(torch.device("mps"), version) is False
+
+
+def test_fused_adagrad_unknown_version_is_a_clear_error() -> None:
+    """Found by: the sweep of edge cases of the fused optimizers and amp_C ops."""
+    with pytest.raises(ValueError, match="'nightly'"):
+        _torch_kernels.has_fused_adagrad(torch.device("cuda"), "nightly")
+
+
+@pytest.mark.parametrize("adagrad_w_mode", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_adagrad_falls_back_to_foreach_without_a_kernel(
+    monkeypatch: pytest.MonkeyPatch, adagrad_w_mode: bool, dtype: torch.dtype
+) -> None:
+    """With the version check answering 'no kernel' (as on CUDA before 2.9), the step must not call
+    torch._fused_adagrad_ and must match the plain per-tensor reference, including a skipped step.
+
+    Found by: the sweep of edge cases of the fused optimizers and amp_C ops.
+    """
+    reference, fallback = small_net(0).to(dtype), small_net(0).to(dtype)
+    ref_opt = FusedAdagrad(
+        reference.parameters(), weight_decay=0.1, adagrad_w_mode=adagrad_w_mode, implementation="single_tensor"
+    )
+    new_opt = FusedAdagrad(fallback.parameters(), weight_decay=0.1, adagrad_w_mode=adagrad_w_mode)
+
+    def no_kernel(*args: object, **kwargs: object) -> None:
+        raise AssertionError("torch._fused_adagrad_ called although the version check said it has no kernel")
+
+    monkeypatch.setattr(_torch_kernels, "has_fused_adagrad", lambda device, version=None: False)
+    monkeypatch.setattr(torch, "_fused_adagrad_", no_kernel)
+    for found in (0.0, 1.0, 0.0):
+        for opt in (ref_opt, new_opt):
+            opt.grad_scale = torch.full((), 8.0)  # type: ignore[attr-defined]
+            opt.found_inf = torch.full((), found)  # type: ignore[attr-defined]
+        for net in (reference, fallback):
+            torch.manual_seed(3)
+            net.zero_grad()
+            (net(torch.randn(6, 4, dtype=dtype)).float().square().mean() * 8).backward()
+        ref_opt.step()
+        new_opt.step()
+        rtol, atol = (2e-6, 1e-7) if dtype == torch.float32 else (1e-2, 1e-2)
+        for p, q in zip(fallback.parameters(), reference.parameters()):
+            torch.testing.assert_close(p, q, rtol=rtol, atol=atol)
+            # Like torch's fused kernels, the fallback leaves the gradients unscaled unless the step is skipped.
+            assert p.grad is not None and q.grad is not None
+            torch.testing.assert_close(p.grad, q.grad if found else q.grad / 8, rtol=rtol, atol=atol)
+            torch.testing.assert_close(new_opt.state[p]["sum"], ref_opt.state[q]["sum"], rtol=rtol, atol=atol)
+
+
+# ---------------------------------------------------------------- FusedAdam(capturable=True)
+def test_capturable_fused_adam_keeps_lr_on_the_device_and_follows_a_scheduler() -> None:
+    """Found by: the sweep of edge cases of the fused optimizers and amp_C ops."""
+    plain_net, graph_net = small_net(0), small_net(0)
+    plain = FusedAdam(plain_net.parameters(), lr=0.01)
+    capturable = FusedAdam(graph_net.parameters(), lr=0.01, capturable=True)
+    assert isinstance(capturable.param_groups[0]["lr"], Tensor)
+    lr_tensor = capturable.param_groups[0]["lr"]
+    schedules = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in (plain, capturable)]
+    for optimizer, net in ((plain, plain_net), (capturable, graph_net)):
+        train_steps(net, optimizer, steps=1)
+    for _ in range(2):
+        for schedule in schedules:
+            schedule.step()
+        for optimizer, net in ((plain, plain_net), (capturable, graph_net)):
+            train_steps(net, optimizer, steps=1)
+    # The scheduler filled the same tensor (what a replayed graph reads) rather than replacing it.
+    assert capturable.param_groups[0]["lr"] is lr_tensor and lr_tensor.item() == pytest.approx(0.0025)
+    for p, q in zip(graph_net.parameters(), plain_net.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_capturable_fused_adam_replays_in_a_cuda_graph() -> None:
+    """Found by: the sweep of edge cases of the fused optimizers and amp_C ops."""
+    torch.manual_seed(0)
+    eager_net = nn.Linear(16, 16).cuda().half()
+    graph_net = copy.deepcopy(eager_net)
+    eager = FusedAdam(eager_net.parameters(), capturable=True, master_weights=True, weight_decay=0.01)
+    graphed = FusedAdam(graph_net.parameters(), capturable=True, master_weights=True, weight_decay=0.01)
+    grads = [[torch.randn_like(p) for p in eager_net.parameters()] for _ in range(6)]
+    static = [torch.zeros_like(p) for p in graph_net.parameters()]
+    for p, g in zip(graph_net.parameters(), static):
+        p.grad = g
+    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up creates the state outside the graph
+        for g, new in zip(static, grads[0]):
+            g.copy_(new)
+        graphed.step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graphed.step()
+    for p, g in zip(eager_net.parameters(), grads[0]):
+        p.grad = g.clone()
+    eager.step()
+    for step_grads in grads[1:]:
+        for g, new in zip(static, step_grads):
+            g.copy_(new)
+        graph.replay()
+        for p, g in zip(eager_net.parameters(), step_grads):
+            p.grad = g.clone()
+        eager.step()
+    torch.cuda.synchronize()
+    for p, q in zip(graph_net.parameters(), eager_net.parameters()):
+        assert torch.equal(p, q)

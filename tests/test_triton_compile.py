@@ -1,6 +1,6 @@
 """The Triton master-step kernels compiled for NVIDIA GPUs (sm_80, sm_90) on a machine without one.
 
-``test_fused_master.py`` and ``test_remainder_masters.py`` check the kernels' arithmetic bit for bit on CPU,
+``test_master_kernels.py`` and ``test_remainder_masters.py`` check the kernels' arithmetic bit for bit on CPU,
 through Triton's interpreter. The interpreter compiles nothing, so a kernel it runs may still fail to build for
 a GPU, or build with different rounding. Triton's ahead-of-time compiler needs no GPU: it lowers a kernel to PTX
 and assembles it with the ``ptxas`` its wheel ships. Here every specialisation the launch code produces (the

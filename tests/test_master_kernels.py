@@ -1,4 +1,7 @@
-"""The master-step Triton kernels against the pure-torch reference, bit for bit, on CPU through Triton's interpreter.
+"""The fp32-master Triton kernels (``ampinit._masters.triton_kernels``) against the pure-torch reference
+(``_masters.reference``), bit for bit, on CPU through Triton's interpreter; and amp's step taking them
+(``_masters.kernel_step``): the same bits as the reference step, torch's state layout, a skip on the device,
+the optimizers left to torch, and the one switch. The remainder kernels are tested in test_remainder_masters.py.
 
 Every comparison is bitwise: the kernels do the reference's fp32 operations in the same order, each rounded
 (no fused multiply-add), with correctly rounded division and square root, so no ulp of slack is needed.
