@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -85,6 +86,45 @@ def test_every_rule_has_a_golden_site() -> None:
         "# the loss in fp32, as Apex's lists would",
     ]:
         assert text in torch_after, text
+
+
+@pytest.mark.parametrize("to", ["ampinit", "torch"])
+def test_apex_ddp_positional_delay_allreduce_is_mapped(to: str) -> None:
+    """Apex's DDP signature is (module, message_size, delay_allreduce, ...): `DDP(model, 10000000, True)` passes
+    delay_allreduce=True, which the keyword form maps to find_unused_parameters=True. Positionally it was dropped
+    as "an Apex-only option", so torch's DDP failed on the second iteration for a model with unused parameters.
+
+    Found by: the review of ``ampinit migrate --to torch`` (files it wrote that broke, or trained otherwise).
+    """
+    source = textwrap.dedent(
+        """
+        from apex.parallel import DistributedDataParallel as DDP
+        model = DDP(model, 10000000, True)
+        """
+    )
+    result = migrate_source(source, to)  # type: ignore[arg-type]
+    assert result.refused or "find_unused_parameters=True" in result.migrated, result.migrated
+
+
+@pytest.mark.parametrize("to", ["ampinit", "torch"])
+def test_apex_ddp_double_star_arguments_are_named_in_the_note(to: str) -> None:
+    """`DDP(model, **ddp_kwargs)`: the `**ddp_kwargs` was dropped with the note "dropped positional argument 2 (an
+    Apex-only option)", which names neither what was dropped nor why (its options cannot be read).
+
+    Found by: the review of ``ampinit migrate --to torch`` (files it wrote that broke, or trained otherwise).
+    """
+    source = textwrap.dedent(
+        """
+        from apex.parallel import DistributedDataParallel as DDP
+        ddp_kwargs = dict(delay_allreduce=True)
+        model = DDP(model, **ddp_kwargs)
+        """
+    )
+    result = migrate_source(source, to)  # type: ignore[arg-type]
+    if result.refused:
+        return
+    notes = [site.message for site in result.sites if site.needs_human]
+    assert any("**ddp_kwargs" in note for note in notes), notes
 
 
 def test_write_report_and_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -5,6 +5,7 @@ resolve."""
 from __future__ import annotations
 
 import textwrap
+from typing import Any
 
 import pytest
 import torch
@@ -513,6 +514,34 @@ def test_a_helper_module_of_float_function_and_disable_casts_migrates_natively(s
     assert got.dtype == want.dtype == torch.float32
     torch.testing.assert_close(got, want)
     assert plain.dtype == torch.float32  # disable_casts: no fp16 matmul inside
+
+
+@pytest.mark.parametrize("where", ["if TYPE_CHECKING:\n    import torch\n", "def g():\n    import torch\n"])
+def test_float_function_helper_needs_a_module_level_torch(where: str) -> None:
+    """A helper module that imports torch only under `if TYPE_CHECKING:` or inside a function: the written
+    `amp_float_function` decorator uses `torch` at module level, but `import torch` was not added (any `import torch`
+    in the file counted): calling the decorated function raised NameError.
+
+    Found by: the review of ``ampinit migrate --to torch`` (files it wrote that broke, or trained otherwise).
+    """
+    source = (
+        "from typing import TYPE_CHECKING\nfrom apex import amp\n"
+        + where
+        + textwrap.dedent(
+            """
+
+        @amp.float_function
+        def f(x):
+            return x * 2
+        """
+        )
+    )
+    result = migrate_source(source, "torch")
+    if result.refused:
+        return
+    namespace: dict[str, Any] = {}
+    exec(compile(result.migrated, "<migrated>", "exec"), namespace)
+    assert torch.equal(namespace["f"](torch.ones(2)), torch.full((2,), 2.0))
 
 
 def test_load_state_dict_takes_checkpoints_of_either_format() -> None:

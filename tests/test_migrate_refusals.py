@@ -1,6 +1,9 @@
 """The refusals of ``migrate --to torch`` as a table (torch's ``OptimizerInfo``/``ErrorOptimizerInput`` shape):
 every row carries a file it refuses, and each row's file is refused for exactly that row's reason through the
-public ``migrate_source``. The rows are named here too, so that a refusal dropped from the table fails."""
+public ``migrate_source``. The rows are named here too, so that a refusal dropped from the table fails.
+
+Below the table's tests: whole files in which defects of the rewrite were found, each refused today by a row, run
+end to end with ``_same_or_refused`` (refused, or the rewrite trains as the original did)."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from ampinit.migrate import migrate_source
 from ampinit.migrate._to_torch import _examples
 from ampinit.migrate._to_torch._analysis import Analysis
 from ampinit.migrate._to_torch._refusals import REFUSALS, Refusal, run
+from tests.test_migrate_edges import _same_or_refused
 
 #: Every reason --to torch refuses a file for, in the table's order (the order of the reasons on one line).
 ROWS = [
@@ -179,3 +183,222 @@ def test_with_statements_are_not_branches_of_the_path_to_the_step() -> None:
     result = migrate_source(source, "torch")
     assert not result.refused and not result.needs_human, [s.render() for s in result.sites]
     assert "            scaler.step(optimizer)\n            scaler.update()\n" in result.migrated
+
+
+# -- whole files the rows stand for: refused, or trained as the original -----------------------------------------------
+# Each file below is refused today, by these rows in this order: initialize_not_alone, scale_loss_one_line (with
+# backward_outside_scale_loss and step_without_scale_loss, which follow from it), master_params_not_alone,
+# step_not_alone (twice), step_in_scale_loss, clipping_not_through_amp, grad_used_by_hand, master_params_twice,
+# master_params_without_step. test_each_row_refuses_its_example_for_its_reason checks each row on its own example,
+# so these overlap it; they keep the file each defect was found in, run end to end, and hold as well for a rewrite
+# that made the file equivalent instead of refusing it.
+
+HEAD = """
+import pytest
+import torch
+from apex import amp
+
+def train(model, optimizer, data):
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O1", verbosity=0)
+    for i, (x, y) in enumerate(data):
+        optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+"""
+
+
+def test_initialize_followed_by_a_semicolon() -> None:
+    """`model, optimizer = amp.initialize(...); print(...)`: the line was left as it was while the Apex import was
+    removed, and nothing created `scaler`/`amp_device`: the output raised NameError.
+
+    Found by: the review of ``ampinit migrate --to torch`` (files it wrote that broke, or trained otherwise).
+    """
+    _same_or_refused(
+        """
+        import torch
+        from apex import amp
+
+        def train(model, optimizer, data):
+            model, optimizer = amp.initialize(model, optimizer, opt_level="O1", verbosity=0); print("amp on")
+            for x, y in data:
+                optimizer.zero_grad()
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                with amp.scale_loss(loss, optimizer) as scaled_loss:
+                    scaled_loss.backward()
+                optimizer.step()
+            return model
+        """
+    )
+
+
+def test_one_line_scale_loss_block_keeps_its_backward() -> None:
+    """`with amp.scale_loss(loss, opt) as s: s.backward()` on one line (a SimpleStatementSuite body): the rewrite
+    dropped the body and wrote `scaled_loss = scaler.scale(loss)` alone, so no backward ran at all.
+
+    Found by: the review of ``ampinit migrate --to torch`` (files it wrote that broke, or trained otherwise).
+    """
+    _same_or_refused(
+        HEAD
+        + """
+        with amp.scale_loss(loss, optimizer) as scaled_loss: scaled_loss.backward()
+        optimizer.step()
+    return model
+"""
+    )
+
+
+def test_master_params_clipping_in_one_line_if_is_unscaled_first() -> None:
+    """`if clip: clip_grad_norm_(amp.master_params(optimizer), 0.5)`: master_params became model.parameters() but
+    no `scaler.unscale_(optimizer)` was inserted (it is only added before a SimpleStatementLine), so the scaled
+    gradients were clipped to 0.5 and the step that followed was ~65536 times too small.
+
+    Found by: the review of ``ampinit migrate --to torch`` (files it wrote that broke, or trained otherwise).
+    """
+    _same_or_refused(
+        HEAD
+        + """
+        with amp.scale_loss(loss, optimizer) as scaled_loss:
+            scaled_loss.backward()
+        if True: torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), 0.5)
+        optimizer.step()
+    return model
+"""
+    )
+
+
+def test_step_in_one_line_if_goes_through_the_scaler() -> None:
+    """`if i % 2 == 0: optimizer.step()` (gradient accumulation on one line) was reported as rewritten but kept as
+    `optimizer.step()`: the optimizer stepped on gradients scaled by 65536 and the GradScaler never updated.
+
+    Found by: the review of ``ampinit migrate --to torch`` (files it wrote that broke, or trained otherwise).
+    """
+    _same_or_refused(
+        HEAD
+        + """
+        with amp.scale_loss(loss, optimizer) as scaled_loss:
+            scaled_loss.backward()
+        if i % 2 == 1: optimizer.step()
+    return model
+"""
+    )
+
+
+def test_step_followed_by_a_semicolon_goes_through_the_scaler() -> None:
+    """`optimizer.step(); optimizer.zero_grad()`: a line with two statements was left as it was (reported as
+    rewritten), so the optimizer stepped on scaled gradients and the GradScaler was never stepped.
+
+    Found by: the review of ``ampinit migrate --to torch`` (files it wrote that broke, or trained otherwise).
+    """
+    _same_or_refused(
+        HEAD
+        + """
+        with amp.scale_loss(loss, optimizer) as scaled_loss:
+            scaled_loss.backward()
+        optimizer.step(); optimizer.zero_grad()
+    return model
+"""
+    )
+
+
+def test_step_inside_the_scale_loss_block() -> None:
+    """`optimizer.step()` inside `with amp.scale_loss(...)`: Apex unscales (and checks for overflow) when the block
+    exits, so that step ran on the scaled gradients (a bug of the original, but its behaviour); the rewrite's
+    `scaler.step()` unscales first, so the migrated run trains differently. It must be refused.
+
+    Found by: the review of ``ampinit migrate --to torch`` (files it wrote that broke, or trained otherwise).
+    """
+    _same_or_refused(
+        HEAD
+        + """
+        with amp.scale_loss(loss, optimizer) as scaled_loss:
+            scaled_loss.backward()
+            optimizer.step()
+    return model
+"""
+    )
+
+
+def test_clipping_model_parameters_after_scale_loss() -> None:
+    """Under O1, Apex unscales the model's gradients when the scale_loss block exits, so
+    `clip_grad_norm_(model.parameters(), 0.5)` after it clips true gradients (the common spelling under O1, where
+    the model's parameters are the master parameters). After the rewrite the gradients are still scaled there:
+    clipped to 0.5 at scale 65536, then unscaled by scaler.step, the update was ~65536 times too small.
+
+    Found by: the review of ``ampinit migrate --to torch`` (files it wrote that broke, or trained otherwise).
+    """
+    _same_or_refused(
+        HEAD
+        + """
+        with amp.scale_loss(loss, optimizer) as scaled_loss:
+            scaled_loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        optimizer.step()
+    return model
+"""
+    )
+
+
+def test_gradients_changed_by_hand_between_scale_loss_and_step() -> None:
+    """`p.grad.data.clamp_(-0.01, 0.01)` between the scale_loss block and the step (RL code's hand-rolled
+    clipping): Apex had unscaled the gradients when the block exited; after the rewrite they are still scaled
+    there, so the clamp cut gradients 65536 times too large and the update was ~65536 times too small.
+
+    Found by: the review of ``ampinit migrate --to torch`` (files it wrote that broke, or trained otherwise).
+    """
+    _same_or_refused(
+        HEAD
+        + """
+        with amp.scale_loss(loss, optimizer) as scaled_loss:
+            scaled_loss.backward()
+        for p in model.parameters():
+            p.grad.data.clamp_(-0.01, 0.01)
+        optimizer.step()
+    return model
+"""
+    )
+
+
+def test_master_params_clipped_twice_before_one_step() -> None:
+    """Two clippings of `amp.master_params(optimizer)` before one step (a norm measured, then a clip): each got a
+    `scaler.unscale_(optimizer)` in front, and GradScaler raises on the second ("unscale_() has already been
+    called on this optimizer since the last update()").
+
+    Found by: the review of ``ampinit migrate --to torch`` (files it wrote that broke, or trained otherwise).
+    """
+    _same_or_refused(
+        HEAD
+        + """
+        with amp.scale_loss(loss, optimizer) as scaled_loss:
+            scaled_loss.backward()
+        total = torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), float("inf"))
+        torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), 0.5)
+        optimizer.step()
+    return model
+"""
+    )
+
+
+def test_master_params_clipped_on_iterations_that_do_not_step() -> None:
+    """Gradient accumulation that clips on every micro-batch and steps every second one: the rewrite's
+    `scaler.unscale_(optimizer)` runs twice before the `scaler.update()` of the stepping iteration, and GradScaler
+    raises on the second. (Unscaled accumulated gradients would also get the next micro-batch's scaled ones added.)
+
+    Found by: the review of ``ampinit migrate --to torch`` (files it wrote that broke, or trained otherwise).
+    """
+    _same_or_refused(
+        """
+        import torch
+        from apex import amp
+
+        def train(model, optimizer, data):
+            model, optimizer = amp.initialize(model, optimizer, opt_level="O1", verbosity=0)
+            for i, (x, y) in enumerate(data):
+                loss = torch.nn.functional.mse_loss(model(x), y) / 2
+                with amp.scale_loss(loss, optimizer) as scaled_loss:
+                    scaled_loss.backward()
+                torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), 5.0)
+                if i % 2 == 1:
+                    optimizer.step()
+                    optimizer.zero_grad()
+            return model
+        """
+    )
