@@ -1,7 +1,9 @@
-"""The README and docs stay true: relative links resolve, the README example runs, the examples train."""
+"""The README and docs stay true: relative links resolve, the README example runs, the examples train, and
+docs/design.md names only modules that exist, places every module, and draws layers the imports keep."""
 
 from __future__ import annotations
 
+import ast
 import re
 import subprocess
 import sys
@@ -10,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from ampinit import amp
+from tests.test_import_structure import MODULES, PACKAGE, imports_of
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "benchmarks").glob("*.md"))]
@@ -86,3 +89,141 @@ def test_quickstart_example_runs(capsys: pytest.CaptureFixture[str]) -> None:
     assert example is not None
     exec(compile(example.group(1), "quickstart example", "exec"), {})
     assert "AmpStats(steps=10, skipped_steps=0, last_step_skipped=False" in capsys.readouterr().out
+
+
+DESIGN = ROOT / "docs" / "design.md"
+
+# Modules the map of docs/design.md may leave out, with the reason.
+UNMAPPED = {
+    "demo/__main__.py": "`python -m ampinit.demo`: two lines that call demo/cli.py",
+}
+
+# A path ending in .py, outside a longer path or URL; in design.md one not under a folder of the repository
+# other than ampinit/ is read as a file of ampinit (``_masters/grads.py``, ``ampinit/_api.py``, ``cli.py``).
+PY_PATH = re.compile(r"(?<![\w/.-])((?:[\w.-]+/)*[\w-]+\.py)\b")
+# A dotted name that starts in ampinit: ``ampinit.x.y`` or a private module of the core (``_registry._live``),
+# and the top-level folders of the products (``compat.apex.amp._amp_state``).
+DOTTED = re.compile(r"(?<![\w./])((?:ampinit\.)?(?:_\w+|compat|migrate|optimizers|demo)(?:\.\w+)+)")
+CODE_SPAN = re.compile(r"`([^`\n]+)`")
+FOLDER = re.compile(r"(?<!\S)((?:[\w-]+/)+)(?!\S)")
+
+
+def relative(module: str) -> str:
+    """``ampinit._masters.grads`` -> ``_masters/grads.py`` (a package: its ``__init__.py``)."""
+    return MODULES[module].relative_to(PACKAGE).as_posix()
+
+
+def ampinit_path(path: str) -> str | None:
+    """``path`` as named in design.md, relative to ampinit/; None for a file of another folder of the repo."""
+    if path.startswith("ampinit/"):
+        return path[len("ampinit/") :]
+    first = path.split("/")[0]
+    if "/" in path and (ROOT / first).is_dir() and not (PACKAGE / first).is_dir():
+        return None
+    return path
+
+
+def top_level_names(path: Path) -> set[str]:
+    """The names a module binds at its top level (functions, classes, assignments, imports)."""
+    names: set[str] = set()
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+    return names
+
+
+def resolve_dotted(name: str) -> tuple[str | None, str | None]:
+    """``(module, None)`` when ``name`` is a module of ampinit or an attribute its module binds, else
+    ``(None, why)``."""
+    parts = name.removeprefix("ampinit.").split(".")
+    for cut in range(len(parts), 0, -1):
+        module = ".".join(["ampinit", *parts[:cut]])
+        if module in MODULES:
+            rest = parts[cut:]
+            if rest and rest[0] not in top_level_names(MODULES[module]):
+                return None, f"{module} binds no {rest[0]!r}"
+            return module, None
+    return None, f"no module {'ampinit.' + parts[0]!r}"
+
+
+def design_text() -> str:
+    return DESIGN.read_text(encoding="utf-8")
+
+
+def named_paths(text: str) -> set[str]:
+    return {p for p in (ampinit_path(m) for m in PY_PATH.findall(text)) if p is not None}
+
+
+def named_dotted(text: str) -> list[str]:
+    return [name for span in CODE_SPAN.findall(text) for name in DOTTED.findall(span) if not name.endswith(".py")]
+
+
+def test_the_design_names_only_modules_that_exist() -> None:
+    text = design_text()
+    missing = sorted(f"ampinit/{p}" for p in named_paths(text) if not (PACKAGE / p).is_file())
+    unresolved = sorted({f"{name}: {why}" for name in named_dotted(text) for _, why in [resolve_dotted(name)] if why})
+    folders = {ampinit_path(f) for span in CODE_SPAN.findall(text) for f in FOLDER.findall(span)}
+    missing_folders = sorted(f"ampinit/{f}" for f in folders if f is not None and not (PACKAGE / f).is_dir())
+    assert missing == [], f"docs/design.md names files of ampinit that do not exist: {missing}"
+    assert unresolved == [], f"docs/design.md names modules of ampinit that do not exist: {unresolved}"
+    assert missing_folders == [], f"docs/design.md names folders of ampinit that do not exist: {missing_folders}"
+
+
+def test_the_design_places_every_module() -> None:
+    text = design_text()
+    named = named_paths(text) | {relative(m) for m in (resolve_dotted(n)[0] for n in named_dotted(text)) if m}
+    named |= {f"{f}__init__.py" for span in CODE_SPAN.findall(text) for f in FOLDER.findall(span)}
+    unplaced = sorted(relative(m) for m in MODULES if relative(m) not in named and relative(m) not in UNMAPPED)
+    assert unplaced == [], f"docs/design.md never names these modules of ampinit (add them to its map): {unplaced}"
+    assert all((PACKAGE / path).is_file() for path in UNMAPPED)
+
+
+def layer_rows() -> list[list[str]]:
+    """The layer drawing of docs/design.md: per row, top first, its boxes (``x.py`` or a folder ``x/``)."""
+    section = design_text().split("## Layers", 1)[1]
+    drawing = re.search(r"```\n(.*?)```", section, re.S)
+    assert drawing is not None, "docs/design.md has no layer drawing under its Layers heading"
+    box = re.compile(r"(?<!\S)([\w.]+\.py|[\w/]+/)(?!\S)")
+    return [row for row in (box.findall(line) for line in drawing.group(1).splitlines()) if row]
+
+
+def box_of(module_path: str, boxes: list[str]) -> str | None:
+    """The box of the drawing a module (path relative to ampinit/) sits in: its file, or its folder's."""
+    fitting = [b for b in boxes if module_path == b or (b.endswith("/") and module_path.startswith(b))]
+    return max(fitting, key=len, default=None)
+
+
+def imports_against_rows(rows: list[list[str]]) -> tuple[list[str], list[str]]:
+    """``(modules in no box, imports from a box to one in its own row or above)``."""
+    row_of = {box: i for i, row in enumerate(rows) for box in row}
+    box_at = {m: box_of(relative(m), list(row_of)) for m in MODULES}
+    unplaced = sorted(relative(m) for m, box in box_at.items() if box is None)
+    placed = {m: box for m, box in box_at.items() if box is not None}
+    upward = sorted(
+        f"{relative(m)} -> {relative(t)}"
+        for m, box in placed.items()
+        for t in imports_of(m)
+        if t in placed and placed[t] != box and row_of[box] >= row_of[placed[t]]
+    )
+    return unplaced, upward
+
+
+def test_the_design_layers_are_the_imports() -> None:
+    """Every import of ampinit goes from a box of the drawing to one in a lower row (a folder is one box)."""
+    rows = layer_rows()
+    unplaced, upward = imports_against_rows(rows)
+    assert unplaced == [], f"modules in no box of docs/design.md's layer drawing: {unplaced}"
+    assert upward == [], f"imports that do not go down docs/design.md's layer drawing: {upward}"
+
+
+def test_the_layer_check_sees_an_upward_import() -> None:
+    """The check itself: with the ledger drawn on top, every import of it goes up and is reported."""
+    rows = layer_rows()
+    raised = [["_registry.py"], *[[b for b in row if b != "_registry.py"] for row in rows]]
+    assert {"_api.py -> _registry.py", "_session.py -> _registry.py"} <= set(imports_against_rows(raised)[1])

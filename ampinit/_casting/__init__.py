@@ -7,6 +7,7 @@
 ``kernels``        the extra autocast kernels and their reference-counted registration
 ``policy``         ``CastPolicy``: autocast switched on for a session, forward hooks, suspension
 ``user_functions`` Apex's ``half_function``/``register_half_function`` family
+``apex_tensor``    Apex's O1 tensor rules under the Apex API: ``.cpu()`` to fp32, in-place fp32 ops on fp16 refused
 =================  ===========================================================================================
 """
 
