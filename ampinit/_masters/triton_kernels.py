@@ -285,7 +285,8 @@ def _build_tables(device: torch.device, lists: Sequence[Sequence[torch.Tensor]])
         torch.tensor([b[0] for b in blocks], dtype=torch.int32),
         torch.tensor([b[1] for b in blocks], dtype=torch.int64),
     )
-    return _Tables(*(_to_device(t, device) for t in host), len(blocks))
+    pointers, sizes, block_tensor, block_start = (_to_device(t, device) for t in host)
+    return _Tables(pointers, sizes, block_tensor, block_start, len(blocks))
 
 
 def _to_device(table: torch.Tensor, device: torch.device) -> torch.Tensor:
