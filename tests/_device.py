@@ -82,7 +82,8 @@ def requires_cuda(reason: str) -> Any:
 
 class HostSyncCounter(TorchDispatchMode):
     """Counts what makes the host wait for a device: scalar reads (``item``, ``bool``, ``float`` of a tensor all
-    reach ``aten._local_scalar_dense``) and copies from a non-CPU tensor into a CPU one."""
+    reach ``aten._local_scalar_dense``), copies from a non-CPU tensor into a CPU one, and blocking copies from a CPU
+    tensor into a non-CPU one (torch waits for the stream after those; ``non_blocking=True`` ones it does not)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -93,14 +94,24 @@ class HostSyncCounter(TorchDispatchMode):
         name = str(func.overloadpacket)
         if name == "aten._local_scalar_dense":
             self.syncs.append(name)
-        elif name in ("aten._to_copy", "aten.copy_") and _is_device_to_host(name, args, kwargs):
-            self.syncs.append(f"{name} device->host")
+        elif name in ("aten._to_copy", "aten.copy_"):
+            src, dst = _copy_devices(name, args, kwargs)
+            if src.type != "cpu" and dst.type == "cpu":
+                self.syncs.append(f"{name} device->host")
+            elif src.type == "cpu" and dst.type != "cpu" and not _non_blocking(name, args, kwargs):
+                self.syncs.append(f"{name} host->device, blocking")
         return func(*args, **kwargs)
 
 
-def _is_device_to_host(name: str, args: Any, kwargs: Any) -> bool:
+def _copy_devices(name: str, args: Any, kwargs: Any) -> tuple[torch.device, torch.device]:
+    """(source, destination) devices of a copy op."""
     if name == "aten.copy_":
-        dst, src = args[0], args[1]
-        return bool(dst.device.type == "cpu" and src.device.type != "cpu")
-    src, target = args[0], kwargs.get("device")
-    return target is not None and torch.device(target).type == "cpu" and src.device.type != "cpu"
+        return args[1].device, args[0].device
+    target = kwargs.get("device")
+    return args[0].device, args[0].device if target is None else torch.device(target)
+
+
+def _non_blocking(name: str, args: Any, kwargs: Any) -> bool:
+    if name == "aten.copy_" and len(args) > 2:
+        return bool(args[2])
+    return bool(kwargs.get("non_blocking", False))

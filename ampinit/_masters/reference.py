@@ -113,7 +113,8 @@ def adam_step_scalars(steps: Sequence[torch.Tensor], beta1: float, beta2: float,
     Computed on the steps' device in float64 (as torch's Adam does on the host), then rounded once to fp32: no
     host synchronisation, so a step count that a skipped step did not advance stays correct on the device.
     """
-    step = torch.stack([s.reshape(()) for s in steps]).double()
+    # torch keeps 0-d step counts; a view of each (reshape) would cost more host time than the rest of the step.
+    step = torch.stack([s if s.dim() == 0 else s.reshape(()) for s in steps]).double()
     bias_correction1 = 1 - torch.pow(beta1, step)
     bias_correction2 = 1 - torch.pow(beta2, step)
     return torch.stack([lr / bias_correction1, bias_correction2.sqrt()], dim=1).float()

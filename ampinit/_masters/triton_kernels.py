@@ -15,7 +15,7 @@ takes exactly the arguments of the reference function of the same name and gives
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -228,26 +228,47 @@ def _sgd_kernel(
 
 
 # -- launching ------------------------------------------------------------------------------------------------
-_block_tables: dict[tuple[torch.device, tuple[int, ...]], tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]] = {}
+class _Tables(NamedTuple):
+    """What a launch reads besides its scalars: the pointer table, and per block its tensor and start offset."""
+
+    pointers: torch.Tensor  # int64: each list's data pointers, list after list
+    numels: torch.Tensor  # int64, per tensor of the first list
+    block_tensor: torch.Tensor  # int32, per block
+    block_start: torch.Tensor  # int64, per block
+    n_blocks: int
 
 
-def _tables(device: torch.device, numels: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """(numels, block -> tensor, block -> start offset, block count), cached per tensor-size signature."""
-    key = (device, numels)
-    cached = _block_tables.get(key)
+#: Tables by the storage of the tensors they point at: ``(device, the first list's sizes, each list's dtype and data
+#: pointers)``. A step over the same tensors (every step, unless one is reallocated: a checkpoint load, a ``.data``
+#: swap, fresh grads at new addresses) builds, checks and copies nothing; its key costs a ``data_ptr()`` per tensor.
+_tables_by_storage: dict[tuple[Any, ...], _Tables] = {}
+_MAX_CACHED = 64  # a few optimizers x dtype lists x the grads' addresses (a caching allocator cycles through few)
+
+
+def _storage_key(device: torch.device, lists: Sequence[Sequence[torch.Tensor]]) -> tuple[Any, ...]:
+    # The first list's sizes too: they set the blocks, and memory freed and reallocated can hold another size.
+    sizes = tuple(t.numel() for t in lists[0])
+    return (
+        device,
+        sizes,
+        *((tensors[0].dtype if tensors else None, *(t.data_ptr() for t in tensors)) for tensors in lists),
+    )
+
+
+def _tables(device: torch.device, *lists: Sequence[torch.Tensor]) -> _Tables:
+    """The tables of a launch over ``lists`` (the first list sets the blocks), from the cache when the same
+    storage was launched on before; built, checked and copied to the device once otherwise."""
+    key = _storage_key(device, lists)
+    cached = _tables_by_storage.get(key)
     if cached is None:
-        blocks = [(t, start) for t, n in enumerate(numels) for start in range(0, n, _BLOCK)]
-        sizes = torch.tensor(numels, dtype=torch.int64)
-        block_tensor = torch.tensor([b[0] for b in blocks], dtype=torch.int32)
-        block_start = torch.tensor([b[1] for b in blocks], dtype=torch.int64)
-        cached = (sizes.to(device), block_tensor.to(device), block_start.to(device), len(blocks))
-        if len(_block_tables) > 64:
-            _block_tables.clear()
-        _block_tables[key] = cached
+        cached = _build_tables(device, lists)
+        if len(_tables_by_storage) >= _MAX_CACHED:
+            _tables_by_storage.clear()
+        _tables_by_storage[key] = cached
     return cached
 
 
-def _pointers(device: torch.device, *lists: Sequence[torch.Tensor]) -> torch.Tensor:
+def _build_tables(device: torch.device, lists: Sequence[Sequence[torch.Tensor]]) -> _Tables:
     for tensors in lists:
         for tensor in tensors:
             if not tensor.is_contiguous() or tensor.device != device:
@@ -256,23 +277,38 @@ def _pointers(device: torch.device, *lists: Sequence[torch.Tensor]) -> torch.Ten
             raise ValueError(
                 f"the fused master step needs one dtype per list, got {sorted({str(t.dtype) for t in tensors})}"
             )
-    table = [t.data_ptr() for tensors in lists for t in tensors]
-    return torch.tensor(table, dtype=torch.int64).to(device, non_blocking=True)
+    numels = [t.numel() for t in lists[0]]
+    blocks = [(t, start) for t, n in enumerate(numels) for start in range(0, n, _BLOCK)]
+    host = (
+        torch.tensor([t.data_ptr() for tensors in lists for t in tensors], dtype=torch.int64),
+        torch.tensor(numels, dtype=torch.int64),
+        torch.tensor([b[0] for b in blocks], dtype=torch.int32),
+        torch.tensor([b[1] for b in blocks], dtype=torch.int64),
+    )
+    pointers, sizes, block_tensor, block_start = (_to_device(t, device) for t in host)
+    return _Tables(pointers, sizes, block_tensor, block_start, len(blocks))
+
+
+def _to_device(table: torch.Tensor, device: torch.device) -> torch.Tensor:
+    # From pinned memory the copy is asynchronous for real (from pageable memory CUDA stages it through a pinned
+    # buffer on the host first); torch's pinned allocator keeps the buffer until the copy has run.
+    if device.type == "cuda":
+        return table.pin_memory().to(device, non_blocking=True)
+    return table.to(device)
 
 
 def check_finite_(grads: TensorList, found_inf: torch.Tensor) -> None:
     """See ``ampinit._masters.reference.check_finite_``."""
     if not grads:
         return
-    device = grads[0].device
-    sizes, block_tensor, block_start, n_blocks = _tables(device, tuple(g.numel() for g in grads))
+    tables = _tables(grads[0].device, grads)
     # No arithmetic to fuse here; said anyway, as every launch does, so that Triton 3.9 (whose default is
     # changing) does not warn that the option was left unset.
-    _check_kernel[(n_blocks,)](
-        _pointers(device, grads),
-        sizes,
-        block_tensor,
-        block_start,
+    _check_kernel[(tables.n_blocks,)](
+        tables.pointers,
+        tables.numels,
+        tables.block_tensor,
+        tables.block_start,
         found_inf,
         _TL_DTYPES[grads[0].dtype],
         _BLOCK,
@@ -307,14 +343,13 @@ def _launch(
     if not grads:
         return
     first, second, storage = _storage(masters)
-    device = grads[0].device
-    sizes, block_tensor, block_start, n_blocks = _tables(device, tuple(g.numel() for g in grads))
+    tables = _tables(grads[0].device, *lists, first, second)
     unread = grads[0]  # passed for an absent scale or flag: the kernel never reads it
-    kernel[(n_blocks,)](
-        _pointers(device, *lists, first, second),
-        sizes,
-        block_tensor,
-        block_start,
+    kernel[(tables.n_blocks,)](
+        tables.pointers,
+        tables.numels,
+        tables.block_tensor,
+        tables.block_start,
         len(grads),
         unread if inv_scale is None else inv_scale,
         unread if found_inf is None else found_inf,

@@ -1,0 +1,191 @@
+"""Host time of the CUDA master step, measured on CPU: ``optimizer.step()`` at O2/O5 through the Triton-kernel path
+with every launch replaced by a no-op, against torch's fused AdamW step on the same tensors (issue 24's proxy).
+
+On a GPU the kernels run asynchronously, so what ``optimizer.step()`` costs the host is its Python: the plan, the
+optimizer state, the pointer and block tables, the launch arguments. Here the kernel path is forced onto CPU
+tensors (``kernel_step.TRITON_ON_CPU``) and the launch itself does nothing, so a sample is exactly that host work.
+The baseline is ``torch.optim.AdamW(fused=True)`` on fp32 copies of the same tensors, whose tiny tensors make its
+sample mostly host work too (its C++ loop over the tensors). Tensors are small (``--numel``) so that arithmetic
+does not hide the per-tensor cost; the tensor count varies (50, 150, 450) to show how each grows.
+
+Each sample times ``optimizer.step()`` alone; the grads it needs are put in place before it, outside the timing
+(for amp, a ``scale_loss`` whose backward hands every half parameter a fixed half grad). Variants are interleaved
+round by round with a rotating order; the report gives medians and the median of per-round ratios.
+
+    PYTHONPATH=. python benchmarks/kernel_step_host.py [--tensors 50,150,450] [--rounds 15] [--steps 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from ampinit import amp
+from ampinit._masters import kernel_step
+
+TARGET = 1.2  # issue 24: host time of the kernel step <= 1.2x torch's fused AdamW at 150 tensors
+
+
+class _NoLaunch:
+    """Stands in for a ``triton.jit`` kernel: ``kernel[grid](...)`` is accepted and does nothing."""
+
+    def __getitem__(self, grid: object) -> Callable[..., None]:
+        return lambda *args, **kwargs: None
+
+
+@contextlib.contextmanager
+def kernel_path_without_launches() -> Iterator[None]:
+    """The kernel step taken for CPU tensors, its launches no-ops; both restored on exit."""
+    from ampinit._masters import triton_kernels
+
+    saved = (kernel_step.TRITON_ON_CPU, triton_kernels._adam_kernel, triton_kernels._sgd_kernel)
+    kernel_step.TRITON_ON_CPU = True
+    triton_kernels._adam_kernel = triton_kernels._sgd_kernel = _NoLaunch()
+    try:
+        yield
+    finally:
+        kernel_step.TRITON_ON_CPU, triton_kernels._adam_kernel, triton_kernels._sgd_kernel = saved
+
+
+class AmpStep:
+    """An O2/O5 session over ``tensors`` half parameters; :meth:`prepare` leaves their master grads in place."""
+
+    def __init__(self, level: str, tensors: int, numel: int) -> None:
+        gen = torch.Generator().manual_seed(0)
+        self.params = nn.ParameterList([nn.Parameter(torch.randn(numel, generator=gen) * 0.02) for _ in range(tensors)])
+        self.opt = torch.optim.AdamW(self.params.parameters(), lr=1e-3, fused=True)
+        amp.initialize(self.params, self.opt, opt_level=level, verbosity=0, loss_scale=1.0)  # type: ignore[arg-type]
+        self.session = amp.current_session()
+        half = self.params[0].dtype
+        self.grads = [torch.randn(numel, generator=gen).to(half) * 0.01 for _ in range(tensors)]
+        self.anchor = torch.zeros((), requires_grad=True)
+
+    def prepare(self) -> None:
+        assert self.session is not None
+        with self.session.scale_loss(self.anchor * 1.0, self.opt) as scaled:
+            scaled.backward()
+            for p, g in zip(self.params, self.grads):
+                p.grad = g
+
+    def step(self) -> None:
+        self.opt.step()
+
+    def close(self) -> None:
+        assert self.session is not None
+        self.session.close()
+
+
+class PlainStep:
+    """``torch.optim.AdamW(fused=True)`` on fp32 tensors of the same sizes, grads fixed."""
+
+    def __init__(self, tensors: int, numel: int) -> None:
+        gen = torch.Generator().manual_seed(0)
+        self.params = [(torch.randn(numel, generator=gen) * 0.02).requires_grad_() for _ in range(tensors)]
+        for p in self.params:
+            p.grad = torch.randn(numel, generator=gen) * 0.01
+        self.opt = torch.optim.AdamW(self.params, lr=1e-3, fused=True)
+
+    def prepare(self) -> None:
+        pass
+
+    def step(self) -> None:
+        self.opt.step()
+
+    def close(self) -> None:
+        pass
+
+
+def takes_kernel_path(level: str, numel: int) -> bool:
+    """Whether a step of an :class:`AmpStep` at ``level`` runs ``kernel_step.run_kernels``."""
+    calls: list[object] = []
+    run_kernels = kernel_step.run_kernels
+
+    def spy(*args: Any, **kwargs: Any) -> None:
+        calls.append(args)
+        run_kernels(*args, **kwargs)
+
+    probe = AmpStep(level, 2, numel)
+    kernel_step.run_kernels = spy
+    try:
+        probe.prepare()
+        probe.step()
+    finally:
+        kernel_step.run_kernels = run_kernels
+        probe.close()
+    return bool(calls)
+
+
+def sample(variant: Any, steps: int) -> float:
+    """Median seconds of ``steps`` calls of ``variant.step()``, each after an untimed ``prepare()``."""
+    times = []
+    for _ in range(steps):
+        variant.prepare()
+        start = time.perf_counter()
+        variant.step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure(tensors: int, numel: int, rounds: int, steps: int) -> dict[str, dict[str, float]]:
+    variants: dict[str, Any] = {
+        "torch fused AdamW": PlainStep(tensors, numel),
+        "O2 kernel step": AmpStep("O2", tensors, numel),
+        "O5 kernel step": AmpStep("O5", tensors, numel),
+    }
+    try:
+        names = list(variants)
+        for variant in variants.values():
+            sample(variant, 3)  # optimizer state, tables, first-call caches
+        samples: dict[str, list[float]] = {name: [] for name in names}
+        for r in range(rounds):
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                samples[name].append(sample(variants[name], steps))
+        base = samples["torch fused AdamW"]
+        return {
+            name: {
+                "us": statistics.median(values) * 1e6,
+                "ratio": statistics.median(v / b for v, b in zip(values, base)),
+            }
+            for name, values in samples.items()
+        }
+    finally:
+        for variant in variants.values():
+            variant.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tensors", default="50,150,450", help="comma-separated parameter tensor counts")
+    parser.add_argument("--numel", type=int, default=256, help="elements per tensor")
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per sample (the sample is their median)")
+    args = parser.parse_args(argv)
+    counts = [int(n) for n in args.tensors.split(",")]
+    torch.set_num_threads(1)  # host work is single-threaded; threads on tiny tensors only wait for each other
+    with kernel_path_without_launches():
+        for level in ("O2", "O5"):
+            if not takes_kernel_path(level, args.numel):
+                raise SystemExit(f"the {level} step did not take the kernel path: the measure would be of another")
+        print(f"torch {torch.__version__}, {args.numel} elements per tensor, {args.rounds} rounds x {args.steps} steps")
+        print(f"{'tensors':>8} {'variant':<20} {'us/step':>9} {'x torch':>8} {'us/tensor':>10}")
+        results = {n: measure(n, args.numel, args.rounds, args.steps) for n in counts}
+    for n, rows in results.items():
+        for name, row in rows.items():
+            print(f"{n:>8} {name:<20} {row['us']:>9.1f} {row['ratio']:>8.2f} {row['us'] / n:>10.2f}")
+    if 150 in results:
+        for name in ("O2 kernel step", "O5 kernel step"):
+            ratio = results[150][name]["ratio"]
+            verdict = "met" if ratio <= TARGET else "NOT met"
+            print(f"target {name} <= {TARGET}x torch's fused AdamW at 150 tensors: {ratio:.2f}x, {verdict}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
