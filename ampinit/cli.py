@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ampinit._version import __version__
-from ampinit.demo.cli import add_demo_parser
+from ampinit.demo.cli import add_demo_parser, positive_seconds
 
 DOCTOR_DESCRIPTION = (
     "Print the torch version, the CPU flags that decide bf16/fp16 speed, devices, autocast dtypes, an fp16 probe of "
@@ -68,12 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _finite_seconds(text: str) -> float:
     """``doctor --budget``: the benchmark runs until the budget is spent, so it must be finite."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
+    value = positive_seconds(text)
     if math.isinf(value):
         raise argparse.ArgumentTypeError(f"expected a finite number of seconds > 0, got {text!r}")
     return value

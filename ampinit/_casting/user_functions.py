@@ -204,23 +204,10 @@ class _Registry:
             registrations, self.pending = self.pending, []
             self.applied += 1
         registrations += [_Registration(module, name, _POLICY_KIND[policy]) for module, name, policy in list_patches]
-        applied: list[tuple[tuple[int, str], object]] = []
-
-        def undo() -> None:
-            with self.lock:
-                while applied:
-                    self.patches.pop(*applied.pop())
-
         try:
-            with self.lock:
-                for registration in registrations:
-                    decorator = _DECORATORS[registration.kind]
-                    applied.append(self.patches.push(registration.module, registration.name, decorator))
+            undo = self.wrap([(r.module, r.name, _DECORATORS[r.kind]) for r in registrations])
         except BaseException:
-            try:
-                undo()
-            finally:
-                self._release()
+            self._release()
             raise
         released = False
 

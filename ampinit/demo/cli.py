@@ -62,10 +62,11 @@ def _positive_int(text: str) -> int:
 def _budget(text: str) -> float | None:
     if text.strip().lower() == "none":
         return None
-    return _positive_float(text)
+    return positive_seconds(text)
 
 
-def _positive_float(text: str) -> float:
+def positive_seconds(text: str) -> float:
+    """An argparse type: a number of seconds > 0 (the demo's and the doctor's budgets)."""
     try:
         value = float(text)
     except ValueError:
