@@ -22,11 +22,21 @@ fi
 
 python3 -m venv "$venv"
 "$venv/bin/pip" install -q "torch==${version}"
-# --no-deps for ampinit itself so pip keeps the torch chosen above; the test extras are installed by name
-# (setup.py's "test" extra: triton runs the master-step kernels through its interpreter, and requires no torch).
-"$venv/bin/pip" install -q --no-deps -e "$repo"
-"$venv/bin/pip" install -q packaging "pytest>=7" "hypothesis>=6" "libcst>=1.1" numpy triton
-"$venv/bin/python" -c 'import sys, torch; print(f"torch {torch.__version__} on python {sys.version.split()[0]}")'
+# A current setuptools and wheel: a new venv's own (65.5 on Python 3.11) cannot build the editable wheel that
+# tests/test_packaging.py builds, as CI's venv can.
+"$venv/bin/pip" install -q --upgrade setuptools wheel
+# The package with the same extras and install mode as README and .ci/run. torch is installed already and satisfies
+# setup.py's lower bound, so pip keeps it (checked below).
+"$venv/bin/pip" install -q -e "$repo[test,dev]" --config-settings editable_mode=strict
+"$venv/bin/python" - "$version" <<'PY'
+import sys
+
+import torch
+
+print(f"torch {torch.__version__} on python {sys.version.split()[0]}")
+if torch.__version__.split("+")[0] != sys.argv[1]:
+    sys.exit(f"asked for torch {sys.argv[1]}, but the venv has {torch.__version__}")
+PY
 if [[ "${KEEP_VENV:-0}" == "1" ]]; then
     echo "venv kept at $venv"
 fi

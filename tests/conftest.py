@@ -35,9 +35,14 @@ def pretend_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """A GPU machine as code that asks ``torch.cuda.is_available()`` sees it, on any machine: CUDA is reported
     available (one device) while every tensor stays where the test puts it. Code that picks its device from that
     question rather than from its tensors or model goes wrong here as it would on a real GPU machine."""
-    count = max(1, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    really = torch.cuda.is_available()
+    count = max(1, torch.cuda.device_count() if really else 0)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    if not really:
+        # torch.optim asks whether a CUDA graph is being captured once CUDA says it is available; a CUDA build of
+        # torch without a driver (the 2.11/2.14 wheels on a CPU machine) would then raise instead of saying no.
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
 
 
 @pytest.fixture(scope="module")
