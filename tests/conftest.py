@@ -30,6 +30,13 @@ def device() -> torch.device:
     return _device.device_under_test()
 
 
+class _NotCapturing:
+    """The current stream of a pretended GPU: no graph is ever being captured on it."""
+
+    def is_capturing(self) -> bool:
+        return False
+
+
 @pytest.fixture
 def pretend_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """A GPU machine as code that asks ``torch.cuda.is_available()`` sees it, on any machine: CUDA is reported
@@ -40,9 +47,12 @@ def pretend_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
     if not really:
-        # torch.optim asks whether a CUDA graph is being captured once CUDA says it is available; a CUDA build of
-        # torch without a driver (the 2.11/2.14 wheels on a CPU machine) would then raise instead of saying no.
+        # torch.optim asks whether a CUDA graph is being captured once CUDA says it is available (2.11 through
+        # torch.cuda, 2.14 through torch.accelerator's current stream); a CUDA build of torch without a driver (the
+        # 2.11/2.14 wheels on a CPU machine) would then raise instead of saying no.
         monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+        if hasattr(torch, "accelerator") and hasattr(torch.accelerator, "current_stream"):
+            monkeypatch.setattr(torch.accelerator, "current_stream", lambda device=None: _NotCapturing())
 
 
 @pytest.fixture(scope="module")
