@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from ampinit import amp
+from tests.conftest import SmallNet
 
 FP32_MASTER_SETUPS: list[tuple[str, bool | str]] = [("O2", True), ("O5", True)]
 MASTER_SETUPS: list[tuple[str, bool | str]] = [*FP32_MASTER_SETUPS, ("O5", "remainder")]
@@ -24,3 +25,20 @@ def amp_iteration(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
 
 def weights(model: nn.Module) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
+
+
+def plant_inf_in_fc1(model: SmallNet) -> None:
+    """An overflow where a backward could have made one: inf in one element of ``fc1``'s weight grad."""
+    grad = model.fc1.weight.grad
+    assert grad is not None
+    grad[0, 0] = float("inf")
+
+
+def scale_loss_block(
+    model: SmallNet, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, *, inf: bool, defer: bool
+) -> None:
+    """One ``scale_loss`` block (``delay_overflow_check=defer``), planting an overflow in it when ``inf``."""
+    with amp.scale_loss(mse(model(x), y), opt, delay_overflow_check=defer) as scaled:
+        scaled.backward()
+        if inf:
+            plant_inf_in_fc1(model)

@@ -16,26 +16,8 @@ import pytest
 import torch
 
 from ampinit import amp
-from tests.conftest import SmallNet, make_problem
-
-
-def _mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return (out.float() - y).pow(2).mean()
-
-
-def _plant_inf(model: SmallNet) -> None:
-    grad = model.fc1.weight.grad
-    assert grad is not None
-    grad[0, 0] = float("inf")
-
-
-def _block(
-    model: SmallNet, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, *, inf: bool, defer: bool
-) -> None:
-    with amp.scale_loss(_mse(model(x), y), opt, delay_overflow_check=defer) as scaled:
-        scaled.backward()
-        if inf:
-            _plant_inf(model)
+from tests._amp_loop import mse, plant_inf_in_fc1, scale_loss_block
+from tests.conftest import make_problem
 
 
 # -- delay_unscale: each micro-batch divided by the scale it was multiplied by -----------------------------------------
@@ -56,15 +38,15 @@ def _o2_grads_after(plan: list[tuple[int, bool]], *, overflow_loss_1_first: bool
     amp.initialize(model, opt, opt_level="O2", num_losses=2, verbosity=0)
     if overflow_loss_1_first:
         opt.zero_grad()
-        with amp.scale_loss(_mse(model(x), y), opt, loss_id=1) as scaled:
+        with amp.scale_loss(mse(model(x), y), opt, loss_id=1) as scaled:
             scaled.backward()
-            _plant_inf(model)
+            plant_inf_in_fc1(model)
         opt.step()
         assert amp.stats().loss_scales == (65536.0, 32768.0)
     opt.zero_grad()
     for index, (loss_id, delay) in enumerate(plan):
         sl = slice(16 * index, 16 * (index + 1))
-        with amp.scale_loss(_mse(model(x[sl]), y[sl]), opt, loss_id=loss_id, delay_unscale=delay) as scaled:
+        with amp.scale_loss(mse(model(x[sl]), y[sl]), opt, loss_id=loss_id, delay_unscale=delay) as scaled:
             scaled.backward()
     grads = [p.grad.clone() for g in opt.param_groups for p in g["params"] if p.grad is not None]
     amp.deinitialize()
@@ -107,11 +89,11 @@ def test_delay_unscale_grads_kept_across_a_back_off_of_their_own_scaler() -> Non
         opt_a = torch.optim.SGD(model_a.parameters(), 0.0)
         opt_b = torch.optim.SGD(model_b.parameters(), 0.0)
         amp.initialize([model_a, model_b], [opt_a, opt_b], opt_level="O2", verbosity=0)
-        with amp.scale_loss(_mse(model_a(x[:32]), y[:32]), opt_a, delay_unscale=delay) as scaled:
+        with amp.scale_loss(mse(model_a(x[:32]), y[:32]), opt_a, delay_unscale=delay) as scaled:
             scaled.backward()
-        _block(model_b, opt_b, x, y, inf=True, defer=False)
+        scale_loss_block(model_b, opt_b, x, y, inf=True, defer=False)
         assert amp.stats().loss_scales == (32768.0,)
-        with amp.scale_loss(_mse(model_a(x[32:]), y[32:]), opt_a) as scaled:
+        with amp.scale_loss(mse(model_a(x[32:]), y[32:]), opt_a) as scaled:
             scaled.backward()
         out = [p.grad.clone() for g in opt_a.param_groups for p in g["params"] if p.grad is not None]
         amp.deinitialize()
@@ -137,7 +119,7 @@ def test_step_after_zero_grad_keeping_zero_tensors_is_not_refused(level: str) ->
     opt = torch.optim.SGD(model.parameters(), 0.1)
     amp.initialize(model, opt, opt_level=level, verbosity=0)
     opt.zero_grad(set_to_none=False)
-    with amp.scale_loss(_mse(model(x), y), opt) as scaled:
+    with amp.scale_loss(mse(model(x), y), opt) as scaled:
         scaled.backward()
     opt.step()
     opt.zero_grad(set_to_none=False)
@@ -155,11 +137,11 @@ def test_backward_outside_scale_loss_after_zero_grad_keeping_tensors_is_still_re
     model, x, y = make_problem()
     opt = torch.optim.SGD(model.parameters(), 0.1)
     amp.initialize(model, opt, opt_level="O2", verbosity=0)
-    with amp.scale_loss(_mse(model(x), y), opt) as scaled:
+    with amp.scale_loss(mse(model(x), y), opt) as scaled:
         scaled.backward()
     opt.step()
     opt.zero_grad(set_to_none=False)
-    _mse(model(x), y).backward()
+    mse(model(x), y).backward()
     with pytest.raises(RuntimeError, match="never reached the fp32 master weights"):
         opt.step()
     amp.deinitialize()
@@ -174,15 +156,15 @@ def _grads_of_one_block(level: str, abandon_first: bool, step_after: bool = Fals
     amp.initialize(model, opt, opt_level=level, verbosity=0)
     if abandon_first:
         opt.zero_grad()
-        with amp.scale_loss(_mse(model(x[:16]), y[:16]), opt) as scaled:
+        with amp.scale_loss(mse(model(x[:16]), y[:16]), opt) as scaled:
             scaled.backward()
-        with amp.scale_loss(_mse(model(x[16:32]), y[16:32]), opt, delay_unscale=True) as scaled:
+        with amp.scale_loss(mse(model(x[16:32]), y[16:32]), opt, delay_unscale=True) as scaled:
             scaled.backward()
         opt.zero_grad()  # drop this accumulation: a bad batch, say
         if step_after:
             opt.step()  # nothing left to step on: must not be refused as "still scaled"
     opt.zero_grad()
-    with amp.scale_loss(_mse(model(x[32:]), y[32:]), opt) as scaled:
+    with amp.scale_loss(mse(model(x[32:]), y[32:]), opt) as scaled:
         scaled.backward()
     grads = [p.grad.clone() for g in opt.param_groups for p in g["params"] if p.grad is not None]
     amp.deinitialize()

@@ -17,6 +17,7 @@ from torch import nn
 
 import ampinit
 from ampinit import amp
+from tests._amp_loop import mse, plant_inf_in_fc1
 from tests.conftest import SmallNet, make_problem
 
 LEVELS = ["O0", "O1", "O2", "O3", "O4", "O5"]
@@ -176,16 +177,6 @@ def test_skip_nonfinite_must_be_a_bool(value: object) -> None:
 
 
 # -- a refused closure does not consume the pending skip ---------------------------------------------------------------
-def _mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return (out.float() - y).pow(2).mean()
-
-
-def _plant_inf(model: SmallNet) -> None:
-    grad = model.fc1.weight.grad
-    assert grad is not None
-    grad[0, 0] = float("inf")
-
-
 @pytest.mark.parametrize("sync_free", [False, True])
 def test_pending_skip_survives_a_step_refused_for_its_closure(sync_free: bool) -> None:
     """After an overflow, ``step(closure)`` is refused; the skip must still be pending for the next ``step()``.
@@ -201,12 +192,12 @@ def test_pending_skip_survives_a_step_refused_for_its_closure(sync_free: bool) -
     model.eval()
     opt = torch.optim.SGD(model.parameters(), 0.1)
     amp.initialize(model, opt, opt_level="O1", verbosity=0, sync_free=sync_free)
-    with amp.scale_loss(_mse(model(x), y), opt) as scaled:
+    with amp.scale_loss(mse(model(x), y), opt) as scaled:
         scaled.backward()
-        _plant_inf(model)
+        plant_inf_in_fc1(model)
     before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(RuntimeError, match="does not support closure"):
-        opt.step(lambda: _mse(model(x), y))
+        opt.step(lambda: mse(model(x), y))
     opt.step()
     assert amp.step_was_skipped(opt)
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ampinit import amp
+from tests._amp_loop import scale_loss_block
 from tests.conftest import SmallNet, make_problem
 
 
@@ -172,25 +173,6 @@ def test_overflow_in_one_of_two_optimizers_of_a_block_skips_both(level: str, ove
 
 
 # -- delay_overflow_check: one overflow, one back-off, only the optimizers of its block skip ---------------------------
-def _mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return (out.float() - y).pow(2).mean()
-
-
-def _plant_inf_in_fc1(model: SmallNet) -> None:
-    grad = model.fc1.weight.grad
-    assert grad is not None
-    grad[0, 0] = float("inf")
-
-
-def _block(
-    model: SmallNet, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, *, inf: bool, defer: bool
-) -> None:
-    with amp.scale_loss(_mse(model(x), y), opt, delay_overflow_check=defer) as scaled:
-        scaled.backward()
-        if inf:
-            _plant_inf_in_fc1(model)
-
-
 @pytest.mark.parametrize("inf_in", [0, 1], ids=["inf-in-deferred-block", "inf-in-plain-block"])
 def test_deferred_then_plain_block_backs_off_once_for_one_overflow(inf_in: int) -> None:
     """One overflow must halve the scale once, whichever of the two blocks it is in.
@@ -208,8 +190,8 @@ def test_deferred_then_plain_block_backs_off_once_for_one_overflow(inf_in: int) 
     opt = torch.optim.SGD(model.parameters(), 0.1)
     amp.initialize(model, opt, opt_level="O2", verbosity=0)
     opt.zero_grad()
-    _block(model, opt, x[:32], y[:32], inf=inf_in == 0, defer=True)
-    _block(model, opt, x[32:], y[32:], inf=inf_in == 1, defer=False)
+    scale_loss_block(model, opt, x[:32], y[:32], inf=inf_in == 0, defer=True)
+    scale_loss_block(model, opt, x[32:], y[32:], inf=inf_in == 1, defer=False)
     before = [p.detach().clone() for p in model.parameters()]
     opt.step()
     assert amp.step_was_skipped(opt)
@@ -234,8 +216,8 @@ def test_deferred_overflow_of_one_optimizer_does_not_skip_another_optimizers_cle
     opt_a = torch.optim.SGD(model_a.parameters(), 0.1)
     opt_b = torch.optim.SGD(model_b.parameters(), 0.1)
     amp.initialize([model_a, model_b], [opt_a, opt_b], opt_level="O2", verbosity=0)
-    _block(model_a, opt_a, x, y, inf=True, defer=True)
-    _block(model_b, opt_b, x, y, inf=False, defer=False)
+    scale_loss_block(model_a, opt_a, x, y, inf=True, defer=True)
+    scale_loss_block(model_b, opt_b, x, y, inf=False, defer=False)
     b_before = [p.detach().clone() for p in model_b.parameters()]
     opt_b.step()
     assert not amp.step_was_skipped(opt_b), "B's own block was clean"
