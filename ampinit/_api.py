@@ -56,6 +56,7 @@ def initialize(
     sync_free: bool = False,
     skip_nonfinite: bool = True,
     allow_half_model: bool = False,
+    stuck_weights_every: int | None = None,
 ) -> _Models: ...
 
 
@@ -82,6 +83,7 @@ def initialize(
     sync_free: bool = False,
     skip_nonfinite: bool = True,
     allow_half_model: bool = False,
+    stuck_weights_every: int | None = None,
 ) -> tuple[_Models, _Optimizers]: ...
 
 
@@ -107,6 +109,7 @@ def initialize(
     sync_free: bool = False,
     skip_nonfinite: bool = True,
     allow_half_model: bool = False,
+    stuck_weights_every: int | None = None,
 ) -> Any:
     """Prepare models and optimizers for mixed-precision training at ``opt_level``.
 
@@ -146,6 +149,11 @@ def initialize(
             ``_amp_state.allow_incoming_model_not_fp32``). By default an fp16 model is refused, as in Apex,
             because it usually means ``.half()`` was called by mistake before ``initialize``; bf16 and fp32
             weights are always accepted.
+        stuck_weights_every: ``N`` measures, at every N-th ``step()`` of each optimizer, the fraction of each
+            parameter tensor's elements whose nonzero update left the weight's bits unchanged (rounded away in
+            its dtype): ``amp.stats().stuck_weights``, and a log line naming the tensors at 50% or more. Measuring
+            steps snapshot the weights and masters and read the counts once; other steps pay nothing. ``None``
+            (default): off.
 
     Returns:
         The models and optimizers, in the shape they were given (lists stay lists; Apex refuses tuples, and so
@@ -171,6 +179,7 @@ def initialize(
         sync_free=sync_free,
         skip_nonfinite=skip_nonfinite,
         allow_half_model=allow_half_model,
+        stuck_weights_every=stuck_weights_every,
     )
     model_list, models_were_list = _as_list(
         models, nn.Module, "models must be either a single model or a list of models."
@@ -392,7 +401,8 @@ def deinitialize() -> None:
 
 
 def stats() -> AmpStats:
-    """Counters of the current session: steps, skipped steps, the last step's fate, scales per loss."""
+    """Counters of the current session: steps, skipped steps, the last step's fate, scales per loss, and the last
+    stuck-weight measurement (``initialize(stuck_weights_every=N)``)."""
     return _require_session("amp.stats()").stats()
 
 
