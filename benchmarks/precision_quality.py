@@ -15,6 +15,7 @@ error, and the run goes on.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import math
@@ -22,7 +23,7 @@ import platform
 import subprocess
 import sysconfig
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -262,6 +263,17 @@ def machine() -> dict[str, Any]:
     }
 
 
+@contextlib.contextmanager
+def threads(count: int) -> Iterator[None]:
+    """torch's intra-op thread count set to ``count`` for the block; the caller's comes back after it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smoke run: a tiny model, 20 files, a few steps")
@@ -282,34 +294,34 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    torch.set_num_threads(args.threads)
-    if args.quick:
-        config = Config(Shape(layers=1, d_model=32, heads=2, context=16, batch=4), args.steps, 3e-3, 2, 8, 20)
-    else:
-        config = Config(Shape(), args.steps, 3e-3, 100, 1024, None)
-    only = {name.strip() for name in args.only.split(",") if name.strip()}
-    unknown = only - {s.name for s in SETTINGS}
-    if unknown:
-        raise SystemExit(f"--only names unknown settings {sorted(unknown)}; known: {[s.name for s in SETTINGS]}")
-    settings = [s for s in SETTINGS if not only or s.name in only]
-    env = machine()
-    print(f"{env['cpu']}, torch {env['torch']}, ampinit {env['ampinit']}, {env['threads']} threads; {config}")
-    started = time.perf_counter()
-    rows = run(settings, config)
-    table = markdown(rows)
-    print(table)
-    report = {
-        "benchmark": "precision_quality",
-        "machine": env,
-        "config": {**vars(config), "shape": vars(config.shape)},
-        "rows": rows,
-        "markdown": table,
-        "wall_seconds": time.perf_counter() - started,
-    }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wall time {report['wall_seconds']:.0f} s; results written to {args.json}")
-    return report
+    with threads(args.threads):
+        if args.quick:
+            config = Config(Shape(layers=1, d_model=32, heads=2, context=16, batch=4), args.steps, 3e-3, 2, 8, 20)
+        else:
+            config = Config(Shape(), args.steps, 3e-3, 100, 1024, None)
+        only = {name.strip() for name in args.only.split(",") if name.strip()}
+        unknown = only - {s.name for s in SETTINGS}
+        if unknown:
+            raise SystemExit(f"--only names unknown settings {sorted(unknown)}; known: {[s.name for s in SETTINGS]}")
+        settings = [s for s in SETTINGS if not only or s.name in only]
+        env = machine()
+        print(f"{env['cpu']}, torch {env['torch']}, ampinit {env['ampinit']}, {env['threads']} threads; {config}")
+        started = time.perf_counter()
+        rows = run(settings, config)
+        table = markdown(rows)
+        print(table)
+        report = {
+            "benchmark": "precision_quality",
+            "machine": env,
+            "config": {**vars(config), "shape": vars(config.shape)},
+            "rows": rows,
+            "markdown": table,
+            "wall_seconds": time.perf_counter() - started,
+        }
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wall time {report['wall_seconds']:.0f} s; results written to {args.json}")
+        return report
 
 
 if __name__ == "__main__":

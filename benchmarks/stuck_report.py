@@ -1,0 +1,113 @@
+"""Step-time cost of the stuck-weight report (``initialize(stuck_weights_every=N)``, issue 26 point 4).
+
+Two copies of the same decoder (``precision_quality.CharDecoder``) train at O5 in one process, one session each:
+one without the report, one measuring every ``--every`` steps. They run in interleaved blocks of ``--every``
+steps (so that every block of the reporting copy holds exactly one measuring step), in an order alternating each
+round; the figure is the median over rounds of (reporting block time / plain block time). Target: < 1.02 at an
+interval of 100.
+
+    PYTHONPATH=. python benchmarks/stuck_report.py --rounds 7
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import ampinit
+from ampinit import amp
+from benchmarks.precision_quality import CharDecoder, Shape, lm_loss, machine, threads
+
+DEFAULT_JSON = Path("benchmarks/results/stuck_report.json")
+TARGET = 1.02
+
+
+def make_trainer(initial: torch.nn.Module, shape: Shape, every: int | None) -> tuple[Callable[[int], float], Any]:
+    model = copy.deepcopy(initial)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = amp.initialize(model, opt, opt_level="O5", verbosity=0, stuck_weights_every=every)
+    session = ampinit.session_of(opt)
+    gen = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, 256, (shape.batch, shape.context), generator=gen) for _ in range(8)]
+
+    def block(steps: int) -> float:
+        """Seconds for ``steps`` training steps."""
+        started = time.perf_counter()
+        for i in range(steps):
+            x = batches[i % len(batches)]
+            opt.zero_grad(set_to_none=True)
+            with amp.scale_loss(lm_loss(model(x), x), opt) as scaled:
+                scaled.backward()
+            opt.step()
+        return time.perf_counter() - started
+
+    return block, session
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smoke run: tiny model, interval 4, 2 rounds")
+    parser.add_argument("--every", type=int, default=None, help="the report's interval (default 100; quick 4)")
+    parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 7; quick 2)")
+    parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help=f"results (default {DEFAULT_JSON})")
+    args = parser.parse_args(argv)
+    every = args.every if args.every is not None else 4 if args.quick else 100
+    rounds = args.rounds if args.rounds is not None else 2 if args.quick else 7
+    if every < 1 or rounds < 1:
+        parser.error(f"--every and --rounds must be >= 1, got {every} and {rounds}")
+    with threads(1):
+        shape = Shape(layers=1, d_model=32, heads=2, context=16, batch=4) if args.quick else Shape()
+        torch.manual_seed(0)
+        initial = CharDecoder(shape)
+        plain, plain_session = make_trainer(initial, shape, None)
+        reporting, reporting_session = make_trainer(initial, shape, every)
+        env = machine()
+        print(f"{env['cpu']}, torch {env['torch']}, 1 thread; {shape}; interval {every}, {rounds} rounds")
+        try:
+            plain(every)  # warm-up: one block each, the reporting one with its first measurement
+            reporting(every)
+            samples: dict[str, list[float]] = {"plain": [], "reporting": []}
+            for r in range(rounds):
+                order = [("plain", plain), ("reporting", reporting)]
+                for name, block in order if r % 2 == 0 else order[::-1]:
+                    samples[name].append(block(every) / every * 1e3)
+            report_stats = reporting_session.stats().stuck_weights
+        finally:
+            plain_session.close()
+            reporting_session.close()
+        ratios = [r / p for r, p in zip(samples["reporting"], samples["plain"])]
+        ratio = statistics.median(ratios)
+        result = {
+            "benchmark": "stuck_report",
+            "machine": env,
+            "shape": vars(shape),
+            "every": every,
+            "rounds": rounds,
+            "ms_per_step": samples,
+            "ratios": ratios,
+            "ratio": ratio,
+            "target": TARGET,
+            "met": ratio < TARGET,
+            "measurements_seen": report_stats is not None,
+        }
+        print(
+            f"ms per step (median): plain {statistics.median(samples['plain']):.2f}, "
+            f"with the report {statistics.median(samples['reporting']):.2f}"
+        )
+        verdict = "MET" if result["met"] else "NOT MET"
+        print(f"ratio (median of per-round ratios): {ratio:.4f} (target < {TARGET}): {verdict}")
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        return result
+
+
+if __name__ == "__main__":
+    main()
