@@ -44,7 +44,7 @@ class AmpOptions:
     sync_free: bool
     skip_nonfinite: bool
     allow_half_model: bool
-    stuck_weights_every: int | None
+    stuck_weights_every: int | None = None
 
     @property
     def enabled(self) -> bool:

@@ -8,8 +8,9 @@ did not change although the element's update was nonzero. Whether the update was
 
 - with masters (anything :meth:`AmpSession.master_for` answers for: fp32 masters, remainder masters): from the
   master, which changed;
-- without (``master_weights=False``, fp32 parameters, settings that keep no master): from what the update is made
-  of: a nonzero gradient, a nonzero floating optimizer-state tensor of the parameter's shape (``exp_avg``,
+- without (``master_weights=False``, fp32 parameters, and settings whose "master" is the weight itself, widened,
+  before and after the step, as with stochastic rounding into the weight): from what the update is made of: a
+  nonzero gradient, a nonzero floating optimizer-state tensor of the parameter's shape (``exp_avg``,
   ``momentum_buffer``...) after the step, or a nonzero weight in a group with ``weight_decay``. Under stochastic
   rounding an element left unchanged this step still moves in expectation, so there the fraction says how often
   a step rounds away, not that the tensor stopped.
@@ -142,12 +143,19 @@ def _stuck_count(
 ) -> torch.Tensor:
     weight = entry.weight.detach()
     unchanged = _bits(weight) == _bits(entry.weight_before)
-    if entry.master_before is not None:
-        master = master_for(entry.weight)
-        assert master is not None  # a tensor with a master before the step has one after it
-        updated = _bits(master.detach()) != _bits(entry.master_before)
-    else:
-        updated = _update_nonzero(entry, optimizer)
+    if entry.master_before is None:
+        return (unchanged & _update_nonzero(entry, optimizer)).sum()
+    master = master_for(entry.weight)
+    assert master is not None  # a tensor with a master before the step has one after it
+    master = master.detach()
+    updated = _bits(master) != _bits(entry.master_before)
+    # A "master" that is only the weight widened, before and after (stochastic rounding into the weight: no
+    # master is kept), changes exactly when the weight does; then the update is read as without a master. Decided
+    # on the device, so that the measurement still reads the host once.
+    no_own_master = (_bits(entry.master_before) == _bits(entry.weight_before.to(master.dtype))).all() & (
+        _bits(master) == _bits(weight.to(master.dtype))
+    ).all()
+    updated = torch.where(no_own_master, _update_nonzero(entry, optimizer), updated)
     return (unchanged & updated).sum()
 
 

@@ -84,6 +84,31 @@ def test_a_planted_stuck_tensor_is_flagged_and_healthy_ones_are_not(master_weigh
         amp.deinitialize()
 
 
+def test_a_master_that_is_the_widened_weight_counts_as_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A setting that keeps no master beside the weight (stochastic rounding into the bf16 weight) may still answer
+    ``master_for`` with the weight widened; it changes exactly when the weight does, so it cannot tell an update
+    that was rounded away. The report must then read the update as it does without masters."""
+    reports = []
+    for widened in (False, True):
+        model, opt, x, y = _problem()
+        model, opt = amp.initialize(
+            model, opt, opt_level="O5", master_weights=False, stuck_weights_every=1, verbosity=0
+        )
+        session = ampinit.current_session()
+        assert session is not None
+        if widened:
+            monkeypatch.setattr(session, "master_for", lambda param: param.detach().float())
+        try:
+            _step(model, opt, x, y)
+            reports.append(amp.stats().stuck_weights)
+        finally:
+            amp.deinitialize()
+    without, with_widened = reports
+    assert without is not None and with_widened is not None
+    assert dict(with_widened.fractions) == dict(without.fractions)
+    assert with_widened.fractions[PLANTED] >= 0.95
+
+
 def test_only_every_nth_step_of_an_optimizer_is_measured() -> None:
     model, opt, x, y = _problem()
     model, opt = amp.initialize(model, opt, opt_level="O5", stuck_weights_every=3, verbosity=0)
