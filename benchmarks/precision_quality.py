@@ -60,10 +60,10 @@ def windows(data: torch.Tensor, starts: torch.Tensor, context: int) -> tuple[tor
 @dataclass(frozen=True)
 class Shape:
     layers: int = 2
-    d_model: int = 96
+    d_model: int = 64
     heads: int = 4
     context: int = 64
-    batch: int = 16
+    batch: int = 8
 
 
 class Block(nn.Module):
@@ -298,7 +298,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         if args.quick:
             config = Config(Shape(layers=1, d_model=32, heads=2, context=16, batch=4), args.steps, 3e-3, 2, 8, 20)
         else:
-            config = Config(Shape(), args.steps, 3e-3, 100, 1024, None)
+            config = Config(Shape(), args.steps, 3e-3, 100, 512, None)
         only = {name.strip() for name in args.only.split(",") if name.strip()}
         unknown = only - {s.name for s in SETTINGS}
         if unknown:
