@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -43,7 +44,7 @@ def test_the_quality_run_refuses_an_unknown_setting(tmp_path: Path) -> None:
 
 def test_the_corpus_holds_out_every_tenth_file() -> None:
     train, held_out = precision_quality.corpus(max_files=20)
-    files = sorted(Path(precision_quality.sysconfig.get_paths()["stdlib"]).glob("*.py"))[:20]
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:20]
     sizes = [len(f.read_bytes()) for f in files]
     assert len(held_out) == sizes[9] + sizes[19] and len(train) == sum(sizes) - len(held_out)
 
