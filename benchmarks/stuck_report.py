@@ -1,11 +1,13 @@
 """Step-time cost of the stuck-weight report (``initialize(stuck_weights_every=N)``, issue 26 point 4).
 
-Two copies of the same decoder (``precision_quality.CharDecoder``) train at O5 in one process, one session each:
-one without the report, one measuring every ``--every`` steps. They run in interleaved blocks of ``--every``
-steps (so that every block of the reporting copy holds exactly one measuring step), in an order alternating each
-round; the figure is the median over rounds of (reporting block time / plain block time), in the thread's CPU time
+Three copies of the same decoder (``precision_quality.CharDecoder``) train at O5 in one process, one session each:
+one without the report, one measuring every ``--every`` steps, one measuring every step. They run in interleaved
+blocks of ``--every`` steps (so that every block of the reporting copy holds exactly one measuring step), in an
+order rotated each round; the figure is the median over rounds of (variant block time / plain block time), in the
+thread's CPU time
 (torch runs on one thread here, so the CPU time of the calling thread is the step's, and a busy machine's other
-processes do not enter it; wall-clock figures are recorded beside it). Target: < 1.02 at an interval of 100.
+processes do not enter it; wall-clock figures are recorded beside it). Target: < 1.02 at an interval of 100,
+judged on the estimate from the every-step copy (``summarize``), whose cost stands above the noise.
 
     PYTHONPATH=. python benchmarks/stuck_report.py --rounds 7
 """
@@ -70,50 +72,68 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         shape = Shape(layers=1, d_model=32, heads=2, context=16, batch=4) if args.quick else Shape()
         torch.manual_seed(0)
         initial = CharDecoder(shape)
-        plain, plain_session = make_trainer(initial, shape, None)
-        reporting, reporting_session = make_trainer(initial, shape, every)
+        trainers = {name: make_trainer(initial, shape, n) for name, n in variants(every).items()}
         env = machine()
         print(f"{env['cpu']}, torch {env['torch']}, 1 thread; {shape}; interval {every}, {rounds} rounds")
         try:
-            plain(every)  # warm-up: one block each, the reporting one with its first measurement
-            reporting(every)
-            samples: dict[str, list[float]] = {"plain": [], "reporting": []}
-            wall: dict[str, list[float]] = {"plain": [], "reporting": []}
-            for r in range(rounds):
-                order = [("plain", plain), ("reporting", reporting)]
-                for name, block in order if r % 2 == 0 else order[::-1]:
-                    cpu_s, wall_s = block(every)
-                    samples[name].append(cpu_s / every * 1e3)
-                    wall[name].append(wall_s / every * 1e3)
-            report_stats = reporting_session.stats().stuck_weights
+            cpu, wall = measure({name: block for name, (block, _) in trainers.items()}, every, rounds)
+            measured = trainers["reporting"][1].stats().stuck_weights is not None
         finally:
-            plain_session.close()
-            reporting_session.close()
-        ratios = [r / p for r, p in zip(samples["reporting"], samples["plain"])]
-        ratio = statistics.median(ratios)
-        result = {
-            "benchmark": "stuck_report",
-            "machine": env,
-            "shape": vars(shape),
-            "every": every,
-            "rounds": rounds,
-            "cpu_ms_per_step": samples,
-            "wall_ms_per_step": wall,
-            "ratios": ratios,
-            "ratio": ratio,
-            "target": TARGET,
-            "met": ratio < TARGET,
-            "measurements_seen": report_stats is not None,
-        }
-        print(
-            f"CPU ms per step (median): plain {statistics.median(samples['plain']):.2f}, "
-            f"with the report {statistics.median(samples['reporting']):.2f}"
-        )
-        verdict = "MET" if result["met"] else "NOT MET"
-        print(f"ratio (median of per-round ratios): {ratio:.4f} (target < {TARGET}): {verdict}")
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-        return result
+            for _, session in trainers.values():
+                session.close()
+    result = summarize(cpu, wall, every)
+    result.update(benchmark="stuck_report", machine=env, shape=vars(shape), every=every, rounds=rounds)
+    result["measurements_seen"] = measured
+    for name in ("reporting", "every step"):
+        print(f"{name}: CPU time x{result['ratio'][name]:.4f} of the plain step (median of per-round ratios)")
+    verdict = "MET" if result["met"] else "NOT MET"
+    print(
+        f"cost at interval {every}: measured x{result['ratio']['reporting']:.4f}; from the every-step cost, "
+        f"x{result['estimate']:.4f} (target < {TARGET}, judged on the estimate): {verdict}"
+    )
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def variants(every: int) -> dict[str, int | None]:
+    """Name -> the report's interval: none, ``every``, and every step."""
+    return {"plain": None, "reporting": every, "every step": 1}
+
+
+def measure(
+    blocks: dict[str, Callable[[int], tuple[float, float]]], every: int, rounds: int
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Per variant, CPU and wall ms per step of each round's block of ``every`` steps (after one warm-up block)."""
+    for block in blocks.values():
+        block(every)
+    cpu: dict[str, list[float]] = {name: [] for name in blocks}
+    wall: dict[str, list[float]] = {name: [] for name in blocks}
+    names = list(blocks)
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            cpu_s, wall_s = blocks[name](every)
+            cpu[name].append(cpu_s / every * 1e3)
+            wall[name].append(wall_s / every * 1e3)
+    return cpu, wall
+
+
+def summarize(cpu: dict[str, list[float]], wall: dict[str, list[float]], every: int) -> dict[str, Any]:
+    """Ratios to the plain step (medians of per-round ratios of CPU time). The cost at the interval is also
+    estimated from the every-step variant: a measurement at every step costs ``every`` times as much over the
+    plain step as one every ``every`` steps, far above the noise of a shared machine."""
+    ratio = {
+        name: statistics.median(r / p for r, p in zip(cpu[name], cpu["plain"])) for name in ("reporting", "every step")
+    }
+    estimate = 1 + (ratio["every step"] - 1) / every
+    return {
+        "cpu_ms_per_step": cpu,
+        "wall_ms_per_step": wall,
+        "ratio": ratio,
+        "estimate": estimate,
+        "target": TARGET,
+        "met": estimate < TARGET,
+    }
 
 
 if __name__ == "__main__":

@@ -75,4 +75,5 @@ def test_the_memory_smoke_run_counts_what_each_setting_keeps(tmp_path: Path) -> 
 
 def test_the_stuck_report_benchmark_smoke_run_measures(tmp_path: Path) -> None:
     result = stuck_report.main(["--quick", "--rounds", "1", "--json", str(tmp_path / "s.json")])
-    assert result["measurements_seen"] and len(result["ratios"]) == 1 and result["ratio"] > 0
+    assert result["measurements_seen"] and all(len(v) == 1 for v in result["cpu_ms_per_step"].values())
+    assert result["estimate"] > 0 and set(result["ratio"]) == {"reporting", "every step"}
