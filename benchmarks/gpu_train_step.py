@@ -52,6 +52,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import logging
 import statistics
 import time
 import traceback
@@ -420,8 +421,8 @@ def _release(variant: Variant | None, device: torch.device) -> None:
     if variant is not None:
         try:
             variant.close()
-        except Exception as error:  # a session a failure broke: the next variants must still run
-            warnings.warn(f"closing a variant failed: {error}", RuntimeWarning, stacklevel=2)
+        except Exception:  # a session a failure broke: the next variants must still run
+            logging.getLogger(__name__).exception("closing a variant failed")
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -463,8 +464,8 @@ def memory_pass(names: list[str], run: Passes, sync_steps: int) -> None:
                 row["syncs_per_step"] = count_syncs(variant.step, sync_steps, run.device)
             finally:
                 variant.leave()
-            if run.device.type == "cuda":
-                row["peak_mib"] = torch.cuda.max_memory_allocated(run.device) / 2**20
+            on_cuda = run.device.type == "cuda"
+            row["peak_mib"] = torch.cuda.max_memory_allocated(run.device) / 2**20 if on_cuda else None
         except Exception as error:
             failure = _failed(error)
             row["memory_error"], row["memory_traceback"] = failure["error"], failure["traceback"]
@@ -800,7 +801,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--tiny", action="store_true", help="tiny sizes and few steps: a smoke run on any device")
-    parser.add_argument("--batch", type=int, default=8, help="batch (8 x 1024 tokens; every variant alive: ~60 GB)")
+    parser.add_argument(
+        "--batch", type=int, default=8, help="batch of 1024-token rows; every timed variant is alive at once"
+    )
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps per variant before (3; tiny 1)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps per variant per round (6; tiny 2)")
     parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (8; tiny 2)")
@@ -856,9 +859,9 @@ def main(argv: list[str] | None = None) -> int:
     time_pass([name for name in variants if name in TIMED], run)
     master_step(device, 200_000 if args.tiny else 124_000_000, 20 if args.tiny else 150, run, master)
     if args.profile:
-        profiles = profile_pass([name for name in PROFILED if name in variants], run, steps=run.steps)
+        profiles = profile_pass([name for name in PROFILED if name in variants], run, steps=min(3, run.steps))
         report["profile"] = profiles
-        (args.out / "gpu_train_step_profile.txt").write_text(profile_text(profiles, device, run.steps))
+        (args.out / "gpu_train_step_profile.txt").write_text(profile_text(profiles, device, min(3, run.steps)))
     report["complete"] = True
     save()
     print(markdown(report))
