@@ -5,12 +5,14 @@
 #
 # 1. the test suite with `--device cuda`, in parallel (pytest-xdist, one test file per worker at a time), each
 #    test under a timeout (pytest-timeout), the whole run under SUITE_TIMEOUT: a cut run still ends with counts;
-# 2. benchmarks/gpu_train_step.py under BENCH_TIMEOUT (a failing variant is a row with its error; the JSON is
-#    rewritten after every variant, so a cut run keeps what it measured);
+# 2. benchmarks/gpu_train_step.py --profile under BENCH_TIMEOUT (every variant interleaved in one process; a
+#    failing variant is a row with its error; the JSON is rewritten after every variant and round, so a cut run
+#    keeps what it measured);
 # 3. OUT_DIR/summary.json and summary.md (counts, every failure with its reason, each target's verdict),
-#    verdict.txt, and the logs packed into OUT_DIR/gpu_check_logs.tar.gz (pytest.txt with -rfE, --tb=short and
-#    --durations=25, pytest.xml, the benchmark's JSON/Markdown/log, machine.txt): four files, so OUT_DIR comes
-#    back whole from a device call (at most 8 files of 16 MiB). The last line printed is the verdict.
+#    verdict.txt, profile.txt (the profiler's top kernels of O5 and native autocast bf16, when the benchmark got
+#    that far), and the logs packed into OUT_DIR/gpu_check_logs.tar.gz (pytest.txt with -rfE, --tb=short and
+#    --durations=25, pytest.xml, the benchmark's JSON/Markdown/log, machine.txt): at most five files, so OUT_DIR
+#    comes back whole from a device call (at most 8 files of 16 MiB). The last line printed is the verdict.
 # At the default limits the worst case, start-up, summary and packing included, is about 470 s.
 #
 # Exit status: 0 when the suite passed and every target was met, 1 otherwise, 2 when no GPU is usable.
@@ -81,11 +83,15 @@ bench_limit="${BENCH_TIMEOUT:-150}"
 echo "== 2/2 train-step benchmark, at most ${bench_limit} s (log: benchmark.txt)"
 start=$SECONDS
 # shellcheck disable=SC2086  # BENCH_ARGS is a list of arguments
-timeout -s INT -k "$kill_after" "$bench_limit" "$python" -m benchmarks.gpu_train_step --device cuda --out "$logs" \
-    ${BENCH_ARGS:-} > "$logs/benchmark.txt" 2>&1
+timeout -s INT -k "$kill_after" "$bench_limit" "$python" -m benchmarks.gpu_train_step --device cuda --profile \
+    --out "$logs" ${BENCH_ARGS:-} > "$logs/benchmark.txt" 2>&1
 bench_rc=$?
 bench_s=$((SECONDS - start))
 tail -n 5 "$logs/benchmark.txt"
+# Outside the archive: it goes into benchmarks/README.md by hand.
+if [ -f "$logs/gpu_train_step_profile.txt" ]; then
+    cp "$logs/gpu_train_step_profile.txt" "$out/profile.txt"
+fi
 
 "$python" scripts/gpu_check_summary.py "$out" "$suite_rc" "$bench_rc" \
     --limits "suite=$suite_limit,bench=$bench_limit" --seconds "suite=$suite_s,bench=$bench_s"
