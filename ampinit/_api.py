@@ -133,10 +133,11 @@ def initialize(
             PyTorch's lists only.
         allow_banned: under O1/O4, compute ``binary_cross_entropy`` on half inputs in fp32 instead of raising
             (Apex's ``allow_banned``).
-        sync_free: never wait for the device to decide a skip: the overflow flag goes straight into optimizers
-            that can skip inside their own kernel (``torch.optim.Adam/AdamW/SGD/Adagrad(fused=True)`` and
-            ``ampinit.optimizers``); other optimizers still read it once per step. Overflows are then not
-            logged, and ``DynamicLossScale(raise_at_min=True)`` is refused.
+        sync_free: never wait for the device to decide a skip, also with a dynamic scale (a static scale never
+            waits): the overflow flag goes straight into optimizers that can skip inside their own kernel
+            (``torch.optim.Adam/AdamW/SGD/Adagrad(fused=True)`` and ``ampinit.optimizers``); other optimizers
+            still read it once per step. Overflows are then not logged, and
+            ``DynamicLossScale(raise_at_min=True)`` is refused.
         skip_nonfinite: ``True`` (default): at every level, an ``optimizer.step()`` whose gradients from
             ``scale_loss`` hold inf/NaN is skipped (weights and optimizer state unchanged), also with a static
             loss scale and at O0/O3/O4. ``False``: a static loss scale behaves as in Apex, which never checks:

@@ -37,6 +37,9 @@ logger = logging.getLogger("ampinit")
 class AmpStats:
     """Counters a logger or lr scheduler can read without touching private state.
 
+    Skips decided on the device (a static loss scale, ``sync_free=True``) are counted there: ``stats()`` waits for
+    the device to read them, so a loop that must not wait calls it where it logs, not at every step.
+
     Attributes:
         steps: ``optimizer.step()`` calls on this session's optimizers, taken or skipped.
         skipped_steps: how many of them were skipped because of inf/NaN gradients.
@@ -304,8 +307,8 @@ class AmpSession:
     def next_step_skipped(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether the next ``optimizer.step()`` will be skipped: the last unscale found inf/NaN gradients.
 
-        With ``sync_free=True`` the overflow flag is on the device, and reading it here waits for it. ``False``
-        for an optimizer this session does not manage.
+        With a static loss scale or ``sync_free=True`` the overflow flag is on the device, and reading it here
+        waits for it. ``False`` for an optimizer this session does not manage.
         """
         record = self._record_of(optimizer)
         if record is None:
