@@ -309,3 +309,23 @@ def test_decimal_relative_error_bounds_on_moment_values(signed: bool) -> None:
         assert int(in_decade.sum()) > 20
         bound = 4.5 / (top / 2**k) * (1 + 2**-20)
         assert relative[in_decade].max().item() <= bound, k
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_a_midpoint_that_is_no_fp32_value_goes_to_the_nearer_entry(signed: bool) -> None:
+    """Where the exact midpoint of two entries is not an fp32 value, the fp32 values either side of it are not
+    ties: each goes to the entry it is nearer to."""
+    qmap = precision.QuantMap.build(signed)
+    values = qmap.values.double()
+    exact_mids = (values[:-1] + values[1:]) / 2
+    inexact = (exact_mids.float().double() != exact_mids).nonzero().reshape(-1)
+    assert inexact.numel() > 50
+    mids = exact_mids[inexact]
+    nearest = mids.float()
+    above = torch.where(nearest.double() > mids, nearest, torch.nextafter(nearest, torch.tensor(math.inf)))
+    below = torch.where(nearest.double() < mids, nearest, torch.nextafter(nearest, torch.tensor(-math.inf)))
+    for y, nearer in ((above, inexact + 1), (below, inexact)):
+        x = torch.cat([torch.ones(1), y])  # absmax 1 in one block (< 256 values): y is x / absmax exactly
+        codes, _ = precision.quantize_blockwise(x, qmap)
+        assert codes[1:].long().tolist() == nearer.tolist()
+        assert torch.equal(codes[1:].long(), brute_force_codes(y, qmap.values))
