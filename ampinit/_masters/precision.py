@@ -156,12 +156,13 @@ def join8(weight: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class QuantMap:
-    """A sorted 256-entry fp32 dynamic map and its 255 decision points, on one device.
+    """A sorted 256-entry fp32 dynamic map and its decision points, on one device.
 
-    ``mids[j]`` is the midpoint of ``values[j]`` and ``values[j + 1]`` rounded *down* to fp32: then the number of
-    ``mids`` strictly below an fp32 ``y`` is the code of ``y``'s nearest entry, ties to the lower code, also where
-    the exact midpoint is not an fp32 value (rounded to nearest, an fp32 ``y`` equal to a midpoint rounded up
-    would go to the farther entry).
+    ``mids`` holds 256 values: the 255 decision points, then ``+inf`` (so that a search of 8 halvings runs over a
+    power of two; no finite ``y`` is above it). ``mids[j]`` is the midpoint of ``values[j]`` and ``values[j + 1]``
+    rounded *down* to fp32: then the number of ``mids`` strictly below an fp32 ``y`` is the code of ``y``'s nearest
+    entry, ties to the lower code, also where the exact midpoint is not an fp32 value (rounded to nearest, an fp32
+    ``y`` equal to a midpoint rounded up would go to the farther entry).
     """
 
     signed: bool
@@ -174,6 +175,7 @@ class QuantMap:
         exact = (values[:-1].double() + values[1:].double()) / 2  # exact: the entries span < 29 binades
         mids = exact.float()
         mids = torch.where(mids.double() > exact, torch.nextafter(mids, torch.tensor(-math.inf)), mids)
+        mids = torch.cat([mids, torch.tensor([math.inf])])
         return cls(signed, values.to(device), mids.to(device))
 
 
