@@ -15,6 +15,7 @@ beneath it. Nothing here imports ``ampinit.optimizers``: an optimizer whose upda
                      torch's optimizer-state layout the kernels keep
 ``reference``        the master step in plain torch ops: the reference the kernels match bit for bit
 ``triton_kernels``   the Triton kernels (imported only when a step takes them)
+``triton_dial``      the dial's Triton step over every storage of masters and moments (imported as those are)
 ===================  =========================================================================================
 """
 
