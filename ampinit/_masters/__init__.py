@@ -8,12 +8,14 @@ beneath it. Nothing here imports ``ampinit.optimizers``: an optimizer whose upda
 ``grads``            ``OptimizerGrads``: one optimizer's gradient flow under amp at every level (fp32 masters,
                      the stash, unscaling into master grads, the copy back), and the masters following the model
 ``remainder``        the remainder encoding: an fp32 master as its bf16 weight plus 16 low bits
+``precision``        the precision dial's formats: random bits, stochastic rounding, 8-bit remainders and moments
 ``remainder_grads``  ``RemainderGrads``: ``master_weights="remainder"``, its gradient flow and its chunked step
 ``update``           which update an optimizer's step runs (the one classifier), and the ``MasterUpdate`` protocol
 ``kernel_step``      when a step takes the Triton kernels (the one rule, ``kernels_for``, the test switch), and
                      torch's optimizer-state layout the kernels keep
 ``reference``        the master step in plain torch ops: the reference the kernels match bit for bit
 ``triton_kernels``   the Triton kernels (imported only when a step takes them)
+``triton_dial``      the dial's Triton step over every storage of masters and moments (imported as those are)
 ===================  =========================================================================================
 """
 
