@@ -253,3 +253,21 @@ def test_a_trainer_class_that_is_not_equivalent_is_refused_with_the_reason(sourc
     assert result.refused and result.migrated == source
     messages = [site.message for site in result.needs_human]
     assert any(message.startswith(reason) for message in messages), messages
+
+
+def test_the_autocast_note_of_a_class_held_scaler_names_its_attributes() -> None:
+    """Where the forward cannot be located (the loss is computed inside the scale_loss call), the note tells the
+    human which autocast to write: in a trainer class the device lives in ``self.amp_device``; a bare
+    ``amp_device`` there is an unbound name."""
+    source = _variant(
+        "with amp.scale_loss(loss, self.optimizer) as scaled_loss:",
+        "with amp.scale_loss(loss * 1.0, self.optimizer) as scaled_loss:",
+    )
+    result = migrate_source(source, "torch")
+    assert not result.refused
+    header = "torch.autocast(self.amp_device, dtype=torch.float16, enabled=self.amp_scaler.is_enabled())"
+    notes = [site.message for site in result.needs_human]
+    assert notes == [
+        f"run the forward pass and the loss under `with {header}:` (it could not be located next to this block)"
+    ]
+    assert f"# ampinit: {notes[0]}" in result.migrated
