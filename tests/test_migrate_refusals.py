@@ -79,6 +79,7 @@ ROWS = [
     "grad_used_by_hand",
     "master_params_twice",
     "master_params_without_step",
+    "master_params_helper_unproven",
 ]
 
 #: Rows whose file cannot be refused for them alone: a step that cannot mean the initialized optimizer sits in a
