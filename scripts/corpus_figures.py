@@ -19,6 +19,14 @@ from ampinit.migrate import migrate_source
 CORPUS = Path(__file__).resolve().parent.parent / "tests" / "legacy_corpus"
 
 
+def _reason(message: str) -> str:
+    """A reason without its advice: up to its first colon, or its second where the first ends a short subject
+    (``amp.scale_loss: the GradScaler would be a local of main(), ...``)."""
+    parts = message.split(": ")
+    head = ": ".join(parts[:2]) if len(parts[0]) < 20 and len(parts) > 1 else parts[0]
+    return head[:110]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--files", action="store_true", help="one line per amp-using file")
@@ -41,7 +49,7 @@ def main() -> None:
         done = not to_torch.refused and to_torch.changed
         migrated += done
         native_migrated += done and is_native
-        why = sorted({s.message.split(":")[0][:90] for s in to_torch.needs_human}) if to_torch.refused else []
+        why = sorted({_reason(s.message) for s in to_torch.needs_human}) if to_torch.refused else []
         reasons.update(why)
         if files:
             state = "migrated" if done else "refused" if to_torch.refused else "unchanged"
