@@ -370,8 +370,26 @@ def _set_up_variant(old: str, new: str) -> str:
             "amp.master_params clipped in clip_gradients(), whose scaler.unscale_(optimizer) must run once between "
             "each scaled backward and scaler.step(), but its call at line 26 is not between a scale_loss block",
         ),
+        (  # the helper clips once per parameter group: unscale_ would run again before update()
+            _set_up_variant(
+                "            clip_grad_norm_(amp.master_params(self.optimizer), 1.0)\n",
+                "            for _ in self.optimizer.param_groups:\n"
+                "                if self.fp16:\n"
+                "                    clip_grad_norm_(amp.master_params(self.optimizer), 1.0)\n",
+            ),
+            "amp.master_params clipped in clip_gradients(), whose scaler.unscale_(optimizer) must run once between "
+            "each scaled backward and scaler.step(), but it clips in a loop",
+        ),
     ],
-    ids=["setup-by-caller", "setup-twice", "step-in-init-first", "helper-twice", "helper-handed-out", "helper-early"],
+    ids=[
+        "setup-by-caller",
+        "setup-twice",
+        "step-in-init-first",
+        "helper-twice",
+        "helper-handed-out",
+        "helper-early",
+        "helper-loops",
+    ],
 )
 def test_a_set_up_trainer_that_is_not_equivalent_is_refused_with_the_reason(source: str, reason: str) -> None:
     result = migrate_source(source, "torch")

@@ -329,8 +329,9 @@ def set_before_home(scopes: Scopes, home: Home, target: cst.CSTNode) -> bool:
     init = _init_method(owner)
     if init is None or first_param(init) != home.owner or scopes.function_of(target) is not init:
         return False
-    assert isinstance(home.function, cst.FunctionDef)
-    early = reaching(scopes.enclosing(init)[-1], {home.function.name.value})  # type: ignore[arg-type]
+    module = scopes.enclosing(init)[-1]
+    assert isinstance(home.function, cst.FunctionDef) and isinstance(module, cst.Module)
+    early = reaching(module, {home.function.name.value})
     for statement in init.body.body:
         if _reaches_self(statement, home.owner, early) is not None:
             return False

@@ -16,6 +16,7 @@ from ampinit.migrate import _cst
 from ampinit.migrate._reach import (
     assigned_again,
     declared_global,
+    first_param,
     runs_first,
     same_binding,
     set_before_home,
@@ -520,11 +521,13 @@ def helper_unproven(analysis: Analysis, module: cst.CSTNode) -> Hit | None:
 
 def _helper_why(analysis: Analysis, helper: cst.FunctionDef, clipping: cst.CSTNode) -> str | None:
     name = helper.name.value
-    if analysis.guard(clipping) in ("for", "while"):
-        return "it clips in a loop"
-    owner = first_param_of(helper) if analysis.scopes and analysis.scopes.class_of(helper) else None
+    current: cst.CSTNode | None = clipping
+    while current is not None and current is not helper:
+        if isinstance(current, (cst.For, cst.While)):
+            return "it clips in a loop"
+        current = analysis.parents.get(current)
+    owner = first_param(helper) if analysis.scopes and analysis.scopes.class_of(helper) else None
     callers: set[int] = set()
-    calls = 0
     for reference in analysis.parents:
         if not isinstance(reference, cst.Name) or reference.value != name or reference is helper.name:
             continue
@@ -542,13 +545,7 @@ def _helper_why(analysis: Analysis, helper: cst.FunctionDef, clipping: cst.CSTNo
         ):
             return f"its call at line {line} is not between a scale_loss block and an optimizer step of the same block"
         callers.add(id(caller))
-        calls += 1
-    return None if calls else "it is not called in this file"
-
-
-def first_param_of(function: cst.FunctionDef) -> str | None:
-    params = function.params.params
-    return params[0].name.value if params else None
+    return None if callers else "it is not called in this file"
 
 
 def _called_as_helper(analysis: Analysis, reference: cst.Name, owner: str | None) -> cst.Call | None:
