@@ -337,7 +337,7 @@ def _set_up_variant(old: str, new: str) -> str:
             _set_up_variant(
                 "    def save(self):\n", "    def reset(self):\n        self.setup()\n\n    def save(self):\n"
             ),
-            "amp.initialize sits under `if <flag>:` in setup()",
+            "__init__() calls setup(), whose `if <flag>:` creates the GradScaler, but setup is named elsewhere",
         ),
         (  # __init__ steps before it sets up
             _set_up_variant(

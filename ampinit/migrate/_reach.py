@@ -379,7 +379,7 @@ def _set_up_in_init(module: cst.Module, home: Home, owner: cst.ClassDef | None, 
         f"move amp.initialize to __init__ (or call {name}() once from __init__), or use --to ampinit"
     )
     init = _init_method(owner) if owner is not None else None
-    if init is None or first_param(init) != home.owner or _uses(module, name) != 1:
+    if init is None or first_param(init) != home.owner:
         return refused
     call = f"{home.owner}.{name}()"
     calls = [
@@ -389,6 +389,12 @@ def _set_up_in_init(module: cst.Module, home: Home, owner: cst.ClassDef | None, 
     ]
     if len(calls) != 1:
         return refused
+    if _uses(module, name) != 1:
+        return (
+            f"__init__() calls {name}(), whose `if <flag>:` creates the GradScaler, but {name} is named elsewhere "
+            "in this file too: a second call would replace the GradScaler (and its scale) where Apex kept one "
+            "amp state; rewrite by hand, or use --to ampinit"
+        )
     early = reaching(module, users)
     for statement in init.body.body:
         if statement is calls[0]:
