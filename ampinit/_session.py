@@ -22,7 +22,9 @@ from torch import nn
 
 from ampinit import _registry, _setup
 from ampinit._casting import CastPolicy
-from ampinit._opt_levels import LEVELS, describe
+from ampinit._masters import Dial, session_seed
+from ampinit._masters.dial_grads import MasterFormat
+from ampinit._opt_levels import LEVELS, MasterWeights, describe
 from ampinit._optimizer_record import OptimizerRecord, Stage, StepCounts
 from ampinit._options import AmpOptions
 from ampinit._overflow import OverflowDecisions
@@ -78,9 +80,10 @@ class AmpSession:
         self._overflow = OverflowDecisions(options)
         self._counts = StepCounts()
         if self.enabled:
+            props = self.properties
+            dial = Dial(_master_format(props.master_weights), options.optimizer_state, session_seed())
             for opt in self.optimizers:
-                props = self.properties
-                self._records[id(opt)] = OptimizerRecord(opt, props.uses_master_weights, props.remainder_masters)
+                self._records[id(opt)] = OptimizerRecord(opt, props.uses_master_weights, dial)
             try:
                 records = list(self._records.values())
                 self._cast_policy = _setup.install(
@@ -344,3 +347,8 @@ class AmpSession:
             f"AmpSession(opt_level={self.properties.opt_level!r}, enabled={self.enabled}, models={len(self.models)}, "
             f"optimizers={len(self.optimizers)}, num_losses={self.num_losses}, {state})"
         )
+
+
+def _master_format(master_weights: MasterWeights) -> MasterFormat:
+    """The dial's name for a ``master_weights`` setting (``True``, and no masters, keep fp32 values)."""
+    return master_weights if isinstance(master_weights, str) else "fp32"
