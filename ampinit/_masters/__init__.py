@@ -10,7 +10,6 @@ beneath it. Nothing here imports ``ampinit.optimizers``: an optimizer whose upda
 ``remainder``        the remainder encoding: an fp32 master as its bf16 weight plus 16 low bits
 ``precision``        the precision dial's formats: random bits, stochastic rounding, 8-bit remainders and moments
 ``remainder_grads``  ``RemainderGrads``: ``master_weights="remainder"``, its gradient flow and its chunked step
-``precision``        the dial's number formats: random bits, stochastic rounding, 8-bit remainders and moments
 ``dial_grads``       the dial on the optimizer side: ``grads_for`` picks the class of a setting; the chunked step
                      over decoded masters and moments (``DialGrads``, ``CompressedStateGrads``); ``StateStore``,
                      the moments' format and the checkpoint loader that re-encodes any setting's state
