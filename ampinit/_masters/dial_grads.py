@@ -225,6 +225,12 @@ class StateStore:
             del state[key]
         step = state.get("step", state.get(SR_STEP))
         for key, purpose in MOMENT_PURPOSES.items():
+            if self.dial.state == "8bit" and _is_8bit(key, saved):
+                # Stored as this setting stores it: taken as is (decoding and quantizing again may move a block's
+                # absmax, the signed map's negative end being short of -1).
+                for name in (key, key + ABSMAX_SUFFIX):
+                    state[name] = saved[name].to(device=param.device, copy=True)
+                continue
             value = decode_moment(key, saved)
             if value is None:
                 continue
@@ -239,6 +245,11 @@ class StateStore:
             if isinstance(value, torch.Tensor):
                 state[key] = value.to(device=param.device, dtype=torch.float32, copy=True)
         return rounded
+
+
+def _is_8bit(key: str, state: dict[str, Any]) -> bool:
+    value = state.get(key)
+    return isinstance(value, torch.Tensor) and value.dtype == torch.uint8 and key + ABSMAX_SUFFIX in state
 
 
 class _DialStep:
