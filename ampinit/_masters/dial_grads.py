@@ -217,9 +217,7 @@ class StateStore:
                 stacklevel=3,
             )
 
-    def _load_entry(
-        self, state: dict[str, Any], saved: dict[str, Any], param: torch.Tensor, position: int
-    ) -> set[str]:
+    def _load_entry(self, state: dict[str, Any], saved: dict[str, Any], param: torch.Tensor, position: int) -> set[str]:
         rounded: set[str] = set()
         for key in [k for k in state if k.endswith(ABSMAX_SUFFIX)]:
             del state[key]
@@ -237,7 +235,8 @@ class StateStore:
             value = value.to(param.device)
             at = step if isinstance(step, torch.Tensor) else torch.zeros((), dtype=torch.int64)
             entries = self.encode(key, value, at, 4 * position + purpose)
-            if not torch.equal(decode_moment(key, entries), value):
+            decoded = decode_moment(key, entries)
+            if decoded is None or not torch.equal(decoded, value):
                 rounded.add(key)
             state.update(entries)
         for key in ("max_exp_avg_sq",):
@@ -367,7 +366,7 @@ class DialGrads(_DialStep, RemainderGrads):
     def _split(
         self, weight: torch.Tensor, master: torch.Tensor, storage: torch.Tensor, step: torch.Tensor, position: int
     ) -> None:
-        """Store fp32 ``master`` (scratch) as ``weight`` (bf16) and ``storage``; SR bits of (``step``, weight stream)."""
+        """Store fp32 ``master`` (scratch) as bf16 ``weight`` and ``storage``, SR bits from ``step``."""
         if self.dial.masters == "remainder":
             encoding.split_(master, weight, storage)
         elif self.dial.masters == "remainder8":
