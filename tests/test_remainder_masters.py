@@ -603,7 +603,10 @@ def test_subclasses_of_an_optimizer_with_a_master_update_are_refused(make: Calla
 @pytest.mark.parametrize("value", ["Remainder", "fp32", 1])
 def test_bad_master_weights_values_are_named(value: object) -> None:
     net, _, _ = make_net(12, ties=False)
-    with pytest.raises(ValueError, match=re.escape("master_weights must be True, False, 'remainder' or None")):
+    with pytest.raises(
+        ValueError,
+        match=re.escape("master_weights must be True, False, 'remainder', 'remainder8', 'stochastic' or None"),
+    ):
         amp.initialize(net, torch.optim.AdamW(net.parameters()), opt_level="O5", master_weights=value)  # type: ignore[arg-type]
 
 
