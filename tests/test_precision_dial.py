@@ -297,20 +297,27 @@ def decoded_moments(opt: torch.optim.Optimizer) -> list[dict[str, torch.Tensor]]
     return out
 
 
+def make_small_net(seed: int) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """Two 8-bit blocks and a partial one in the second weight (640 elements), small enough for 144 loads."""
+    torch.manual_seed(seed)
+    net = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 40))
+    gen = torch.Generator().manual_seed(seed + 1)
+    return net, torch.randn(8, 8, generator=gen), torch.randn(8, 40, generator=gen)
+
+
 @pytest.mark.parametrize(("source_masters", "source_state"), SETTINGS, ids=str)
 def test_every_setting_loads_into_every_other(source_masters: Any, source_state: str) -> None:
-    net, x, y = make_net(3)
+    net, x, y = make_small_net(3)
     net, opt, sess = session(net, torch.optim.AdamW(net.parameters(), lr=1e-2), source_masters, source_state)
     try:
-        for _ in range(2):
-            amp_step(net, opt, x, y)
+        amp_step(net, opt, x, y)
         ckpt = checkpoint(net, opt, sess)
         source = masters_of(sess, net)
         moments = decoded_moments(opt)
     finally:
         sess.close()
     for masters, state in SETTINGS:
-        target, _, _ = make_net(4)
+        target, _, _ = make_small_net(4)
         target, target_opt, target_sess = session(target, torch.optim.AdamW(target.parameters()), masters, state)
         try:
             with warnings.catch_warnings(record=True) as caught:
@@ -368,6 +375,110 @@ def test_plain_torch_adamw_state_loads_into_the_dial(state: str) -> None:
         amp_step(net, opt, x, y)
     finally:
         sess.close()
+
+
+def clip_sgd(params: Any) -> torch.optim.Optimizer:
+    # A large lr: the clipped and unclipped runs must lie further apart than bf16 stochastic rounding's noise.
+    return torch.optim.SGD(params, lr=0.5, momentum=0.9)
+
+
+class ClipReference:
+    """fp32 masters, their torch SGD and a bf16 copy of the model: the bf16 grads widened, clipped in fp32 to
+    ``max_norm`` with ``clip_grad_norm_``, stepped, and the masters rounded into the copy (ties away from zero, as
+    16-bit remainders round, or to nearest-even)."""
+
+    def __init__(self, net: nn.Module, max_norm: float, ties_away: bool) -> None:
+        self.net = copy.deepcopy(net).bfloat16()
+        self.masters = [p.detach().clone().float().requires_grad_() for p in net.parameters()]
+        self.opt = clip_sgd(self.masters)
+        self.max_norm = max_norm
+        self.round: Callable[[torch.Tensor], torch.Tensor] = tie_away_bf16 if ties_away else torch.Tensor.bfloat16
+        self._write()
+
+    def _write(self) -> None:
+        with torch.no_grad():
+            for master, p in zip(self.masters, self.net.parameters()):
+                p.copy_(self.round(master))
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        params = list(self.net.parameters())
+        for p in params:
+            p.grad = None
+        nn.functional.mse_loss(self.net(x.bfloat16()).float(), y).backward()
+        for master, p in zip(self.masters, params):
+            assert p.grad is not None
+            master.grad = p.grad.float()
+        nn.utils.clip_grad_norm_(self.masters, self.max_norm)
+        self.opt.step()
+        self._write()
+
+
+@pytest.mark.parametrize("masters", ["remainder", "remainder8", "stochastic"])
+def test_clipping_master_params_clips_the_fp32_grads_the_step_applies(masters: str) -> None:
+    max_norm, steps = 0.05, 3
+    net, x, y = make_net(9)
+    clipped = ClipReference(net, max_norm, ties_away=masters == "remainder")
+    unclipped = ClipReference(net, float("inf"), ties_away=masters == "remainder")
+    net, opt, sess = session(net, clip_sgd(net.parameters()), masters, "fp32")
+    try:
+        for _ in range(steps):
+            opt.zero_grad(set_to_none=True)
+            loss = nn.functional.mse_loss(net(x).float(), y)
+            with amp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+            params = list(amp.master_params(opt))
+            assert all(p.dtype == torch.float32 and p.grad is not None and p.grad.dtype == p.dtype for p in params)
+            norm = nn.utils.clip_grad_norm_(params, max_norm)
+            assert norm > 4 * max_norm  # the clipping bites
+            opt.step()
+            clipped.step(x, y)
+            unclipped.step(x, y)
+        got = masters_of(sess, net)
+    finally:
+        sess.close()
+    if masters == "remainder":  # exact masters: the reference's, bit for bit
+        assert all(same_bits(a, b.detach()) for a, b in zip(got, clipped.masters))
+        return
+    # Lossy masters: each step rounds every master stochastically to its neighbours one ulp apart (ulp at 24 or
+    # 8 significant bits), an unbiased error of variance <= ulp**2 / 4, so after the steps the distance to the
+    # fp32 run is about sqrt(steps * sum(ulp**2) / 4); four times that bounds it (the bf16 forward adds less, the
+    # grads being clipped to a fixed norm), and the unclipped run lies beyond.
+    flat = [torch.cat([t.detach().reshape(-1) for t in ts]) for ts in (got, clipped.masters, unclipped.masters)]
+    ulp = torch.ldexp(torch.ones_like(flat[1]), torch.frexp(flat[1]).exponent - (16 if masters == "remainder8" else 8))
+    bound = 4 * (steps * ulp.square().sum() / 4).sqrt()
+    assert (flat[0] - flat[1]).norm() < bound < (flat[0] - flat[2]).norm()
+
+
+@pytest.mark.parametrize(
+    ("masters", "state", "name"),
+    [("stochastic", "bf16", "AdamW"), ("remainder8", "8bit", "SGD"), ("remainder", "bf16", "SGD")],
+)
+def test_delay_unscale_accumulates_as_two_unscaled_backwards(masters: Any, state: str, name: str) -> None:
+    """Two backward passes per step, the first with ``delay_unscale=True``, against the same two without: the
+    masters live in the bf16 weights, whose bf16 grads accumulate both ways, and the scale is a power of two, so
+    the grads (and the steps) agree bit for bit. (fp32 masters accumulate a delayed backward in the bf16 model
+    grads, as Apex does, and an unscaled one in the fp32 master grads: no bitwise reference there.)"""
+    results = []
+    for delay in (True, False):
+        net, x, y = make_net(10)
+        torch.manual_seed(13)
+        net, opt, sess = session(net, OPTIMIZERS[name](net.parameters()), masters, state, loss_scale=1024.0)
+        try:
+            for _ in range(2):
+                opt.zero_grad(set_to_none=True)
+                for half, delay_unscale in ((slice(0, 16), delay), (slice(16, 32), False)):
+                    loss = nn.functional.mse_loss(net(x[half]).float(), y[half])
+                    with amp.scale_loss(loss, opt, delay_unscale=delay_unscale) as scaled:
+                        scaled.backward()
+                opt.step()
+            results.append((masters_of(sess, net), copy.deepcopy(opt.state_dict()["state"])))
+        finally:
+            sess.close()
+    (masters_delayed, state_delayed), (masters_plain, state_plain) = results
+    assert all(same_bits(a, b) for a, b in zip(masters_delayed, masters_plain))
+    for index, entry in state_plain.items():
+        for key, value in entry.items():
+            assert torch.equal(state_delayed[index][key], value), (index, key)
 
 
 ALLOWED = "optimizer_state must be one of ['fp32', 'bf16', '8bit']"

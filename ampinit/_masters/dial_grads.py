@@ -291,7 +291,7 @@ class _DialStep:
                 for p in some:
                     adam_state(self.optimizer, group, p)
             stored = [self.store.open(self.optimizer.state[p]) for p in some]
-            chunk = MasterChunk(some, [self._decode_master(p) for p in some], [_fp32(p.grad) for p in some])
+            chunk = MasterChunk(some, [self._decode_master(p) for p in some], [self._step_grad(p) for p in some])
             yield chunk
             for param, master, old in zip(some, chunk.masters, stored):
                 state = self.optimizer.state[param]
@@ -314,6 +314,9 @@ class _DialStep:
     def _decode_master(self, param: torch.Tensor) -> torch.Tensor:
         return param.detach()
 
+    def _step_grad(self, param: torch.Tensor) -> torch.Tensor:
+        return _fp32(param.grad)
+
     def _encode_master(self, param: torch.Tensor, master: torch.Tensor, step: torch.Tensor, position: int) -> None:
         return None
 
@@ -328,6 +331,7 @@ class DialGrads(_DialStep, RemainderGrads):
 
     def __init__(self, optimizer: torch.optim.Optimizer, dial: Dial) -> None:
         self.dial = dial
+        self._positions: dict[int, int] = {}
         super().__init__(optimizer)
         self.update = remainder_update(optimizer, dial_setting(dial.masters, dial.state))
         self.store = StateStore(optimizer, dial)
@@ -360,8 +364,13 @@ class DialGrads(_DialStep, RemainderGrads):
         return torch.empty(0, dtype=precision.REMAINDER8_DTYPE, device=param.device)
 
     def _position(self, param: torch.Tensor) -> int:
-        flat = [p for g in self.optimizer.param_groups for p in g["params"]]
-        return next(t for t, p in enumerate(flat) if p is param)
+        # Param groups only grow (add_param_group appends), so the table is rebuilt only for a parameter it lacks.
+        position = self._positions.get(id(param))
+        if position is None:
+            flat = (p for g in self.optimizer.param_groups for p in g["params"])
+            self._positions = {id(p): t for t, p in enumerate(flat)}
+            position = self._positions[id(param)]
+        return position
 
     def _split(
         self, weight: torch.Tensor, master: torch.Tensor, storage: torch.Tensor, step: torch.Tensor, position: int
@@ -373,6 +382,10 @@ class DialGrads(_DialStep, RemainderGrads):
             precision.split8_(master, weight, storage, self.store.bits(step, 4 * position, master))
         else:
             precision.encode_bf16_(weight, master, self.store.bits(step, 4 * position, master))
+
+    def _joined(self, param: torch.Tensor) -> torch.Tensor:
+        entry = self._remainders.get(id(param))
+        return param.detach() if entry is None else self._join(param, entry[1])
 
     def _join(self, weight: torch.Tensor, storage: torch.Tensor) -> torch.Tensor:
         if self.dial.masters == "remainder":
@@ -422,8 +435,10 @@ class DialGrads(_DialStep, RemainderGrads):
         return True
 
     def _decode_master(self, param: torch.Tensor) -> torch.Tensor:
-        entry = self._remainders.get(id(param))
-        return param.detach() if entry is None else self._join(param, entry[1])
+        return self._step_master(param)
+
+    def _step_grad(self, param: torch.Tensor) -> torch.Tensor:
+        return RemainderGrads._step_grad(self, param)
 
     def _encode_master(self, param: torch.Tensor, master: torch.Tensor, step: torch.Tensor, position: int) -> None:
         entry = self._remainders.get(id(param))
