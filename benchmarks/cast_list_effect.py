@@ -12,7 +12,7 @@ native autocast plus that one entry registered (``KERNELS.restricted_to``):
    or an fp32 op keeps them) and compared bitwise, with the largest difference in units in the last place of
    that dtype. An entry that no probe reaches is "not reached" (no verdict);
 2. **model level**: a few O1/O4 training steps of the decoder of ``benchmarks/gpu_train_step.py`` and of the MLP
-   of ``benchmarks/models.py`` with Apex's full lists, with native autocast's, and with native plus each entry
+   of ``benchmarks/models.py`` (plain SGD) with Apex's full lists, with native autocast's, and with native plus each entry
    that (1) found to change results: the loss after the last step and its relative difference to native;
 3. **cost**: per reached entry, its first probe's time per call with the entry against native autocast,
    interleaved round by round, medians.
@@ -455,9 +455,11 @@ def workloads(device: torch.device, tiny: bool) -> dict[str, Callable[[], Worklo
 def train_loss(
     build: Callable[[], Workload], level: OptLevel, entries: Sequence[torch._ops.OpOverload] | None, steps: int
 ) -> float:
-    """The loss after ``steps`` O1/O4 steps (AdamW), with native (``[]``), native + ``entries`` or Apex's lists."""
+    """The loss after ``steps`` O1/O4 steps (SGD), with native (``[]``), native + ``entries`` or Apex's lists."""
     model, x, y, loss_fn = build()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    # Plain SGD: Adam's first steps move each weight by about +-lr whatever the gradient's size, which would hide a
+    # gradient that an entry changes by less than its sign.
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     restriction = kernels.KERNELS.restricted_to(entries) if entries else _nothing()
     with restriction:
         model, optimizer = ampinit.initialize(
