@@ -6,6 +6,7 @@ and the bytes each setting moves per parameter, read off the launches' lists, ar
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import ModuleType
@@ -294,3 +295,24 @@ def test_resume_through_a_checkpoint_is_bitwise_in_the_kernels(
         assert len(launches) == 3
     finally:
         resumed_sess.close()
+
+
+@pytest.mark.parametrize("kind", ["remainder8", "stochastic"])
+def test_the_fp32_and_remainder_kernels_refuse_the_dials_masters(kind: str, kernels_on_cpu: ModuleType) -> None:
+    """``triton_kernels`` would read an int8 remainder as int16 and a bare bf16 weight as an fp32 master."""
+    weights = [torch.ones(300, dtype=torch.bfloat16)]
+    grads = [torch.full((300,), 0.5, dtype=torch.bfloat16)]
+    no_keys = torch.zeros(1, dtype=torch.int64)
+    if kind == "remainder8":
+        masters = Masters.remainder8(weights, [torch.zeros(300, dtype=torch.int8)], no_keys)
+    else:
+        masters = Masters.stochastic(weights, no_keys)
+    adam = ref.AdamSettings(1e-2, 0.9, 0.999, 1e-8, 0.0, decoupled=False, maximize=False)
+    scalars = ref.adam_step_scalars([torch.tensor(1.0)], 0.9, 0.999, 1e-2)
+    message = f"the fused master step takes masters of kind 'fp32' or 'remainder', got {kind!r}"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        kernels_on_cpu.adam_(grads, masters, [torch.zeros(300)], [torch.zeros(300)], scalars, adam)
+    sgd = ref.SgdSettings(0.1, 0.0, 0.0, nesterov=False, weight_decay=0.0, maximize=False)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        kernels_on_cpu.sgd_(grads, masters, [], sgd, first_step=True)
+    assert same_bits(weights[0], torch.ones(300, dtype=torch.bfloat16))
