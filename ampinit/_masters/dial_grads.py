@@ -10,13 +10,25 @@ Settings (``initialize(master_weights=..., optimizer_state=...)``; the formats a
   rounded) or ``"8bit"`` (block-wise quantized codes under the moment's key, one fp32 absmax per block under
   ``<key>_absmax``).
 
-A step that is not the exact one of today's classes (fp32 masters or 16-bit remainders, with fp32 moments) runs
-chunk by chunk here: the chunk's masters and moments are decoded into fp32 temporaries, the optimizer's own update
-runs on them (torch's functional ``adam``/``sgd``, or the optimizer's ``MasterUpdate``), then the moments and the
-masters are encoded back. Stochastic rounding draws its bits from the session's seed, the tensor's step count
-after this step (Adam's ``state["step"]``; for other optimizers amp keeps ``state["sr_step"]``) and the stream
-``4 * t + purpose`` (``t`` the parameter's position in the param groups): the same on every DDP rank, the same
-after a resume. A step skipped on the device (``found_inf`` set) changes nothing, stored state included.
+A step that is not the exact one of today's classes (fp32 masters or 16-bit remainders, with fp32 moments) is
+amp's, in one of two ways, per param group:
+
+- where the group fits the kernels (``kernel_step.group_takes_kernels`` and ``kernels_taking``: CUDA, or CPU under
+  the tests' interpreter switch) and no fp32 master was materialised for clipping, one ``triton_dial`` launch per
+  list reads grad, master storage and moments once and writes them once, with the update math of
+  ``reference.adam_dial_``/``sgd_dial_``; the keys are computed on the device from the post-increment counts;
+- otherwise chunk by chunk: the chunk's masters and moments are decoded into fp32 temporaries, the optimizer's own
+  update runs on them (torch's functional ``adam``/``sgd``, or the optimizer's ``MasterUpdate``), then the moments
+  and the masters are encoded back.
+
+Both store the same layout and draw the same bits for a step (same seed, count and stream), so a run may move
+between them; the fp32 update itself may differ in the last bit (torch's functional update against the
+reference's order of ops), so they are not bitwise equal to each other.
+
+Stochastic rounding draws its bits from the session's seed, the tensor's step count after this step (Adam's
+``state["step"]``; for other optimizers amp keeps ``state["sr_step"]``, int64) and the stream ``4 * t + purpose``
+(``t`` the parameter's position in the param groups): the same on every DDP rank, the same after a resume. A
+step skipped on the device (``found_inf`` set) changes nothing, stored state included.
 
 Checkpoints: the optimizer's ``state_dict`` keeps torch's keys with the stored values, plus ``"amp_dial"``
 (the setting and the seed). Loading (into a session of any setting, or at O2/O5 with fp32 state) decodes what it
@@ -476,8 +488,8 @@ class DialGrads(_DialStep, RemainderGrads):
     """Masters kept in or as the bf16 weight (``"remainder"``, ``"remainder8"``, ``"stochastic"``), any moments.
 
     The gradient flow is ``RemainderGrads``'s (bf16 grads unscaled in place); the per-weight storage is an int16
-    or int8 remainder, or nothing (``"stochastic"``); every step is the chunked one (the Triton kernels assume
-    fp32 moments and exact masters).
+    or int8 remainder, or nothing (``"stochastic"``); a step takes ``triton_dial`` or the chunked path (see the
+    module docstring).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, dial: Dial) -> None:
@@ -626,7 +638,8 @@ class DialGrads(_DialStep, RemainderGrads):
 
 class CompressedStateGrads(_DialStep, OptimizerGrads):
     """fp32 masters (``master_weights=True``) with bf16 or 8-bit moments: the optimizer's own ``step()`` cannot
-    read them, so amp takes every step, chunk by chunk, and copies the masters into the model weights."""
+    read them, so amp takes every step: in ``triton_dial``, which writes the model weights, or chunk by chunk,
+    then copying the masters into the model weights."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, dial: Dial) -> None:
         super().__init__(optimizer, master_weights=True)
