@@ -290,11 +290,11 @@ def _build_tables(device: torch.device, lists: Sequence[Sequence[torch.Tensor]])
 
 
 def _to_device(table: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if device.type == "cpu":
+        return table  # Triton's interpreter (tests): the table is already where the kernel reads it
     # From pinned memory the copy is asynchronous for real (from pageable memory CUDA stages it through a pinned
     # buffer on the host first); torch's pinned allocator keeps the buffer until the copy has run.
-    if device.type == "cuda":
-        return table.pin_memory().to(device, non_blocking=True)
-    return table.to(device)
+    return table.pin_memory().to(device, non_blocking=True)
 
 
 def check_finite_(grads: TensorList, found_inf: torch.Tensor) -> None:
@@ -318,6 +318,12 @@ def check_finite_(grads: TensorList, found_inf: torch.Tensor) -> None:
 
 def _storage(masters: Masters) -> tuple[TensorList, TensorList, dict[str, Any]]:
     """The kernels' last two lists, and their STORAGE constants (the weight dtype matters only when written)."""
+    if masters.kind not in ("fp32", "remainder"):
+        # An int8 remainder would be read as int16, a bare bf16 weight as an fp32 master: triton_dial steps these.
+        raise ValueError(
+            f"the fused master step takes masters of kind 'fp32' or 'remainder', got {masters.kind!r} "
+            "(ampinit._masters.triton_dial steps the precision dial's kinds)"
+        )
     if masters.remainders:
         storage, lists, weight_dtype = _REMAINDER, (masters.weights, masters.remainders), torch.bfloat16
     elif masters.weights:
