@@ -1,16 +1,16 @@
 """When a master step takes the Triton kernels, and how the optimizer's state is kept for them.
 
 ``optimizer.step()`` of a master-weight optimizer normally runs the optimizer on the fp32 masters and then copies
-the masters into the half model weights. For ``torch.optim.Adam``, ``AdamW`` and ``SGD`` created with
-``fused=True`` (the user asked for a fused kernel's numerics), on CUDA with Triton importable, the step is instead
+the masters into the half model weights. For ``torch.optim.Adam``, ``AdamW`` and ``SGD``, whatever their
+``foreach``/``fused`` flags, on CUDA with Triton importable, the step is instead
 one Triton launch per (weight dtype) list (``ampinit._masters.triton_kernels``): it reads each master grad,
 updates the master and the optimizer state, and writes the half weight, so no copy-back pass follows. Remainder
 masters take the same kernels, group by group. The optimizer's ``state`` keeps torch's layout (``step``,
 ``exp_avg``, ``exp_avg_sq``; ``momentum_buffer``), so checkpoints move freely between this path and torch's.
 
 The rule, for both kinds of masters: the optimizer's update is torch's (``ampinit._masters.update.update_of``),
-its group asks for the fused numerics and takes no option the kernels lack (:func:`group_takes_kernels`: amsgrad,
-tensor lr or betas, differentiable), the device has kernels (:func:`kernels_for`), and every tensor is dense,
+its group takes no option the kernels lack (:func:`group_takes_kernels`: amsgrad, tensor lr or betas,
+differentiable), the device has kernels (:func:`kernels_for`), and every tensor is dense,
 contiguous, on one device, with a grad of its master's dtype (:func:`kernels_taking`). fp32 masters also leave the
 step to torch when its ``step`` has hooks or was wrapped by anyone but an lr scheduler (the remainder step never
 calls ``step``).
@@ -56,8 +56,14 @@ def kernels_for(device: torch.device) -> ModuleType | None:
 
 
 def group_takes_kernels(update: Update | None, group: dict[str, Any]) -> bool:
-    """Whether ``group`` of an optimizer whose update is ``update`` asks for the kernels' numerics and fits them."""
-    if update not in ("adam", "sgd") or not group.get("fused") or group.get("differentiable"):
+    """Whether ``group`` of an optimizer whose update is ``update`` fits the kernels.
+
+    Not only ``fused=True`` groups: the kernels' per-element math is that of torch's fused kernels, whose results
+    differ from its foreach and single-tensor paths in the last fp32 bits, as torch's fused kernels' own do
+    (measured in docs/opt-levels.md); a master step without the fp32 grad and copy-back passes is worth that on
+    every default optimizer.
+    """
+    if update not in ("adam", "sgd") or group.get("differentiable"):
         return False
     if not isinstance(group["lr"], float):
         return False
