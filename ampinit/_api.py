@@ -378,8 +378,12 @@ def master_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
     """The parameters ``optimizer`` updates: the fp32 masters with master weights, else the model's own.
 
     ``torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), max_norm)`` therefore clips the unscaled
-    gradients the step will use.
+    gradients the step will use: the fp32 master grads that amp's kernel step would not have written are written
+    when this is first iterated.
     """
+    session = _owner(optimizer)
+    if session is not None:
+        session.materialize_master_grads(optimizer)
     for group in optimizer.param_groups:
         yield from group["params"]
 

@@ -165,6 +165,13 @@ class AmpSession:
                 return master
         return None
 
+    def materialize_master_grads(self, optimizer: torch.optim.Optimizer) -> None:
+        """Write ``optimizer``'s fp32 master grads if amp's kernel step left them in the half grads (someone asks
+        for them: ``amp.master_params``)."""
+        record = self._record_of(optimizer)
+        if record is not None:
+            record.grads.materialize_master_grads()
+
     def _record_of(self, optimizer: object) -> OptimizerRecord | None:
         record = self._records.get(id(optimizer))
         return record if record is not None and record.optimizer is optimizer else None

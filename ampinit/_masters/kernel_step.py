@@ -75,12 +75,14 @@ def kernels_taking(
     found_inf: torch.Tensor | None,
     weights: Mapping[int, torch.Tensor],
     remainders: Container[int],
+    grads: list[torch.Tensor | None] | None = None,
 ) -> ModuleType | None:
     """The kernels, if they take every one of ``params`` (the optimizer's, each with a grad), else None.
 
     Every parameter is on one device (the flag's, when there is one) and is an fp32 master, or a bf16 weight
-    whose id is in ``remainders``; it and its grad (of its own dtype) are dense and contiguous, and so is the model
-    weight ``weights`` maps its id to, if any.
+    whose id is in ``remainders``; it and its grad are dense and contiguous, and so is the model weight
+    ``weights`` maps its id to, if any. ``grads`` are what the kernels will read (default: each parameter's own
+    grad, of its dtype); a master's may be its model weight's half grad.
     """
     if not params:
         return None
@@ -88,8 +90,8 @@ def kernels_taking(
     kernels = kernels_for(device)
     if kernels is None:
         return None
-    for param in params:
-        grad, weight = param.grad, weights.get(id(param))
+    for param, grad in zip(params, grads if grads is not None else [p.grad for p in params]):
+        weight = weights.get(id(param))
         master_dtype = torch.bfloat16 if id(param) in remainders else torch.float32
         if not (
             grad is not None
@@ -97,7 +99,8 @@ def kernels_taking(
             and param.device == device
             and param.is_contiguous()
             and not grad.is_sparse
-            and grad.dtype == param.dtype
+            and grad.device == device
+            and (grad.dtype == param.dtype or (weight is not None and grad is weight.grad))
             and grad.is_contiguous()
             and (weight is None or weight.is_contiguous())
         ):
@@ -105,15 +108,32 @@ def kernels_taking(
     return kernels
 
 
+def _hooked(opt: torch.optim.Optimizer) -> bool:
+    """Whether a step hook (of ``opt``, or global) would run around ``opt``'s step."""
+    if opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks:
+        return True
+    return bool(optim_module._global_optimizer_pre_hooks or optim_module._global_optimizer_post_hooks)
+
+
 def _plain_step(opt: torch.optim.Optimizer, original: Callable[..., Any]) -> bool:
     """Whether ``original`` is the class's own step (possibly behind an lr scheduler's counter) and no hook is set."""
-    if opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks:
-        return False
-    if optim_module._global_optimizer_pre_hooks or optim_module._global_optimizer_post_hooks:
+    if _hooked(opt):
         return False
     if getattr(original, "_wrapped_by_lr_sched", False):
         return True
     return getattr(original, "__func__", None) is type(opt).step
+
+
+def takes_half_grads(opt: torch.optim.Optimizer, update: Update | None, model_of: Mapping[int, torch.Tensor]) -> bool:
+    """Whether ``opt``'s next step, as it stands after a backward, will take the kernels reading the half grads of
+    the model weights (``model_of``: id(master) -> weight) with ``1/scale``: then no fp32 master grad is needed.
+
+    A prediction for ``scale_loss``'s exit: a step that turns out otherwise (a wrapped ``step``, a hook added
+    since) makes the master grads first (``OptimizerGrads.materialize_master_grads``).
+    """
+    if not all(group_takes_kernels(update, group) for group in opt.param_groups) or _hooked(opt):
+        return False
+    return _plan(opt, update, model_of, None, half_grads=True) is not None
 
 
 def step_fp32_masters(
@@ -122,42 +142,73 @@ def step_fp32_masters(
     model_of: dict[int, torch.Tensor],
     original: Callable[..., Any],
     found_inf: torch.Tensor | None,
+    half_grads: bool = False,
+    inv_scale: torch.Tensor | None = None,
 ) -> bool:
     """Take ``opt``'s step through the kernels, writing the half weights; False (nothing done) if it can't.
 
     ``update`` is ``update_of(opt)``; ``model_of`` maps id(master) -> half model parameter. ``found_inf`` is the
     device flag of a step that skips by itself (sync-free mode), or None for a step decided on the host.
+    ``half_grads``: the masters' grads are their weights' half grads, still to be multiplied by ``inv_scale``
+    (None: by nothing); the grads of parameters without a weight are their own, unscaled.
     """
     if not all(group_takes_kernels(update, group) for group in opt.param_groups) or not _plain_step(opt, original):
         return False
-    planned = _plan(opt, update, model_of, found_inf)
+    planned = _plan(opt, update, model_of, found_inf, half_grads)
     if planned is None:
         return False
     kernels, plan = planned
     opt._opt_called = True  # type: ignore[attr-defined]  # what an lr scheduler's step wrapper records
-    for group, params in plan:
+    for group, params, grads in plan:
         # One launch per weight dtype; masters without a model weight (None) write nothing back.
-        dtype_of = {id(p): model_of[id(p)].dtype if id(p) in model_of else None for p in params}
-        for weight_dtype in set(dtype_of.values()):
-            chosen = [p for p in params if dtype_of[id(p)] == weight_dtype]
-            weights = [model_of[id(p)] for p in chosen] if weight_dtype is not None else []
-            run_kernels(update, kernels, opt, group, chosen, Masters.fp32(chosen, weights), found_inf)
+        dtype_of = [model_of[id(p)].dtype if id(p) in model_of else None for p in params]
+        for weight_dtype in set(dtype_of):
+            chosen = [i for i, dtype in enumerate(dtype_of) if dtype == weight_dtype]
+            masters = [params[i] for i in chosen]
+            weights = [model_of[id(p)] for p in masters] if weight_dtype is not None else []
+            scaled = half_grads and weight_dtype is not None
+            run_kernels(
+                update,
+                kernels,
+                opt,
+                group,
+                masters,
+                Masters.fp32(masters, weights),
+                found_inf,
+                [grads[i] for i in chosen],
+                inv_scale if scaled else None,
+            )
     return True
 
 
 def _plan(
-    opt: torch.optim.Optimizer, update: Update | None, model_of: dict[int, torch.Tensor], found_inf: torch.Tensor | None
-) -> tuple[ModuleType, list[tuple[dict[str, Any], list[torch.Tensor]]]] | None:
-    """The kernels and each group's parameters with a grad, or None when any of them is beyond the kernels."""
-    params_of = [(group, [p for p in group["params"] if p.grad is not None]) for group in opt.param_groups]
-    kernels = kernels_taking([p for _, params in params_of for p in params], found_inf, model_of, ())
+    opt: torch.optim.Optimizer,
+    update: Update | None,
+    model_of: Mapping[int, torch.Tensor],
+    found_inf: torch.Tensor | None,
+    half_grads: bool,
+) -> tuple[ModuleType, list[tuple[dict[str, Any], list[torch.Tensor], list[torch.Tensor]]]] | None:
+    """The kernels and each group's parameters with a grad and those grads (a master's is its weight's with
+    ``half_grads``), or None when any of them is beyond the kernels."""
+    plan = []
+    for group in opt.param_groups:
+        pairs = [(p, _grad_read(p, model_of, half_grads)) for p in group["params"]]
+        taken = [(p, g) for p, g in pairs if g is not None]
+        plan.append((group, [p for p, _ in taken], [g for _, g in taken]))
+    params = [p for _, ps, _ in plan for p in ps]
+    kernels = kernels_taking(params, found_inf, model_of, (), [g for _, _, gs in plan for g in gs])
     if kernels is None:
         return None
-    for group, params in params_of:
-        first_momentum = any("momentum_buffer" not in opt.state.get(p, {}) for p in params)
+    for group, params_in_group, _ in plan:
+        first_momentum = any("momentum_buffer" not in opt.state.get(p, {}) for p in params_in_group)
         if update == "sgd" and group["momentum"] != 0 and found_inf is not None and first_momentum:
             return None  # a first step that may be skipped on the device: torch's path handles it
-    return kernels, params_of
+    return kernels, plan
+
+
+def _grad_read(param: torch.Tensor, model_of: Mapping[int, torch.Tensor], half_grads: bool) -> torch.Tensor | None:
+    weight = model_of.get(id(param)) if half_grads else None
+    return param.grad if weight is None else weight.grad
 
 
 def run_kernels(
@@ -168,17 +219,28 @@ def run_kernels(
     params: list[torch.Tensor],
     masters: Masters,
     found_inf: torch.Tensor | None,
+    grads: list[torch.Tensor] | None = None,
+    inv_scale: torch.Tensor | None = None,
 ) -> None:
-    """``update`` ("adam" or "sgd") on ``masters`` through ``kernels``; ``params`` (the optimizer's own) hold the
-    grads and key the optimizer's state. Adam is one launch; SGD two when some momentum buffers start."""
+    """``update`` ("adam" or "sgd") on ``masters`` through ``kernels``; ``params`` (the optimizer's own) key the
+    optimizer's state and hold the grads, unless ``grads`` (times ``inv_scale``) are given. Adam is one launch;
+    SGD two when some momentum buffers start."""
+    read = grads if grads is not None else [_grad(p) for p in params]
     if update == "adam":
         inputs = adam_inputs(opt, group, params, found_inf)
-        kernels.adam_([_grad(p) for p in params], masters, *inputs, found_inf=found_inf)
+        kernels.adam_(read, masters, *inputs, inv_scale=inv_scale, found_inf=found_inf)
         return
     settings = SgdSettings.of(group)
     for first_step, chosen, buffers in sgd_batches(opt, group, params):
-        grads = [_grad(params[i]) for i in chosen]
-        kernels.sgd_(grads, masters.take(chosen), buffers, settings, first_step=first_step, found_inf=found_inf)
+        kernels.sgd_(
+            [read[i] for i in chosen],
+            masters.take(chosen),
+            buffers,
+            settings,
+            first_step=first_step,
+            inv_scale=inv_scale,
+            found_inf=found_inf,
+        )
 
 
 def _grad(param: torch.Tensor) -> torch.Tensor:
