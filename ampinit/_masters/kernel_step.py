@@ -25,7 +25,6 @@ from typing import Any
 import torch
 import torch.optim.optimizer as optim_module
 
-from ampinit import _torch_kernels as engine_kernels
 from ampinit._masters import reference
 from ampinit._masters.reference import AdamSettings, Masters, SgdSettings
 from ampinit._masters.update import Update
@@ -275,14 +274,41 @@ def adam_inputs(
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor, AdamSettings]:
     """What an Adam kernel takes besides grads and masters: ``(exp_avgs, exp_avg_sqs, step_scalars, settings)``.
 
-    The step counts advance here (on the device, not where ``found_inf`` is set).
+    The step counts advance here (on the device, not where ``found_inf`` is set), as one tensor (:func:`packed_steps`).
     """
     states = [adam_state(opt, group, p) for p in params]
-    steps = [s["step"] for s in states]
-    engine_kernels.advance_steps_(steps, found_inf)
+    steps = packed_steps(states)
+    steps.add_(1.0)
+    if found_inf is not None:
+        steps.sub_(found_inf.reshape(()))
     settings = AdamSettings.of(opt, group)
     scalars = reference.adam_step_scalars(steps, settings.beta1, settings.beta2, settings.lr)
     return [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], scalars.to(params[0].device), settings
+
+
+def packed_steps(states: list[dict[str, Any]]) -> torch.Tensor:
+    """The ``step`` counts of ``states`` as one 1-D tensor whose elements the states' ``step`` entries are views of.
+
+    torch keeps a 0-d step count per parameter; advancing 150 of them one by one, and stacking them to compute the
+    bias corrections, cost more host time than the rest of the step (0.6 and 0.2 ms on CPU). Views of one tensor
+    keep torch's layout (each entry a 0-d tensor of its dtype and device, in ``state_dict`` and checkpoints) and
+    make both one op. Entries that are not views of one tensor in this order (a first step, a loaded
+    ``state_dict``, another set of parameters with grads) are packed again, values kept.
+    """
+    views = [state["step"] for state in states]
+    base: torch.Tensor | None = views[0]._base
+    if (
+        base is not None
+        and base.dim() == 1
+        and base.numel() == len(views)
+        and all(view._base is base for view in views)
+        and all(view.storage_offset() == i for i, view in enumerate(views))
+    ):
+        return base
+    packed = torch.stack([view.reshape(()) for view in views])
+    for state, view in zip(states, packed.unbind()):
+        state["step"] = view
+    return packed
 
 
 def sgd_batches(
