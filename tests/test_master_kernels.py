@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from ampinit._masters import reference as ref
+from ampinit.optimizers import FusedAdam, FusedSGD
 from tests import _triton
 
 pytest.importorskip("triton", reason="triton is not installed (pip install triton); the kernels are tested through it")
@@ -443,3 +444,52 @@ def test_unfused_torch_optimizers_take_the_kernels_within_the_documented_toleran
         assert all(ours[k].device == theirs[k].device and ours[k].dtype == theirs[k].dtype for k in ours)
         if "step" in ours:
             assert torch.equal(ours["step"], theirs["step"])
+
+
+APEX_OPTIMIZERS = {
+    "fused-adam-w": lambda ps: FusedAdam(ps, lr=1e-2, weight_decay=0.1),
+    "fused-adam-l2-no-bias-correction": lambda ps: FusedAdam(
+        ps, lr=1e-2, weight_decay=0.01, adam_w_mode=False, bias_correction=False
+    ),
+    "fused-sgd": lambda ps: FusedSGD(ps, lr=0.1, momentum=0.9, weight_decay=1e-4),
+    "fused-sgd-dampening": lambda ps: FusedSGD(ps, lr=0.1, momentum=0.9, dampening=0.1),
+}
+
+
+@pytest.mark.parametrize("level", ["O2", "O5"])
+@pytest.mark.parametrize("name", list(APEX_OPTIMIZERS))
+def test_fused_adam_and_sgd_take_the_kernels_with_their_settings(
+    kernels: ModuleType, monkeypatch: pytest.MonkeyPatch, level: str, name: str
+) -> None:
+    """ampinit's FusedAdam/FusedSGD map onto the kernels (adam_w_mode, bias_correction, dampening...): the
+    kernels give the reference's bits, and train as the optimizer's own step does (within the bound of
+    docs/opt-levels.md), its state where it keeps it."""
+    tensors, state, launches = train(monkeypatch, kernels, level, APEX_OPTIMIZERS[name])
+    ref_tensors, ref_state, _ = train(monkeypatch, ref, level, APEX_OPTIMIZERS[name])
+    assert launches > 0
+    assert_same(tensors, ref_tensors)
+    assert_same(state_tensors(state), state_tensors(ref_state))
+    own_tensors, own_state, _ = train(monkeypatch, None, level, APEX_OPTIMIZERS[name])
+    half_ulp = {"O2": 2.0**-10, "O5": 2.0**-7}[level]
+    lr = state["param_groups"][0]["lr"]
+    for ours, theirs in zip(tensors, own_tensors):
+        if ours.dtype == torch.float32:
+            torch.testing.assert_close(ours, theirs, rtol=0.0, atol=1e-5 * lr * 4)
+        else:
+            torch.testing.assert_close(ours.float(), theirs.float(), rtol=half_ulp, atol=0.0)
+    assert state["param_groups"] == own_state["param_groups"]  # FusedAdam's group step count included
+
+
+@pytest.mark.parametrize(
+    "make_opt",
+    [
+        lambda ps: FusedAdam(ps, lr=1e-2, capturable=True),
+        lambda ps: FusedSGD(ps, lr=0.1, momentum=0.9, weight_decay=1e-4, wd_after_momentum=True),
+    ],
+    ids=["capturable", "wd-after-momentum"],
+)
+def test_fused_optimizers_keep_their_own_step_where_the_kernels_lack_an_option(
+    kernels: ModuleType, monkeypatch: pytest.MonkeyPatch, make_opt: Any
+) -> None:
+    _, _, launches = train(monkeypatch, kernels, "O2", make_opt)
+    assert launches == 0

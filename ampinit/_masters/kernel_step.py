@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Container, Iterator, Mapping
 from types import ModuleType
-from typing import Any
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 import torch.optim.optimizer as optim_module
@@ -52,6 +52,55 @@ def kernels_for(device: torch.device) -> ModuleType | None:
     from ampinit._masters import triton_kernels
 
     return triton_kernels
+
+
+@runtime_checkable
+class KernelOptimizer(Protocol):
+    """An optimizer other than torch's whose step the kernels may take (ampinit's FusedAdam and FusedSGD): it
+    names the update it runs, gives a group's settings in the kernels' terms, and keeps the state they use (for
+    SGD torch's ``momentum_buffer`` layout). Only the class that defines ``kernel_settings`` is taken at its word,
+    as with ``update.MasterUpdate``: a subclass may have changed ``step()``."""
+
+    kernel_update: Literal["adam", "sgd"]
+
+    def kernel_settings(self, group: dict[str, Any]) -> AdamSettings | SgdSettings | None:
+        """``group``'s settings, or None where it takes an option the kernels lack (its own step then runs)."""
+
+
+@runtime_checkable
+class KernelAdamState(Protocol):
+    """A :class:`KernelOptimizer` whose update is Adam keeps its moments and step count its own way."""
+
+    def kernel_adam_state(
+        self, group: dict[str, Any], params: list[torch.Tensor]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+        """``(exp_avgs, exp_avg_sqs, steps)`` of one Adam launch over ``params``: ``steps`` (1-D, one per tensor) is
+        the step number each update's bias corrections use."""
+
+    def kernel_count_step(self, group: dict[str, Any], found_inf: torch.Tensor | None) -> None:
+        """Count the step of ``group`` that the kernels took (all its launches), unless ``found_inf`` is set."""
+
+
+def _kernel_optimizer(opt: torch.optim.Optimizer) -> KernelOptimizer | None:
+    if isinstance(opt, KernelOptimizer) and "kernel_settings" in vars(type(opt)):
+        return opt
+    return None
+
+
+def kernel_update(opt: torch.optim.Optimizer, update: Update | None) -> Update | None:
+    """The update the kernels would run for ``opt`` (``update`` is ``update_of(opt)``), or None."""
+    if update in ("adam", "sgd"):
+        return update
+    own = _kernel_optimizer(opt)
+    return None if own is None else own.kernel_update
+
+
+def _takes_kernels(opt: torch.optim.Optimizer, update: Update | None) -> bool:
+    """Whether every group of ``opt`` fits the kernels (the group rule of torch's optimizers, or the optimizer's)."""
+    own = _kernel_optimizer(opt)
+    if own is not None:
+        return all(own.kernel_settings(group) is not None for group in opt.param_groups)
+    return all(group_takes_kernels(update, group) for group in opt.param_groups)
 
 
 def group_takes_kernels(update: Update | None, group: dict[str, Any]) -> bool:
@@ -130,7 +179,8 @@ def takes_half_grads(opt: torch.optim.Optimizer, update: Update | None, model_of
     A prediction for ``scale_loss``'s exit: a step that turns out otherwise (a wrapped ``step``, a hook added
     since) makes the master grads first (``OptimizerGrads.materialize_master_grads``).
     """
-    if not all(group_takes_kernels(update, group) for group in opt.param_groups) or _hooked(opt):
+    update = kernel_update(opt, update)
+    if not _takes_kernels(opt, update) or _hooked(opt):
         return False
     return _plan(opt, update, model_of, None, half_grads=True) is not None
 
@@ -151,7 +201,8 @@ def step_fp32_masters(
     ``half_grads``: the masters' grads are their weights' half grads, still to be multiplied by ``inv_scale``
     (None: by nothing); the grads of parameters without a weight are their own, unscaled.
     """
-    if not all(group_takes_kernels(update, group) for group in opt.param_groups) or not _plain_step(opt, original):
+    update = kernel_update(opt, update)
+    if not _takes_kernels(opt, update) or not _plain_step(opt, original):
         return False
     planned = _plan(opt, update, model_of, found_inf, half_grads)
     if planned is None:
@@ -177,6 +228,9 @@ def step_fp32_masters(
                 [grads[i] for i in chosen],
                 inv_scale if scaled else None,
             )
+        own = _kernel_optimizer(opt)
+        if isinstance(own, KernelAdamState) and params:
+            own.kernel_count_step(group, found_inf)
     return True
 
 
@@ -229,7 +283,9 @@ def run_kernels(
         inputs = adam_inputs(opt, group, params, found_inf)
         kernels.adam_(read, masters, *inputs, inv_scale=inv_scale, found_inf=found_inf)
         return
-    settings = SgdSettings.of(group)
+    own = _kernel_optimizer(opt)
+    settings = own.kernel_settings(group) if own is not None else SgdSettings.of(group)
+    assert isinstance(settings, SgdSettings)
     for first_step, chosen, buffers in sgd_batches(opt, group, params):
         kernels.sgd_(
             [read[i] for i in chosen],
@@ -276,14 +332,21 @@ def adam_inputs(
 
     The step counts advance here (on the device, not where ``found_inf`` is set), as one tensor (:func:`packed_steps`).
     """
-    states = [adam_state(opt, group, p) for p in params]
-    steps = packed_steps(states)
-    steps.add_(1.0)
-    if found_inf is not None:
-        steps.sub_(found_inf.reshape(()))
-    settings = AdamSettings.of(opt, group)
+    own = _kernel_optimizer(opt)
+    if own is not None:
+        settings = own.kernel_settings(group)
+        assert isinstance(settings, AdamSettings) and isinstance(own, KernelAdamState)
+        exp_avgs, exp_avg_sqs, steps = own.kernel_adam_state(group, params)
+    else:
+        states = [adam_state(opt, group, p) for p in params]
+        steps = packed_steps(states)
+        steps.add_(1.0)
+        if found_inf is not None:
+            steps.sub_(found_inf.reshape(()))
+        settings = AdamSettings.of(opt, group)
+        exp_avgs, exp_avg_sqs = [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
     scalars = reference.adam_step_scalars(steps, settings.beta1, settings.beta2, settings.lr)
-    return [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], scalars.to(params[0].device), settings
+    return exp_avgs, exp_avg_sqs, scalars.to(params[0].device), settings
 
 
 def packed_steps(states: list[dict[str, Any]]) -> torch.Tensor:
