@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Container, Iterator, Mapping
 from types import ModuleType
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, cast, runtime_checkable
 
 import torch
 import torch.optim.optimizer as optim_module
@@ -82,8 +82,10 @@ class KernelAdamState(Protocol):
 
 
 def _kernel_optimizer(opt: torch.optim.Optimizer) -> KernelOptimizer | None:
-    if isinstance(opt, KernelOptimizer) and "kernel_settings" in vars(type(opt)):
-        return opt
+    # The class's own attributes, not isinstance: a runtime Protocol check costs more than the rest of a step's
+    # per-group work, and only the defining class counts anyway.
+    if "kernel_settings" in vars(type(opt)):
+        return cast(KernelOptimizer, opt)
     return None
 
 
@@ -211,11 +213,12 @@ def step_fp32_masters(
     opt._opt_called = True  # type: ignore[attr-defined]  # what an lr scheduler's step wrapper records
     for group, params, grads in plan:
         # One launch per weight dtype; masters without a model weight (None) write nothing back.
-        dtype_of = [model_of[id(p)].dtype if id(p) in model_of else None for p in params]
+        weight_of = [model_of.get(id(p)) for p in params]
+        dtype_of = [None if w is None else w.dtype for w in weight_of]
         for weight_dtype in set(dtype_of):
             chosen = [i for i, dtype in enumerate(dtype_of) if dtype == weight_dtype]
             masters = [params[i] for i in chosen]
-            weights = [model_of[id(p)] for p in masters] if weight_dtype is not None else []
+            weights = [w for i in chosen if (w := weight_of[i]) is not None]
             scaled = half_grads and weight_dtype is not None
             run_kernels(
                 update,
@@ -228,9 +231,8 @@ def step_fp32_masters(
                 [grads[i] for i in chosen],
                 inv_scale if scaled else None,
             )
-        own = _kernel_optimizer(opt)
-        if isinstance(own, KernelAdamState) and params:
-            own.kernel_count_step(group, found_inf)
+        if update == "adam" and params and _kernel_optimizer(opt) is not None:
+            cast(KernelAdamState, opt).kernel_count_step(group, found_inf)
     return True
 
 
@@ -245,7 +247,10 @@ def _plan(
     ``half_grads``), or None when any of them is beyond the kernels."""
     plan = []
     for group in opt.param_groups:
-        pairs = [(p, _grad_read(p, model_of, half_grads)) for p in group["params"]]
+        if half_grads:
+            pairs = [(p, p.grad if (w := model_of.get(id(p))) is None else w.grad) for p in group["params"]]
+        else:
+            pairs = [(p, p.grad) for p in group["params"]]
         taken = [(p, g) for p, g in pairs if g is not None]
         plan.append((group, [p for p, _ in taken], [g for _, g in taken]))
     params = [p for _, ps, _ in plan for p in ps]
@@ -253,15 +258,14 @@ def _plan(
     if kernels is None:
         return None
     for group, params_in_group, _ in plan:
-        first_momentum = any("momentum_buffer" not in opt.state.get(p, {}) for p in params_in_group)
-        if update == "sgd" and group["momentum"] != 0 and found_inf is not None and first_momentum:
+        if (
+            update == "sgd"
+            and group["momentum"] != 0
+            and found_inf is not None
+            and any("momentum_buffer" not in opt.state.get(p, {}) for p in params_in_group)
+        ):
             return None  # a first step that may be skipped on the device: torch's path handles it
     return kernels, plan
-
-
-def _grad_read(param: torch.Tensor, model_of: Mapping[int, torch.Tensor], half_grads: bool) -> torch.Tensor | None:
-    weight = model_of.get(id(param)) if half_grads else None
-    return param.grad if weight is None else weight.grad
 
 
 def run_kernels(
@@ -335,8 +339,8 @@ def adam_inputs(
     own = _kernel_optimizer(opt)
     if own is not None:
         settings = own.kernel_settings(group)
-        assert isinstance(settings, AdamSettings) and isinstance(own, KernelAdamState)
-        exp_avgs, exp_avg_sqs, steps = own.kernel_adam_state(group, params)
+        assert isinstance(settings, AdamSettings)
+        exp_avgs, exp_avg_sqs, steps = cast(KernelAdamState, own).kernel_adam_state(group, params)
     else:
         states = [adam_state(opt, group, p) for p in params]
         steps = packed_steps(states)
@@ -360,18 +364,16 @@ def packed_steps(states: list[dict[str, Any]]) -> torch.Tensor:
     """
     views = [state["step"] for state in states]
     base: torch.Tensor | None = views[0]._base
-    if (
-        base is not None
-        and base.dim() == 1
-        and base.numel() == len(views)
-        and all(view._base is base for view in views)
-        and all(view.storage_offset() == i for i, view in enumerate(views))
-    ):
+    if base is not None and base.dim() == 1 and base.numel() == len(views) and _views_in_order(views, base):
         return base
     packed = torch.stack([view.reshape(()) for view in views])
     for state, view in zip(states, packed.unbind()):
         state["step"] = view
     return packed
+
+
+def _views_in_order(views: list[torch.Tensor], base: torch.Tensor) -> bool:
+    return all(view._base is base and view.storage_offset() == i for i, view in enumerate(views))
 
 
 def sgd_batches(
