@@ -112,9 +112,9 @@ def test_a_step_hook_sees_todays_master_grads(kernels_on_cpu: ModuleType, monkey
         def hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
             seen.extend(_bits(_master_grads(optimizer)))
 
+        _backward(model, opt, "O2", 0)  # no hook yet: the exit leaves the master grads to the kernels
         handle = opt.register_step_pre_hook(hook)
         try:
-            _backward(model, opt, "O2", 0)
             opt.step()
         finally:
             handle.remove()
