@@ -12,9 +12,9 @@ from torch import nn
 from ampinit import _registry
 from ampinit._distributed import is_sharded
 from ampinit._loss_scale import DynamicLossScale
-from ampinit._masters import remainder_update
+from ampinit._masters import dial_setting, remainder_update
 from ampinit._opt_levels import Properties
-from ampinit._options import DEFAULT_MAX_LOSS_SCALE, AmpOptions, resolve_options
+from ampinit._options import DEFAULT_MAX_LOSS_SCALE, AmpOptions, OptimizerStateName, resolve_options
 from ampinit._session import AmpSession, AmpStats
 from ampinit._types import HALF_DTYPES, MODEL_DTYPES, CastPolicyName, Optimizers, OptLevel
 
@@ -56,6 +56,7 @@ def initialize(
     sync_free: bool = False,
     skip_nonfinite: bool = True,
     allow_half_model: bool = False,
+    optimizer_state: OptimizerStateName = "fp32",
 ) -> _Models: ...
 
 
@@ -82,6 +83,7 @@ def initialize(
     sync_free: bool = False,
     skip_nonfinite: bool = True,
     allow_half_model: bool = False,
+    optimizer_state: OptimizerStateName = "fp32",
 ) -> tuple[_Models, _Optimizers]: ...
 
 
@@ -107,6 +109,7 @@ def initialize(
     sync_free: bool = False,
     skip_nonfinite: bool = True,
     allow_half_model: bool = False,
+    optimizer_state: str = "fp32",
 ) -> Any:
     """Prepare models and optimizers for mixed-precision training at ``opt_level``.
 
@@ -122,7 +125,9 @@ def initialize(
             the level's properties (``None`` keeps the level's value). Apex's strings are accepted: ``"True"``,
             ``"False"``, ``"128.0"``, ``"dynamic"``. ``loss_scale`` also takes a :class:`DynamicLossScale`.
             ``master_weights="remainder"`` (bf16 models) keeps each fp32 master as the bf16 weight plus its low 16
-            bits: 2 bytes per parameter instead of 4, no copy-back pass (see docs/opt-levels.md).
+            bits: 2 bytes per parameter instead of 4, no copy-back pass; ``"remainder8"`` keeps 8 of them (a
+            24-bit master, the dropped bits stochastically rounded), ``"stochastic"`` none (the bf16 weight itself,
+            updated with stochastic rounding). See docs/precision.md.
         cast_model_outputs: dtype for the model's floating outputs (default: fp32 when the model is cast).
         num_losses: how many losses (``loss_id`` values) get their own loss scaler.
         verbosity: 0 silences ampinit's log messages, 1 logs the option table and overflows.
@@ -133,10 +138,11 @@ def initialize(
             PyTorch's lists only.
         allow_banned: under O1/O4, compute ``binary_cross_entropy`` on half inputs in fp32 instead of raising
             (Apex's ``allow_banned``).
-        sync_free: never wait for the device to decide a skip: the overflow flag goes straight into optimizers
-            that can skip inside their own kernel (``torch.optim.Adam/AdamW/SGD/Adagrad(fused=True)`` and
-            ``ampinit.optimizers``); other optimizers still read it once per step. Overflows are then not
-            logged, and ``DynamicLossScale(raise_at_min=True)`` is refused.
+        sync_free: never wait for the device to decide a skip, also with a dynamic scale (a static scale never
+            waits): the overflow flag goes straight into optimizers that can skip inside their own kernel
+            (``torch.optim.Adam/AdamW/SGD/Adagrad(fused=True)`` and ``ampinit.optimizers``); other optimizers
+            still read it once per step. Overflows are then not logged, and
+            ``DynamicLossScale(raise_at_min=True)`` is refused.
         skip_nonfinite: ``True`` (default): at every level, an ``optimizer.step()`` whose gradients from
             ``scale_loss`` hold inf/NaN is skipped (weights and optimizer state unchanged), also with a static
             loss scale and at O0/O3/O4. ``False``: a static loss scale behaves as in Apex, which never checks:
@@ -146,6 +152,11 @@ def initialize(
             ``_amp_state.allow_incoming_model_not_fp32``). By default an fp16 model is refused, as in Apex,
             because it usually means ``.half()`` was called by mistake before ``initialize``; bf16 and fp32
             weights are always accepted.
+        optimizer_state: how the moments of Adam/AdamW (``exp_avg``, ``exp_avg_sq``) and SGD's momentum are
+            stored between steps: ``"fp32"`` (torch's), ``"bf16"`` (stochastically rounded) or ``"8bit"``
+            (block-wise quantized). Not fp32 needs master weights (O2/O5, or a ``master_weights`` setting).
+            The random bits of stochastic rounding are seeded from ``torch.initial_seed()`` here and saved in the
+            optimizer's ``state_dict``, so runs repeat and resume bitwise. See docs/precision.md.
 
     Returns:
         The models and optimizers, in the shape they were given (lists stay lists; Apex refuses tuples, and so
@@ -171,6 +182,7 @@ def initialize(
         sync_free=sync_free,
         skip_nonfinite=skip_nonfinite,
         allow_half_model=allow_half_model,
+        optimizer_state=optimizer_state,
     )
     model_list, models_were_list = _as_list(
         models, nn.Module, "models must be either a single model or a list of models."
@@ -191,9 +203,10 @@ def _check_objects(models: list[nn.Module], optimizers: list[torch.optim.Optimiz
     _check_models(models, options.allow_half_model)
     _check_sharding(models, options.properties)
     _check_optimizers(optimizers)
-    if options.properties.remainder_masters:  # optimizers it has no update for
+    if options.properties.remainder_masters or options.optimizer_state != "fp32":  # optimizers it has no update for
+        setting = dial_setting(options.properties.master_weights, options.optimizer_state)
         for opt in optimizers:
-            remainder_update(opt)
+            remainder_update(opt, setting)
 
 
 def _as_list(value: Any, kind: type, message: str) -> tuple[list[Any], bool]:
@@ -378,12 +391,15 @@ def master_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
     """The parameters ``optimizer`` updates: the fp32 masters with master weights, else the model's own.
 
     ``torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), max_norm)`` therefore clips the unscaled
-    gradients the step will use: the fp32 master grads that amp's kernel step would not have written are written
-    when this is first iterated.
+    gradients the step will use: the fp32 master grads that amp's kernel step reads from the half grads are
+    written when this is first iterated. Where the masters live in the bf16 weights (``master_weights="remainder"``,
+    ``"remainder8"``, ``"stochastic"``) they are fp32 tensors made when asked, with fp32 grads, which the next step
+    takes as its masters and grads.
     """
     session = _owner(optimizer)
     if session is not None:
-        session.materialize_master_grads(optimizer)
+        yield from session.master_params(optimizer)
+        return
     for group in optimizer.param_groups:
         yield from group["params"]
 

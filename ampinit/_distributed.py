@@ -66,6 +66,18 @@ def agree_on_overflow_(flag: torch.Tensor) -> None:
         flag.copy_(buffer)
 
 
+def rank0_seed(seed: int) -> int:
+    """Rank 0's ``seed`` on every rank (``seed`` itself outside a multi-rank job): stochastic rounding must draw the
+    same bits on every rank, whatever seed each rank's ``torch.manual_seed`` was given."""
+    if world_size() <= 1:
+        return seed
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    buffer = _exchange_buffer(torch.empty(1, dtype=torch.int64, device=device))
+    buffer.fill_(seed)
+    dist.broadcast(buffer, src=0)
+    return int(buffer.item())
+
+
 def is_sharded(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is a ``DTensor`` (an FSDP2 / tensor-parallel shard)."""
     dtensor = _dtensor_type()

@@ -7,8 +7,9 @@ This is the policy layer: plain data and checks, no torch state is touched. O0-O
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -18,8 +19,13 @@ from ampinit._loss_scale import DynamicLossScale
 from ampinit._types import HALF_DTYPES, MODEL_DTYPES, OPT_LEVELS, OptLevel
 
 LossScaleSetting = float | Literal["dynamic"] | DynamicLossScale
-#: ``True``: fp32 masters; ``"remainder"``: bf16 weights plus 16-bit remainders (``ampinit._masters.remainder``).
-MasterWeights = bool | Literal["remainder"] | None
+#: ``True``: fp32 masters; ``"remainder"``: bf16 weights plus 16-bit remainders (``ampinit._masters.remainder``);
+#: ``"remainder8"``: bf16 weights plus 8-bit remainders; ``"stochastic"``: the bf16 weights alone, updated with
+#: stochastic rounding (``ampinit._masters.precision``, ``ampinit._masters.dial_grads``).
+BF16MasterWeights = Literal["remainder", "remainder8", "stochastic"]
+MasterWeights = bool | BF16MasterWeights | None
+#: The ``master_weights`` values kept in (or as) the bf16 weight, which need a bfloat16 model.
+BF16_MASTER_WEIGHTS: tuple[BF16MasterWeights, ...] = ("remainder", "remainder8", "stochastic")
 
 #: The order in which Apex applies overrides; each is checked against the selected opt level.
 OVERRIDE_ORDER: tuple[str, ...] = (
@@ -70,8 +76,9 @@ class Properties:
 
     @property
     def remainder_masters(self) -> bool:
-        """Masters kept as the bf16 weight plus the low 16 bits of each fp32 master (``master_weights="remainder"``)."""
-        return self.master_weights == "remainder"
+        """Masters kept in or as the bf16 weight (``master_weights="remainder"``, ``"remainder8"``, ``"stochastic"``):
+        no fp32 master tensors, amp takes every step."""
+        return self.master_weights in BF16_MASTER_WEIGHTS
 
     @property
     def short_circuits(self) -> bool:
@@ -263,24 +270,36 @@ def _check_master_weights(level: OptLevel, value: object) -> MasterWeights:
             f"It doesn't make sense to use master_weights with {level}. With {level}, your model weights "
             "themselves should be FP32."
         )
-    if value == "remainder":
-        return "remainder"
+    for name in BF16_MASTER_WEIGHTS:
+        if value == name:
+            return name
     if value in ("True", "False") or isinstance(value, bool):
         return _loose_bool("master_weights", value)
     raise ValueError(
-        f"master_weights must be True, False, 'remainder' or None (or the strings 'True'/'False'), "
-        f"found master_weights={value!r}"
+        f"master_weights must be True, False, {', '.join(map(repr, BF16_MASTER_WEIGHTS))} or None (or the strings "
+        f"'True'/'False'), found master_weights={value!r}{did_you_mean(value, BF16_MASTER_WEIGHTS)}"
     )
+
+
+def did_you_mean(value: object, allowed: Sequence[str]) -> str:
+    """`` Did you mean 'x'?`` for a string close to one of ``allowed`` (difflib), else the empty string."""
+    if not isinstance(value, str):
+        return ""
+    close = difflib.get_close_matches(value.strip().lower(), [a.lower() for a in allowed], n=1, cutoff=0.6)
+    if not close:
+        return ""
+    return f". Did you mean {next(a for a in allowed if a.lower() == close[0])!r}?"
 
 
 def _check_remainder_dtype(properties: Properties) -> None:
     # Checked on the resolved properties: the model dtype may come from the level or from cast_model_type.
-    if properties.master_weights == "remainder" and properties.model_dtype != torch.bfloat16:
+    if properties.master_weights in BF16_MASTER_WEIGHTS and properties.model_dtype != torch.bfloat16:
         raise ValueError(
-            "master_weights='remainder' needs a bfloat16 model (opt_level='O5', or cast_model_type=torch.bfloat16), "
-            f"got model dtype {properties.model_dtype} at {properties.opt_level}: the remainder is the low half of "
-            "each fp32 master, which completes only a bf16 weight, the fp32 master's upper half; an fp16 weight has "
-            "other exponent and mantissa widths and needs a full fp32 master (master_weights=True)."
+            f"master_weights={properties.master_weights!r} needs a bfloat16 model (opt_level='O5', or "
+            f"cast_model_type=torch.bfloat16), got model dtype {properties.model_dtype} at {properties.opt_level}: "
+            "the weight is the upper half of each fp32 master, which a remainder completes (or stochastic rounding "
+            "updates) only for a bf16 weight; an fp16 weight has other exponent and mantissa widths and "
+            "needs a full fp32 master (master_weights=True)."
         )
 
 

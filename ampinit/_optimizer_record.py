@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ampinit import _skip, _torch_kernels
-from ampinit._masters import OptimizerGrads, RemainderGrads
+from ampinit._masters import Dial, OptimizerGrads, grads_for
 from ampinit._scaler import LossScaler
 from ampinit._undo import UndoStack
 
@@ -42,10 +42,11 @@ class Stage(enum.Enum):
 class OptimizerRecord:
     """The amp-side state of one optimizer of a session."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, master_weights: bool, remainder: bool = False) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, master_weights: bool, dial: Dial | None = None) -> None:
         self.optimizer = optimizer
-        # master_weights="remainder": bf16 weights plus 16-bit remainders instead of fp32 masters.
-        self.grads = RemainderGrads(optimizer) if remainder else OptimizerGrads(optimizer, master_weights)
+        # The precision dial picks the class: fp32 masters, remainders, stochastic rounding, compressed moments.
+        self.dial = dial or Dial("fp32", "fp32", 0)
+        self.grads: OptimizerGrads = grads_for(optimizer, master_weights, self.dial)
         self.stage = Stage.READY
         self.skip_pending = False  # an overflow read on the host: skip the next step
         self.skip_flag: torch.Tensor | None = None  # sync-free: the overflow flag, on the device, for the next step

@@ -9,12 +9,18 @@ them. The defaults are ``initialize``'s: this function takes every option explic
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 from ampinit._loss_scale import DynamicLossScale
-from ampinit._opt_levels import LEVELS, Properties, resolve
+from ampinit._opt_levels import BF16_MASTER_WEIGHTS, LEVELS, Properties, did_you_mean, resolve
 from ampinit._types import CAST_POLICIES, CastPolicyName
+
+#: How an optimizer's moments are stored between steps: torch's fp32 tensors, bf16 (stochastically rounded) or
+#: 8-bit block-wise quantized (``ampinit._masters.precision``).
+OptimizerStateName = Literal["fp32", "bf16", "8bit"]
+OPTIMIZER_STATES: tuple[OptimizerStateName, ...] = ("fp32", "bf16", "8bit")
 
 #: ``initialize``'s default ceiling of the dynamic loss scale (Apex's).
 DEFAULT_MAX_LOSS_SCALE = 2.0**24
@@ -29,7 +35,7 @@ class AmpOptions:
         loss_scale: what each loss scaler starts from: a static scale, or the dynamic rules, with ``initialize``'s
             ``min_loss_scale``/``max_loss_scale`` already folded into the :class:`DynamicLossScale`.
         num_losses, verbosity, cast_model_outputs, cast_policy, allow_banned, sync_free, skip_nonfinite,
-            allow_half_model: as given to ``initialize``.
+            allow_half_model, optimizer_state: as given to ``initialize``.
     """
 
     properties: Properties
@@ -42,6 +48,7 @@ class AmpOptions:
     sync_free: bool
     skip_nonfinite: bool
     allow_half_model: bool
+    optimizer_state: OptimizerStateName = "fp32"
 
     @property
     def enabled(self) -> bool:
@@ -68,6 +75,7 @@ def resolve_options(
     sync_free: object,
     skip_nonfinite: object,
     allow_half_model: object,
+    optimizer_state: object,
 ) -> AmpOptions:
     """Check every option once and resolve the level's properties; the first bad value raises."""
     floor, ceiling = _scale_bounds(min_loss_scale, max_loss_scale)
@@ -91,6 +99,7 @@ def resolve_options(
         sync_free=_flag("sync_free", sync_free),
         skip_nonfinite=_flag("skip_nonfinite", skip_nonfinite),
         allow_half_model=_flag("allow_half_model", allow_half_model),
+        optimizer_state=_optimizer_state(optimizer_state, properties),
     )
     if options.sync_free and isinstance(options.loss_scale, DynamicLossScale) and options.loss_scale.raise_at_min:
         raise ValueError("DynamicLossScale(raise_at_min=True) needs a host sync per step; it cannot be sync_free")
@@ -102,6 +111,23 @@ def _properties(enabled: object, opt_level: object, overrides: dict[str, object]
         # Apex ignores the level and its overrides when amp is off; so does ampinit.
         return resolve(opt_level if opt_level in LEVELS else "O0", {"enabled": False})
     return resolve(opt_level, {"enabled": enabled, **overrides})
+
+
+def _optimizer_state(value: object, properties: Properties) -> OptimizerStateName:
+    state = next((name for name in OPTIMIZER_STATES if value == name and isinstance(value, str)), None)
+    if state is None:
+        raise ValueError(
+            f"optimizer_state must be one of {list(OPTIMIZER_STATES)}, got {value!r}"
+            f"{did_you_mean(value, OPTIMIZER_STATES)}"
+        )
+    if state != "fp32" and properties.enabled and not properties.uses_master_weights:
+        # Without masters the optimizer's own step() runs, and it reads its state as fp32 tensors.
+        raise ValueError(
+            f"optimizer_state={state!r} needs master weights (amp takes the step and stores the moments), but "
+            f"{properties.opt_level} has master_weights={properties.master_weights!r}: use opt_level='O5' (bf16 "
+            f"model) or 'O2', or pass master_weights=True or one of {list(BF16_MASTER_WEIGHTS)} with a bf16 model"
+        )
+    return state
 
 
 def _count(name: str, value: object, *, minimum: int) -> int:

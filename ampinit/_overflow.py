@@ -2,12 +2,15 @@
 
 A ``scale_loss`` exit unscales the gradients into the scaler's device flag; this module turns that flag into a
 decision, right away or, with ``delay_overflow_check=True``, at the next ``step()`` of one of the optimizers that
-the unscale step fed. By default the flag is read on the host here (the step's one sync), so the skip is a plain
-branch and the overflow can be logged; in sync-free mode it stays on the device (see :mod:`ampinit._skip`).
+the unscale step fed. With a dynamic scale the flag is read on the host here (the step's one sync), so the skip is
+a plain branch, the overflow is logged and ``raise_at_min`` can raise. With a static scale (O0/O3/O4/O5's 1.0
+included) nothing on the host needs the flag before the step, so it stays on the device, as in sync-free mode
+(``sync_free=True``, any scale): the step skips inside its kernel where it can (see :mod:`ampinit._skip`).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -57,10 +60,12 @@ class OverflowDecisions:
                 self._decide(scaler, list(waiting), verbosity)
 
     def _decide(self, scaler: LossScaler, records: Sequence[OptimizerRecord], verbosity: int) -> None:
-        if scaler.config is None and not self._options.skip_nonfinite:
+        if not scaler.dynamic and not self._options.skip_nonfinite:
             scaler.clear_overflow()  # Apex: a static scale never skips, and counts every unscale step as clean
+            scaler.update()
+            return
         agree_on_overflow_(scaler.found_inf)
-        if self._options.sync_free:
+        if self._options.sync_free or not scaler.dynamic:
             scaler.update()
             for record in records:
                 record.skip_next_step(scaler.found_inf)
@@ -69,7 +74,8 @@ class OverflowDecisions:
             scaler.update()
             return
         scaler.raise_if_stuck()
-        before = scaler.loss_scale()
+        # The scale is read on the host only for a line that is written: an overflow stays one sync otherwise.
+        before = scaler.loss_scale() if self._log.writes_next(verbosity) else math.nan
         scaler.update()
         for record in records:
             record.skip_next_step()

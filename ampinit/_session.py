@@ -20,9 +20,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampinit import _registry, _setup
+from ampinit import _distributed, _registry, _setup
 from ampinit._casting import CastPolicy
-from ampinit._opt_levels import LEVELS, describe
+from ampinit._masters import Dial, session_seed
+from ampinit._masters.dial_grads import MasterFormat
+from ampinit._masters.remainder_grads import RemainderGrads
+from ampinit._opt_levels import LEVELS, MasterWeights, describe
 from ampinit._optimizer_record import OptimizerRecord, Stage, StepCounts
 from ampinit._options import AmpOptions
 from ampinit._overflow import OverflowDecisions
@@ -36,6 +39,9 @@ logger = logging.getLogger("ampinit")
 @dataclass(frozen=True)
 class AmpStats:
     """Counters a logger or lr scheduler can read without touching private state.
+
+    Skips decided on the device (a static loss scale, ``sync_free=True``) are counted there: ``stats()`` waits for
+    the device to read them, so a loop that must not wait calls it where it logs, not at every step.
 
     Attributes:
         steps: ``optimizer.step()`` calls on this session's optimizers, taken or skipped.
@@ -78,9 +84,14 @@ class AmpSession:
         self._overflow = OverflowDecisions(options)
         self._counts = StepCounts()
         if self.enabled:
+            props = self.properties
+            masters = _master_format(props.master_weights)
+            seed = session_seed()
+            if masters in ("remainder8", "stochastic") or options.optimizer_state == "bf16":
+                seed = _distributed.rank0_seed(seed)  # one collective, only where rounding is stochastic
+            dial = Dial(masters, options.optimizer_state, seed)
             for opt in self.optimizers:
-                props = self.properties
-                self._records[id(opt)] = OptimizerRecord(opt, props.uses_master_weights, props.remainder_masters)
+                self._records[id(opt)] = OptimizerRecord(opt, props.uses_master_weights, dial)
             try:
                 records = list(self._records.values())
                 self._cast_policy = _setup.install(
@@ -165,12 +176,19 @@ class AmpSession:
                 return master
         return None
 
-    def materialize_master_grads(self, optimizer: torch.optim.Optimizer) -> None:
-        """Write ``optimizer``'s fp32 master grads if amp's kernel step left them in the half grads (someone asks
-        for them: ``amp.master_params``)."""
+    def master_params(self, optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+        """``amp.master_params(optimizer)``: the param groups' parameters, with the fp32 master grads that amp's
+        kernel step would read from the half grads written first, and fp32 masters materialised with their grads
+        where the masters live in the bf16 weights (``master_weights="remainder"`` and the dial's other bf16
+        settings)."""
         record = self._record_of(optimizer)
+        if record is not None and isinstance(record.grads, RemainderGrads):
+            yield from record.grads.master_params()
+            return
         if record is not None:
             record.grads.materialize_master_grads()
+        for group in optimizer.param_groups:
+            yield from group["params"]
 
     def _record_of(self, optimizer: object) -> OptimizerRecord | None:
         record = self._records.get(id(optimizer))
@@ -311,8 +329,8 @@ class AmpSession:
     def next_step_skipped(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether the next ``optimizer.step()`` will be skipped: the last unscale found inf/NaN gradients.
 
-        With ``sync_free=True`` the overflow flag is on the device, and reading it here waits for it. ``False``
-        for an optimizer this session does not manage.
+        With a static loss scale or ``sync_free=True`` the overflow flag is on the device, and reading it here
+        waits for it. ``False`` for an optimizer this session does not manage.
         """
         record = self._record_of(optimizer)
         if record is None:
@@ -351,3 +369,8 @@ class AmpSession:
             f"AmpSession(opt_level={self.properties.opt_level!r}, enabled={self.enabled}, models={len(self.models)}, "
             f"optimizers={len(self.optimizers)}, num_losses={self.num_losses}, {state})"
         )
+
+
+def _master_format(master_weights: MasterWeights) -> MasterFormat:
+    """The dial's name for a ``master_weights`` setting (``True``, and no masters, keep fp32 values)."""
+    return master_weights if isinstance(master_weights, str) else "fp32"

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ampinit._casting import CastPolicy
-from ampinit._masters import RemainderGrads
+from ampinit._masters import RemainderGrads, StateStore
 from ampinit._model_cast import MasterLoader, MasterLookup, ModelCast, plan
 from ampinit._opt_levels import Properties
 from ampinit._optimizer_record import OptimizerRecord
@@ -41,6 +41,9 @@ def install(
     for record in records:
         if props.uses_master_weights:
             record.grads.create_masters(fp32_values)
+            if record.dial.exact:
+                # Today's exact classes store fp32 moments; a checkpoint of any dial setting loads into them decoded.
+                undo.push(StateStore(record.optimizer, record.dial).remove)
         undo.rebind(record.optimizer, "step", make_step(record))
         record.rebind_grad_methods(undo)
     if props.cast_dtype is None:

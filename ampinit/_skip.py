@@ -1,10 +1,10 @@
 """Skipping a step whose gradients overflowed: decided on the host, or left to the optimizer on the device.
 
-A step is skipped when an unscale step that fed it found inf/NaN. By default the overflow flag is read on the
-host once per ``scale_loss`` exit and a skip is a plain branch around ``optimizer.step()``. In sync-free mode
-the flag stays on the device and goes into the optimizer's own kernel as ``found_inf`` (torch's AMP-scaling
-protocol, ``_step_supports_amp_scaling``), so nobody waits for the device; optimizers that cannot take it still
-read it, once, at their step.
+A step is skipped when an unscale step that fed it found inf/NaN. With a dynamic loss scale the overflow flag is
+read on the host once per ``scale_loss`` exit and a skip is a plain branch around ``optimizer.step()``. With a
+static scale, and in sync-free mode, the flag stays on the device and goes into the step's own kernel as
+``found_inf`` (torch's AMP-scaling protocol, ``_step_supports_amp_scaling``, and amp's master kernels), so nobody
+waits for the device; optimizers that cannot take it still read it, once, at their step.
 """
 
 from __future__ import annotations
@@ -89,11 +89,18 @@ class OverflowLog:
     def __init__(self) -> None:
         self.count = 0
 
+    def writes_next(self, verbosity: int) -> bool:
+        """Whether the next overflow gets a line: the scales it names are read on the host (syncs) only then."""
+        n = self.count + 1
+        return verbosity >= 1 and not (n > 8 and n & (n - 1)) and logger.isEnabledFor(logging.INFO)
+
     def overflow(self, scaler: LossScaler, scale_before: float, verbosity: int) -> None:
-        """Count one overflow of ``scaler``, whose scale was ``scale_before`` and is already updated."""
+        """Count one overflow of ``scaler``, whose scale was ``scale_before`` and is already updated
+        (``scale_before`` is only used when :meth:`writes_next` said so)."""
+        writes = self.writes_next(verbosity)
         self.count += 1
         n = self.count
-        if verbosity < 1 or (n > 8 and n & (n - 1)):
+        if not writes:
             return
         after = scaler.loss_scale()
         change = f"reducing loss scale to {after}" if after != scale_before else f"keeping loss scale at {after}"

@@ -1,23 +1,50 @@
-"""Train-step time and peak memory of every opt level against native PyTorch precision, on a GPU (or, with
-``--tiny``, on any device as a smoke run).
+"""Train-step time, peak memory and host syncs of ampinit's opt levels against native PyTorch precision, on a GPU
+(or, with ``--tiny``, on any device as a smoke run), with a verdict on every target of issue 24.
 
-Workloads: (a) the MLP of ``benchmarks/models.py`` (what ``benchmarks/amp_step.py`` times on CPU) and (b) a
-GPT-2-small-shaped decoder (12 layers, d_model 768, 12 heads, sequence 1024, vocabulary 50257, batch
-``--batch``). Variants: native fp32, native autocast bf16, native autocast fp16 + GradScaler, pure bf16
-(``model.bfloat16()``) and ampinit O0-O5; every one steps fused AdamW. A step is zero_grad + forward + loss +
-backward + optimizer step. Each variant builds its own model (same seed), runs ``--warmup`` steps, then
-``--steps`` timed steps between device synchronisations; peak memory is ``torch.cuda.max_memory_allocated``
-over the variant's whole run (None off CUDA). One variant lives at a time, so peaks do not mix.
+Workload: a GPT-2-small-shaped decoder (12 layers, d_model 768, 12 heads, sequence 1024, vocabulary 50257, tied
+head, batch ``--batch``). A step is zero_grad + forward + loss + backward + optimizer step. Variants (every one
+steps AdamW with ``fused=True`` unless its name says otherwise):
 
-    python -m benchmarks.gpu_train_step --out results/            # on a GPU
-    python -m benchmarks.gpu_train_step --tiny --device cpu --out /tmp/x   # smoke run, seconds
+- native fp32; native autocast bf16; native autocast fp16 + GradScaler; a pure bf16 model (``model.bfloat16()``,
+  no masters); a bf16 model with fp32 masters written by hand (widen the grads, fused AdamW on the masters, copy
+  back: what a user writes in 15 lines);
+- ampinit O1-O5; O2 and O5 each with ``torch.optim.AdamW(params)`` (torch's default, foreach on CUDA), with
+  ``fused=True`` and with ``ampinit.optimizers.FusedAdam``; O5 ``master_weights="remainder"``; O1 and O4 with
+  the default cast lists and with Apex's (``apex.amp.initialize``, what ``ampinit run`` and the aliases give);
+- for the host-sync count only: O1 and O2 with ``sync_free=True``.
 
-Targets (judged on CUDA only, transformer): O2 and O5 step time <= native autocast of the same dtype / 1.15 and
-peak memory <= it; O1 and O4 step time <= 1.03x native autocast of their dtype. See docs/gpu.md.
+Three passes in one process:
 
-A variant that raises becomes a row with its error (the target that needs it is not met) and the run goes on;
-the JSON and Markdown are rewritten after every variant, so a run cut short keeps what it measured. The exit
-status is 1 when any variant failed.
+1. **memory and host syncs**, one variant alive at a time: build, a few steps, ``max_memory_allocated`` (so
+   peaks do not mix), then host syncs per step counted under ``torch.cuda.set_sync_debug_mode("warn")``;
+2. **time**, interleaved: every variant's model and optimizer built once; each round runs each variant's
+   ``--steps`` steps in turn, the order rotated per round, timed by CUDA events between device syncs; the figure
+   is the median over ``--rounds`` rounds of the time per step. O1/O4 sessions switch autocast on for their
+   thread and register process-wide autocast kernels, so each is opened for its own turn only (its loss-scale
+   state carried over by ``state_dict``) and runs one untimed step after opening;
+3. **master step alone**: 124M fp32-master parameters in 150 tensors, O2's and O5's step against a plain fused
+   AdamW step, interleaved the same way.
+
+With ``--profile``, ``torch.profiler`` over a few steps of O5 (fused AdamW) and of native autocast bf16: the top
+kernels by device time, kernels per step and the device's idle time between them, in
+``gpu_train_step_profile.txt``.
+
+Targets (issue 24; judged on a full CUDA run only, each met / not met / not measured with its figures):
+
+- speed (baseline's time / variant's): O5 >= 1.08x native autocast bf16 with each of the three optimizers,
+  O5 remainder >= 1.05x; O2 >= 1.08x native autocast fp16 + GradScaler with each optimizer;
+- time (variant's / baseline's): O1 and O4 <= 1.03x native autocast of their dtype with the default lists,
+  <= 1.10x with Apex's;
+- peak memory: O2 and O5 <= native autocast of their dtype; O5 remainder <= pure bf16 + 2 B per parameter;
+- host syncs per step: 0 at O4 and O5 and with ``sync_free=True``, at most 1 with a dynamic fp16 scale;
+- the master step alone <= 1.10x plain fused AdamW.
+
+A variant that raises (in any pass) keeps a row with its error, its targets are not met, and the others go on;
+the JSON and Markdown are rewritten after every variant and round, so a run cut short keeps what it measured.
+The exit status is 1 when any variant failed.
+
+    python -m benchmarks.gpu_train_step --out results/ --profile                # on a GPU
+    python -m benchmarks.gpu_train_step --tiny --device cpu --out /tmp/x        # smoke run, seconds
 """
 
 from __future__ import annotations
@@ -25,38 +52,123 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
+import logging
 import statistics
 import time
 import traceback
-from collections.abc import Callable
-from dataclasses import dataclass
+import warnings
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
+from torch.autograd import DeviceType
 from torch.nn import functional as F
 
 import ampinit
-from ampinit import _registry, amp
-from ampinit._types import OPT_LEVELS
-from benchmarks.models import make_mlp
+from ampinit._types import OptLevel
+from ampinit.compat.apex import amp as apex_amp
+from ampinit.optimizers import FusedAdam
 
-FP32, AUTOCAST_BF16, AUTOCAST_FP16, PURE_BF16 = (
-    "native fp32",
-    "native autocast bf16",
-    "native autocast fp16 + GradScaler",
-    "pure bf16",
-)
+FP32 = "native fp32"
+AUTOCAST_BF16 = "native autocast bf16"
+AUTOCAST_FP16 = "native autocast fp16 + GradScaler"
+PURE_BF16 = "pure bf16"
+BY_HAND = "bf16 + fp32 masters by hand"
 PLAIN_ADAMW = "plain fused AdamW (fp32)"
-VARIANTS = (FP32, AUTOCAST_BF16, AUTOCAST_FP16, PURE_BF16, *OPT_LEVELS)
-# (level, native baseline it is judged against, max time ratio, whether peak memory must not exceed it)
-TARGETS = (
-    ("O2", AUTOCAST_FP16, 1 / 1.15, True),
-    ("O5", AUTOCAST_BF16, 1 / 1.15, True),
-    ("O1", AUTOCAST_FP16, 1.03, False),
-    ("O4", AUTOCAST_BF16, 1.03, False),
+NATIVE = (FP32, AUTOCAST_BF16, AUTOCAST_FP16, PURE_BF16, BY_HAND)
+LR = 1e-4
+WEIGHT_DECAY = 0.01  # torch's AdamW default, given to FusedAdam too
+
+OptimizerKind = Literal["foreach", "fused", "FusedAdam"]
+
+
+@dataclass(frozen=True)
+class AmpSpec:
+    """How an ampinit variant is made: its level, its optimizer, ``initialize``'s extra options, and whether it
+    goes through Apex's API (``apex.amp.initialize``: Apex's cast lists and tensor rules)."""
+
+    level: OptLevel
+    optimizer: OptimizerKind = "fused"
+    apex_api: bool = False
+    options: tuple[tuple[str, object], ...] = ()
+
+    @property
+    def casts_functions(self) -> bool:
+        """O1/O4: a cast policy, which holds the thread's autocast state and process-wide kernels while open."""
+        return self.level in ("O1", "O4")
+
+
+AMP_SPECS: dict[str, AmpSpec] = {
+    "O1": AmpSpec("O1"),
+    "O1 Apex lists": AmpSpec("O1", apex_api=True),
+    "O2 AdamW foreach": AmpSpec("O2", "foreach"),
+    "O2 AdamW fused": AmpSpec("O2", "fused"),
+    "O2 FusedAdam": AmpSpec("O2", "FusedAdam"),
+    "O3": AmpSpec("O3"),
+    "O4": AmpSpec("O4"),
+    "O4 Apex lists": AmpSpec("O4", apex_api=True),
+    "O5 AdamW foreach": AmpSpec("O5", "foreach"),
+    "O5 AdamW fused": AmpSpec("O5", "fused"),
+    "O5 FusedAdam": AmpSpec("O5", "FusedAdam"),
+    "O5 remainder": AmpSpec("O5", options=(("master_weights", "remainder"),)),
+    "O1 sync_free": AmpSpec("O1", options=(("sync_free", True),)),
+    "O2 sync_free": AmpSpec("O2", options=(("sync_free", True),)),
+}
+SYNC_ONLY = ("O1 sync_free", "O2 sync_free")
+TIMED = NATIVE + tuple(name for name in AMP_SPECS if name not in SYNC_ONLY)
+VARIANTS = TIMED + SYNC_ONLY
+PROFILED = ("O5 AdamW fused", AUTOCAST_BF16)
+SYNC_WARNING = "synchronizing CUDA operation"  # torch.cuda.set_sync_debug_mode("warn")'s message
+SMOKE_NOTE = "smoke run (CPU or --tiny): the figures are not the targets' measure"
+
+TargetKind = Literal["speed", "time", "memory", "syncs", "master step"]
+
+
+@dataclass(frozen=True)
+class Target:
+    """One target of issue 24. ``speed``: baseline's time / subject's >= bound; ``time`` and ``master step``:
+    subject's time / baseline's <= bound; ``memory``: subject's peak <= baseline's + bound bytes per parameter;
+    ``syncs``: host syncs per step <= bound."""
+
+    kind: TargetKind
+    subject: str
+    baseline: str | None
+    bound: float
+
+    @property
+    def name(self) -> str:
+        if self.kind == "speed":
+            return f"{self.subject} speed >= {self.bound:g}x {self.baseline}"
+        if self.kind == "time":
+            return f"{self.subject} time <= {self.bound:g}x {self.baseline}"
+        if self.kind == "memory":
+            extra = f" + {self.bound:g} B/param" if self.bound else ""
+            return f"{self.subject} peak memory <= {self.baseline}{extra}"
+        if self.kind == "syncs":
+            return f"{self.subject} host syncs per step <= {self.bound:g}"
+        return f"{self.subject} master step <= {self.bound:g}x {self.baseline}"
+
+
+O2_VARIANTS = ("O2 AdamW foreach", "O2 AdamW fused", "O2 FusedAdam")
+O5_VARIANTS = ("O5 AdamW foreach", "O5 AdamW fused", "O5 FusedAdam")
+TARGETS: tuple[Target, ...] = (
+    *(Target("speed", name, AUTOCAST_BF16, 1.08) for name in O5_VARIANTS),
+    Target("speed", "O5 remainder", AUTOCAST_BF16, 1.05),
+    *(Target("speed", name, AUTOCAST_FP16, 1.08) for name in O2_VARIANTS),
+    Target("time", "O1", AUTOCAST_FP16, 1.03),
+    Target("time", "O4", AUTOCAST_BF16, 1.03),
+    Target("time", "O1 Apex lists", AUTOCAST_FP16, 1.10),
+    Target("time", "O4 Apex lists", AUTOCAST_BF16, 1.10),
+    *(Target("memory", name, AUTOCAST_FP16, 0.0) for name in O2_VARIANTS),
+    *(Target("memory", name, AUTOCAST_BF16, 0.0) for name in O5_VARIANTS),
+    Target("memory", "O5 remainder", PURE_BF16, 2.0),
+    *(Target("syncs", name, None, 0.0) for name in ("O4", *O5_VARIANTS, *SYNC_ONLY)),
+    *(Target("syncs", name, None, 1.0) for name in ("O1", "O2 AdamW fused")),
+    Target("master step", "O2", PLAIN_ADAMW, 1.10),
+    Target("master step", "O5", PLAIN_ADAMW, 1.10),
 )
 
 
@@ -68,6 +180,9 @@ class GPTShape:
     heads: int = 12
     seq: int = 1024
     vocab: int = 50257
+
+
+TINY = GPTShape(layers=2, d_model=64, heads=4, seq=32, vocab=256)
 
 
 class Block(nn.Module):
@@ -115,48 +230,66 @@ def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), target.flatten())
 
 
-# -- workloads ---------------------------------------------------------------------------------------------------
-Workload = tuple[nn.Module, torch.Tensor, torch.Tensor, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]
-
-
-def make_workload(name: str, device: torch.device, tiny: bool, batch: int) -> Workload:
+def make_workload(device: torch.device, shape: GPTShape, batch: int) -> tuple[GPT, torch.Tensor, torch.Tensor]:
+    """The model (same seed for every variant, built on ``device`` so that a build costs no host-side init) and
+    one batch of tokens with its shifted targets."""
     torch.manual_seed(0)
-    if name == "mlp":
-        model, x, y, loss_fn = make_mlp(batch_size=32, features=64, depth=2) if tiny else make_mlp()
-        return model.to(device), x.to(device), y.to(device), loss_fn
-    shape = GPTShape(layers=2, d_model=64, heads=4, seq=32, vocab=256) if tiny else GPTShape()
-    gen = torch.Generator().manual_seed(1)
-    tokens = torch.randint(shape.vocab, (batch, shape.seq + 1), generator=gen).to(device)
-    return GPT(shape).to(device), tokens[:, :-1], tokens[:, 1:], lm_loss
+    with device:
+        model = GPT(shape)
+    tokens = torch.randint(shape.vocab, (batch, shape.seq + 1), generator=torch.Generator().manual_seed(1))
+    tokens = tokens.to(device)
+    return model, tokens[:, :-1], tokens[:, 1:]
 
 
-# -- one variant ---------------------------------------------------------------------------------------------
-def make_step(variant: str, workload: Workload, device: torch.device) -> tuple[Callable[[], None], Callable[[], None]]:
-    """(one training step, teardown) for ``variant`` on its own copy of the workload."""
-    model, x, y, loss_fn = workload
-    if variant == PURE_BF16:
-        model = model.bfloat16()
-        x = x.bfloat16() if x.is_floating_point() else x
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    if variant in OPT_LEVELS:
-        amp.initialize(model, opt, opt_level=variant, verbosity=0)
+# -- variants ----------------------------------------------------------------------------------------------------
+def _nothing() -> None:
+    pass
 
-        def amp_step() -> None:
-            opt.zero_grad(set_to_none=True)
-            loss = loss_fn(model(x).float(), y)
-            with amp.scale_loss(loss, opt) as scaled:
-                scaled.backward()
-            opt.step()
 
-        return amp_step, ampinit.deinitialize
+@dataclass
+class Variant:
+    """One variant's training step, the model it trains, and the hooks around its turns: ``enter``/``leave`` run
+    around each turn (untimed), ``close`` once at the end."""
 
-    autocast_dtype = {AUTOCAST_BF16: torch.bfloat16, AUTOCAST_FP16: torch.float16}.get(variant)
+    step: Callable[[], None]
+    model: nn.Module
+    params: int
+    enter: Callable[[], None] = _nothing
+    leave: Callable[[], None] = _nothing
+    close: Callable[[], None] = _nothing
+
+
+def make_optimizer(kind: OptimizerKind, params: Iterable[torch.Tensor]) -> torch.optim.Optimizer:
+    if kind == "foreach":  # what a user gets by default: torch picks foreach on CUDA
+        return torch.optim.AdamW(params, lr=LR)
+    if kind == "fused":
+        return torch.optim.AdamW(params, lr=LR, fused=True)
+    return FusedAdam(params, lr=LR, weight_decay=WEIGHT_DECAY)
+
+
+def build(name: str, device: torch.device, shape: GPTShape, batch: int) -> Variant:
+    model, x, y = make_workload(device, shape, batch)
+    params = sum(p.numel() for p in model.parameters())
+    if name in AMP_SPECS:
+        return _amp_variant(AMP_SPECS[name], model, x, y, params)
+    if name == BY_HAND:
+        return _by_hand_variant(model, x, y, params)
+    return _native_variant(name, model, x, y, device, params)
+
+
+def _native_variant(
+    name: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor, device: torch.device, params: int
+) -> Variant:
+    if name == PURE_BF16:
+        model.bfloat16()
+    opt = make_optimizer("fused", model.parameters())
+    autocast_dtype = {AUTOCAST_BF16: torch.bfloat16, AUTOCAST_FP16: torch.float16}.get(name)
     scaler = torch.amp.GradScaler(device.type) if autocast_dtype == torch.float16 else None
 
-    def native_step() -> None:
+    def step() -> None:
         opt.zero_grad(set_to_none=True)
         with torch.autocast(device.type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
-            loss = loss_fn(model(x), y)
+            loss = lm_loss(model(x), y)
         if scaler is None:
             loss.backward()
             opt.step()
@@ -165,259 +298,574 @@ def make_step(variant: str, workload: Workload, device: torch.device) -> tuple[C
             scaler.step(opt)
             scaler.update()
 
-    return native_step, lambda: None
+    return Variant(step, model, params, leave=lambda: opt.zero_grad(set_to_none=True))
 
 
+def _by_hand_variant(model: nn.Module, x: torch.Tensor, y: torch.Tensor, params: int) -> Variant:
+    """The issue's user loop: a bf16 model, fp32 masters made before the cast, fused AdamW on the masters."""
+    masters = [p.detach().clone() for p in model.parameters()]
+    weights = list(model.bfloat16().parameters())
+    opt = torch.optim.AdamW(masters, lr=LR, fused=True)
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        lm_loss(model(x), y).backward()
+        for master, weight in zip(masters, weights):
+            master.grad = weight.grad.float() if weight.grad is not None else None
+        opt.step()
+        with torch.no_grad():
+            for weight, master in zip(weights, masters):
+                weight.copy_(master)
+
+    def free_grads() -> None:
+        model.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=True)
+
+    return Variant(step, model, params, leave=free_grads)
+
+
+def _amp_variant(spec: AmpSpec, model: nn.Module, x: torch.Tensor, y: torch.Tensor, params: int) -> Variant:
+    opt = make_optimizer(spec.optimizer, model.parameters())
+    options = dict(spec.options)
+    session: ampinit.AmpSession | None = None
+    carried: dict[str, Any] | None = None  # the session's state (loss scale) between turns of an O1/O4 variant
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        loss = lm_loss(model(x), y)
+        with ampinit.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+
+    def open_session() -> None:
+        nonlocal session
+        if spec.apex_api:
+            apex_amp.initialize(model, opt, opt_level=spec.level, verbosity=0, **options)
+        else:
+            ampinit.initialize(model, opt, opt_level=spec.level, verbosity=0, **options)  # type: ignore[call-overload]
+        session = ampinit.session_of(opt)
+        if carried is not None and session is not None:
+            session.load_state_dict(carried)
+
+    def close_session() -> None:
+        nonlocal session, carried
+        if session is not None:
+            opened, session = session, None
+            carried = opened.state_dict()
+            opened.close()
+
+    if not spec.casts_functions:
+        open_session()
+        return Variant(step, model, params, leave=lambda: opt.zero_grad(set_to_none=True), close=close_session)
+
+    def enter() -> None:
+        open_session()
+        step()  # the first step after initialize may set things up: untimed
+
+    def leave() -> None:
+        opt.zero_grad(set_to_none=True)
+        close_session()
+
+    return Variant(step, model, params, enter=enter, leave=leave, close=close_session)
+
+
+# -- measuring -------------------------------------------------------------------------------------------------
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def run_variant(
-    variant: str, workload_name: str, device: torch.device, args: argparse.Namespace
-) -> dict[str, float | None]:
+def time_steps(step: Callable[[], None], steps: int, device: torch.device) -> float:
+    """Milliseconds per step over ``steps`` steps started on an idle device: CUDA events on CUDA, the host clock
+    elsewhere (where a step is synchronous)."""
+    synchronize(device)
+    if device.type != "cuda":
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        return (time.perf_counter() - start) * 1e3 / steps
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(steps):
+        step()
+    end.record()
+    end.synchronize()
+    return float(begin.elapsed_time(end)) / steps
+
+
+def count_syncs(step: Callable[[], None], steps: int, device: torch.device) -> float | None:
+    """Host syncs per step, as ``torch.cuda.set_sync_debug_mode("warn")`` reports them (None off CUDA)."""
+    if device.type != "cuda":
+        return None
+    synchronize(device)
+    previous = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(steps):
+                step()
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+    return sum(SYNC_WARNING in str(w.message) for w in caught) / steps
+
+
+def _failed(error: BaseException) -> dict[str, str]:
+    """The error's type and message, and the last frames."""
+    frames = "".join(traceback.format_exception(type(error), error, error.__traceback__)[-3:])
+    return {"error": f"{type(error).__name__}: {error}", "traceback": frames}
+
+
+def _release(variant: Variant | None, device: torch.device) -> None:
+    """Close a variant (its amp session) and give its memory back, whatever state a failure left it in."""
+    if variant is not None:
+        try:
+            variant.close()
+        except Exception:  # a session a failure broke: the next variants must still run
+            logging.getLogger(__name__).exception("closing a variant failed")
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-    workload = make_workload(workload_name, device, args.tiny, args.batch)
-    step, teardown = make_step(variant, workload, device)
+
+
+@dataclass
+class Passes:
+    """What the passes share: where, at what size, how many steps, and where results go."""
+
+    device: torch.device
+    shape: GPTShape
+    batch: int
+    warmup: int
+    steps: int
+    rounds: int
+    rows: dict[str, dict[str, Any]]
+    save: Callable[[], None] = _nothing
+    orders: list[list[str]] = field(default_factory=list)
+
+    def build(self, name: str) -> Variant:
+        return build(name, self.device, self.shape, self.batch)
+
+
+def memory_pass(names: list[str], run: Passes, sync_steps: int) -> None:
+    """Per variant, alone in the process: peak memory over its build and a few steps, then host syncs per step."""
+    for name in names:
+        row = run.rows[name]
+        _release(None, run.device)
+        if run.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(run.device)
+        variant = None
+        try:
+            variant = run.build(name)
+            row["params"] = variant.params
+            variant.enter()
+            try:
+                for _ in range(run.warmup):
+                    variant.step()
+                row["syncs_per_step"] = count_syncs(variant.step, sync_steps, run.device)
+            finally:
+                variant.leave()
+            on_cuda = run.device.type == "cuda"
+            row["peak_mib"] = torch.cuda.max_memory_allocated(run.device) / 2**20 if on_cuda else None
+        except Exception as error:
+            failure = _failed(error)
+            row["memory_error"], row["memory_traceback"] = failure["error"], failure["traceback"]
+        finally:
+            _release(variant, run.device)
+        run.save()
+
+
+def time_pass(names: list[str], run: Passes) -> None:
+    """Every variant built once, then ``rounds`` rounds of each one's ``steps`` steps, order rotated per round;
+    a variant that raises keeps its error and leaves the rounds."""
+    live: dict[str, Variant] = {}
     try:
-        for _ in range(args.warmup):
-            step()
-        times = []
-        for _ in range(args.repeats):
-            synchronize(device)
-            start = time.perf_counter()
-            for _ in range(args.steps):
-                step()
-            synchronize(device)
-            times.append((time.perf_counter() - start) / args.steps)
+        for name in names:
+            try:
+                live[name] = run.build(name)
+                live[name].enter()
+                try:
+                    for _ in range(run.warmup):
+                        live[name].step()
+                finally:
+                    live[name].leave()
+            except Exception as error:
+                run.rows[name].update(_failed(error))
+                _release(live.pop(name, None), run.device)
+        run.save()
+        for index in range(run.rounds):
+            order = list(live)
+            shift = index % len(order) if order else 0
+            order = order[shift:] + order[:shift]
+            run.orders.append(order)
+            for name in order:
+                row = run.rows[name]
+                try:
+                    live[name].enter()
+                    try:
+                        row.setdefault("rounds_ms", []).append(time_steps(live[name].step, run.steps, run.device))
+                    finally:
+                        live[name].leave()
+                    row["ms_per_step"] = statistics.median(row["rounds_ms"])
+                except Exception as error:
+                    row.update(_failed(error))
+                    _release(live.pop(name), run.device)
+            run.save()
     finally:
-        teardown()
-    peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
-    del workload, step
-    return {"ms_per_step": statistics.median(times) * 1e3, "peak_mib": peak}
+        for variant in live.values():
+            _release(variant, run.device)
 
 
-# -- master step ---------------------------------------------------------------------------------------------
-def _master_variant(name: str, sizes: list[int], device: torch.device) -> tuple[Callable[[], None], bool]:
-    """(one optimizer step, whether it opened an amp session) for the plain baseline or an opt level."""
-    gen = torch.Generator().manual_seed(0)
-    model = nn.ParameterList([nn.Parameter(torch.randn(n, generator=gen).to(device) * 0.01) for n in sizes])
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+# -- master step -------------------------------------------------------------------------------------------------
+def _master_variant(name: str, sizes: list[int], device: torch.device) -> Variant:
+    """The plain fused AdamW step on fp32 parameters, or the amp step of an opt level whose half grads are
+    written directly (so only the amp machinery and the optimizer are timed)."""
+    gen = torch.Generator(device).manual_seed(0)
+    model = nn.ParameterList([nn.Parameter(torch.randn(n, generator=gen, device=device) * 0.01) for n in sizes])
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
     if name == PLAIN_ADAMW:
         for p in model.parameters():
             p.grad = torch.randn_like(p)
-        return opt.step, False
-    amp.initialize(model, opt, opt_level=name, verbosity=0)
+        return Variant(lambda: opt.step(), model, sum(sizes))
+    ampinit.initialize(model, opt, opt_level=name, verbosity=0)  # type: ignore[call-overload]
+    session = ampinit.session_of(opt)
     grads = [torch.randn_like(p) for p in model.parameters()]
     anchor = torch.zeros((), device=device, requires_grad=True)
 
     def step() -> None:
-        # The grads are written directly, so only the amp machinery and the optimizer are timed.
-        with amp.scale_loss(anchor * 1.0, opt) as scaled:
+        with ampinit.scale_loss(anchor * 1.0, opt) as scaled:
             scaled.backward()
             for p, g in zip(model.parameters(), grads):
                 p.grad = g
         opt.step()
 
-    return step, True
+    return Variant(step, model, sum(sizes), close=session.close if session is not None else _nothing)
 
 
-def master_step(
-    device: torch.device,
-    params: int,
-    tensors: int,
-    steps: int,
-    results: dict[str, float | str] | None = None,
-    save: Callable[[], None] = lambda: None,
-) -> dict[str, float | str]:
-    """The O2/O5 optimizer step alone (unscale into fp32 masters, fused AdamW, copy back) against fused AdamW
-    on as many fp32 parameters, in ms per step, into ``results``; a variant that raises gets its error instead.
-    ``save`` runs after each variant."""
+def master_step(device: torch.device, params: int, tensors: int, run: Passes, results: dict[str, Any]) -> None:
+    """The O2/O5 optimizer step alone (unscale, fused AdamW on the fp32 masters, copy back) against fused AdamW on
+    as many fp32 parameters: median ms per step over interleaved rounds, into ``results`` (an error string for a
+    variant that raised)."""
     sizes = [params // tensors + (1 if i < params % tensors else 0) for i in range(tensors)]
-    results = {} if results is None else results
-    for name in (PLAIN_ADAMW, "O2", "O5"):
+    live: dict[str, Variant] = {}
+    samples: dict[str, list[float]] = {}
+    try:
+        for name in (PLAIN_ADAMW, "O2", "O5"):
+            try:
+                live[name] = _master_variant(name, sizes, device)
+                for _ in range(run.warmup):
+                    live[name].step()
+            except Exception as error:
+                results[name] = _failed(error)["error"]
+                _release(live.pop(name, None), device)
+        for index in range(run.rounds):
+            order = list(live)
+            shift = index % len(order) if order else 0
+            for name in order[shift:] + order[:shift]:
+                try:
+                    samples.setdefault(name, []).append(time_steps(live[name].step, run.steps, device))
+                    results[name] = statistics.median(samples[name])
+                except Exception as error:
+                    results[name] = _failed(error)["error"]
+                    _release(live.pop(name), device)
+            run.save()
+    finally:
+        for variant in live.values():
+            _release(variant, device)
+
+
+# -- profile -----------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Activity:
+    """One recorded activity: a device kernel/copy on CUDA, an operator on the CPU (times in microseconds)."""
+
+    name: str
+    start_us: float
+    end_us: float
+    self_us: float
+
+
+def idle_between(activities: list[Activity]) -> float:
+    """Total time in which nothing ran between the first activity's start and the last one's end (overlapping
+    activities, e.g. on two streams, count once)."""
+    idle, reached = 0.0, None
+    for activity in sorted(activities, key=lambda a: a.start_us):
+        if reached is not None and activity.start_us > reached:
+            idle += activity.start_us - reached
+        reached = activity.end_us if reached is None else max(reached, activity.end_us)
+    return idle
+
+
+def trace_summary(activities: list[Activity], steps: int, top: int = 15) -> dict[str, Any]:
+    """Per step: activities, their idle gaps, and the ``top`` names by summed self time."""
+    totals: dict[str, list[float]] = {}
+    for activity in activities:
+        entry = totals.setdefault(activity.name, [0.0, 0.0])
+        entry[0] += activity.self_us
+        entry[1] += 1
+    busy = sum(t for t, _ in totals.values()) or 1.0
+    ranked = sorted(totals.items(), key=lambda item: -item[1][0])[:top]
+    return {
+        "activities_per_step": len(activities) / steps,
+        "idle_us_per_step": idle_between(activities) / steps,
+        "top": [
+            {"name": name, "us_per_step": t / steps, "calls_per_step": n / steps, "share": t / busy}
+            for name, (t, n) in ranked
+        ],
+    }
+
+
+def recorded(events: Iterable[Any], device: torch.device) -> list[Activity]:
+    """The device's kernels, copies and memsets on CUDA; the operators on the CPU."""
+    kind = DeviceType.CUDA if device.type == "cuda" else DeviceType.CPU
+    out = []
+    for event in events:
+        if event.device_type != kind:
+            continue
+        span = event.time_range
+        self_us = span.elapsed_us() if kind == DeviceType.CUDA else event.self_cpu_time_total
+        out.append(Activity(event.name, float(span.start), float(span.end), float(self_us)))
+    return out
+
+
+def profile_pass(names: Iterable[str], run: Passes, steps: int) -> dict[str, Any]:
+    """``torch.profiler`` over ``steps`` steps of each variant, built alone after a warm-up."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if run.device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    results: dict[str, Any] = {}
+    for name in names:
+        variant = None
         try:
-            results[name] = _time_master_variant(name, sizes, device, steps)
+            variant = run.build(name)
+            variant.enter()
+            try:
+                for _ in range(run.warmup):
+                    variant.step()
+                synchronize(run.device)
+                with torch.profiler.profile(activities=activities) as prof:
+                    for _ in range(steps):
+                        variant.step()
+                    synchronize(run.device)
+            finally:
+                variant.leave()
+            results[name] = trace_summary(recorded(prof.events(), run.device), steps)
         except Exception as error:
-            results[name] = _failed(error)["error"]
-            _close_sessions()
-        save()
+            results[name] = _failed(error)
+        finally:
+            _release(variant, run.device)
     return results
 
 
-def _time_master_variant(name: str, sizes: list[int], device: torch.device, steps: int) -> float:
-    step, opened = _master_variant(name, sizes, device)
-    try:
-        for _ in range(3):
-            step()
-        synchronize(device)
-        start = time.perf_counter()
-        for _ in range(steps):
-            step()
-        synchronize(device)
-        return (time.perf_counter() - start) / steps * 1e3
-    finally:
-        if opened:
-            ampinit.deinitialize()
-
-
-# -- report ----------------------------------------------------------------------------------------------------
-def judge(rows: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """One verdict per target; a target whose level or baseline did not run, or failed, is not met and says
-    why (``error``)."""
-    verdicts = []
-    for level, baseline, max_ratio, memory in TARGETS:
-        missing = [name for name in (level, baseline) if rows.get(name, {}).get("ms_per_step") is None]
-        if missing:
-            why = "; ".join(
-                f"{name}: {rows[name].get('error') or 'no time'}" if name in rows else f"{name}: not run"
-                for name in missing
-            )
-            verdicts.append(
-                {
-                    "level": level,
-                    "baseline": baseline,
-                    "time_ratio": math.nan,
-                    "max_time_ratio": max_ratio,
-                    "time_met": False,
-                    "peak_memory_met": False if memory else None,
-                    "error": why,
-                }
-            )
+def profile_text(profiles: dict[str, Any], device: torch.device, steps: int) -> str:
+    what = "device kernels, copies and memsets" if device.type == "cuda" else "CPU operators (self time)"
+    gap = "device idle between them" if device.type == "cuda" else "host time outside any operator"
+    lines = [f"torch.profiler over {steps} steps per variant on {device}: {what}", ""]
+    for name, summary in profiles.items():
+        lines.append(f"== {name}")
+        if "error" in summary:
+            lines += [f"failed: {summary['error']}", ""]
             continue
-        ratio = _ratio(rows[level]["ms_per_step"], rows[baseline]["ms_per_step"])
-        mem_ok = None
-        if memory and rows[level]["peak_mib"] is not None and rows[baseline]["peak_mib"] is not None:
-            mem_ok = rows[level]["peak_mib"] <= rows[baseline]["peak_mib"]
-        verdicts.append(
-            {
-                "level": level,
-                "baseline": baseline,
-                "time_ratio": ratio,
-                "max_time_ratio": max_ratio,
-                "time_met": ratio <= max_ratio,
-                "peak_memory_met": mem_ok,
-            }
+        lines.append(
+            f"{summary['activities_per_step']:.0f} per step; {gap}: {summary['idle_us_per_step'] / 1e3:.3f} ms per step"
         )
-    return verdicts
+        lines.append(f"{'us/step':>10} {'calls/step':>10} {'share':>6}  name")
+        for entry in summary["top"]:
+            lines.append(
+                f"{entry['us_per_step']:>10.1f} {entry['calls_per_step']:>10.1f} {entry['share']:>6.1%}  "
+                f"{entry['name'][:100]}"
+            )
+        lines.append("")
+    return "\n".join(lines)
 
 
-def _ratio(a: float | None, b: float | None) -> float:
-    return a / b if a is not None and b else math.nan
+# -- verdicts ----------------------------------------------------------------------------------------------------
+def _verdict(target: Target, status: str, figure: str, value: float | None, why: str = "") -> dict[str, Any]:
+    verdict = {"target": target.name, "status": status, "figure": figure, "value": value, "bound": target.bound}
+    if why:
+        verdict["why"] = why
+    return verdict
 
 
-def _failed(error: BaseException) -> dict[str, Any]:
-    """The row of a variant that raised: no figures, the error's type and message, and the last frames."""
-    frames = "".join(traceback.format_exception(type(error), error, error.__traceback__)[-3:])
-    return {"ms_per_step": None, "peak_mib": None, "error": f"{type(error).__name__}: {error}", "traceback": frames}
+def judge(rows: dict[str, dict[str, Any]], master: dict[str, Any], measured: bool = True) -> list[dict[str, Any]]:
+    """One verdict per target: ``met``, ``not met`` (also when a variant it needs failed: ``why`` says how) or
+    ``not measured`` (a variant it needs did not run, a figure this device cannot give, or ``measured`` False: a
+    smoke run, whose figures are still shown)."""
+    return [_judge_one(target, rows, master, measured) for target in TARGETS]
 
 
-def _close_sessions() -> None:
-    """A variant that failed half-way may leave its amp session open: the next one starts without it."""
-    while _registry.current() is not None:
-        ampinit.deinitialize()
+def _judge_one(
+    target: Target, rows: dict[str, dict[str, Any]], master: dict[str, Any], measured: bool
+) -> dict[str, Any]:
+    if target.kind == "master step":
+        values = {name: master.get(name) for name in (target.subject, PLAIN_ADAMW)}
+        errors = {name: v for name, v in values.items() if isinstance(v, str)}
+        if errors:
+            why = "; ".join(f"{name} failed: {error}" for name, error in errors.items())
+            return _verdict(target, "not met", "", None, why)
+        subject, plain = values[target.subject], values[PLAIN_ADAMW]
+        if subject is None or plain is None:
+            return _verdict(target, "not measured", "", None, "not run")
+        ratio = subject / plain
+        figure = f"{ratio:.3f}x ({subject:.3f} vs {plain:.3f} ms)"
+        return _compare(target, ratio, ratio <= target.bound, figure, measured)
+
+    field_of: dict[TargetKind, tuple[str, str]] = {
+        "speed": ("ms_per_step", "error"),
+        "time": ("ms_per_step", "error"),
+        "memory": ("peak_mib", "memory_error"),
+        "syncs": ("syncs_per_step", "memory_error"),
+    }
+    key, error_key = field_of[target.kind]
+    names = [target.subject] + ([target.baseline] if target.baseline else [])
+    failed = [f"{name} failed: {rows[name][error_key]}" for name in names if name in rows and error_key in rows[name]]
+    if failed:
+        return _verdict(target, "not met", "", None, "; ".join(failed))
+    missing = [name for name in names if rows.get(name, {}).get(key) is None]
+    if missing:
+        why = "; ".join(
+            f"{name}: not run" if name not in rows else f"{name}: no {key} on this device" for name in missing
+        )
+        return _verdict(target, "not measured", "", None, why)
+    subject = rows[target.subject][key]
+    if target.kind == "syncs":
+        return _compare(target, subject, subject <= target.bound, f"{subject:g} per step", measured)
+    baseline = rows[str(target.baseline)][key]
+    if target.kind == "speed":
+        speed = baseline / subject
+        return _compare(
+            target, speed, speed >= target.bound, f"{speed:.3f}x ({subject:.2f} vs {baseline:.2f} ms)", measured
+        )
+    if target.kind == "time":
+        ratio = subject / baseline
+        return _compare(
+            target, ratio, ratio <= target.bound, f"{ratio:.3f}x ({subject:.2f} vs {baseline:.2f} ms)", measured
+        )
+    params = rows[target.subject].get("params") or 0
+    allowed = baseline + target.bound * params / 2**20
+    figure = f"{subject:.0f} vs {allowed:.0f} MiB allowed ({baseline:.0f} MiB" + (
+        f" + {target.bound:g} B x {params} params)" if target.bound else ")"
+    )
+    return _compare(target, subject, subject <= allowed, figure, measured)
+
+
+def _compare(target: Target, value: float, met: bool, figure: str, measured: bool) -> dict[str, Any]:
+    if not measured:
+        return _verdict(target, "not measured", figure, value, SMOKE_NOTE)
+    return _verdict(target, "met" if met else "not met", figure, value)
+
+
+# -- report ------------------------------------------------------------------------------------------------------
+def _fmt(value: float | None, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
 
 
 def markdown(report: dict[str, Any]) -> str:
     lines = [f"# Train step on {report['device_name']} (torch {report['torch']})", ""]
-    for workload, rows in report["workloads"].items():
-        fp32 = rows[FP32]["ms_per_step"] if FP32 in rows else None
-        lines += [f"## {workload}", "", "| variant | ms/step | vs fp32 | peak MiB |", "| --- | ---: | ---: | ---: |"]
-        for name, row in rows.items():
-            if row["ms_per_step"] is None:
-                lines.append(f"| {name} | failed: {row['error']} | | |")
-                continue
-            peak = "n/a" if row["peak_mib"] is None else f"{row['peak_mib']:.0f}"
-            lines.append(f"| {name} | {row['ms_per_step']:.2f} | {_ratio(row['ms_per_step'], fp32):.3f} | {peak} |")
-        lines.append("")
-    if not report["targets"]:
-        lines += ["## Targets (transformer)", "", "not judged: targets apply to a full run on CUDA", ""]
-    else:
-        lines += ["## Targets (transformer)", "", "| level | vs | time ratio | target | time | memory |"]
-        lines.append("| --- | --- | ---: | ---: | --- | --- |")
-    for v in report["targets"]:
+    if not report["judged"]:
+        lines += [f"**{SMOKE_NOTE}.**", ""]
+    rows = report["rows"]
+    reference = rows.get(AUTOCAST_BF16, {}).get("ms_per_step")
+    lines += [
+        f"GPT-2-small shape {report['shape']}, batch {report['batch']}; median over {report['rounds']} interleaved "
+        f"rounds of {report['steps']} steps; memory and syncs from a pass with one variant alive at a time.",
+        "",
+        "| variant | ms/step | rounds min-max | speed vs autocast bf16 | peak MiB | host syncs/step |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for name, row in rows.items():
+        errors = [row[k] for k in ("error", "memory_error") if k in row]
+        spread = row.get("rounds_ms") or []
+        ms = row.get("ms_per_step")
         lines.append(
-            f"| {v['level']} | {v['baseline']} | {v['time_ratio']:.3f} | <= {v['max_time_ratio']:.3f} | "
-            f"{'met' if v['time_met'] else 'NOT met'} | "
-            f"{'n/a' if v['peak_memory_met'] is None else ('met' if v['peak_memory_met'] else 'NOT met')} |"
-            + (f" {v['error']}" if "error" in v else "")
+            f"| {name} | {_fmt(ms, '.2f')} | "
+            + (f"{min(spread):.2f}-{max(spread):.2f}" if spread else "")
+            + f" | {_fmt(reference / ms if reference and ms else None, '.3f')} | {_fmt(row.get('peak_mib'), '.0f')} | "
+            f"{_fmt(row.get('syncs_per_step'), 'g')} |" + (" failed: " + "; ".join(errors) if errors else "")
         )
-    lines += ["", "## Master step (ms)", "", "| variant | ms | vs plain |", "| --- | ---: | ---: |"]
+    lines += ["", "## Master step alone", "", "| variant | ms/step | vs plain |", "| --- | ---: | ---: |"]
     plain = report["master_step"].get(PLAIN_ADAMW)
     for name, ms in report["master_step"].items():
         if isinstance(ms, str):
             lines.append(f"| {name} | failed: {ms} | |")
         else:
-            lines.append(f"| {name} | {ms:.3f} | {_ratio(ms, plain if isinstance(plain, float) else None):.3f} |")
+            ratio = ms / plain if isinstance(plain, float) else None
+            lines.append(f"| {name} | {ms:.3f} | {_fmt(ratio, '.3f')} |")
+    lines += ["", "## Targets (issue 24)", "", "| target | figure | verdict |", "| --- | --- | --- |"]
+    for verdict in report["verdicts"]:
+        why = f" ({verdict['why']})" if "why" in verdict else ""
+        lines.append(f"| {verdict['target']} | {verdict['figure']} | {verdict['status']}{why} |")
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--tiny", action="store_true", help="tiny sizes and few steps: a smoke run on any device")
-    parser.add_argument("--batch", type=int, default=8, help="transformer batch (8 x 1024 tokens fits an 80 GB GPU)")
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
-        "--variants", default=",".join(VARIANTS), help="comma-separated subset of: " + ", ".join(VARIANTS)
+        "--batch", type=int, default=8, help="batch of 1024-token rows; every timed variant is alive at once"
     )
+    parser.add_argument("--warmup", type=int, default=None, help="untimed steps per variant before (3; tiny 1)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per variant per round (6; tiny 2)")
+    parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (8; tiny 2)")
+    parser.add_argument("--only", default=None, help="comma-separated subset of: " + ", ".join(VARIANTS))
+    parser.add_argument("--profile", action="store_true", help="also write gpu_train_step_profile.txt")
     parser.add_argument("--out", type=Path, required=True, help="folder for gpu_train_step.json and .md")
     args = parser.parse_args(argv)
-    if args.tiny:
-        args.batch, args.warmup, args.steps, args.repeats = 2, 1, 2, 1
-    device = torch.device(args.device)
-    variants = [v.strip() for v in args.variants.split(",")]
+    variants = VARIANTS if args.only is None else tuple(v.strip() for v in args.only.split(",") if v.strip())
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         parser.error(f"unknown variants {unknown}; allowed: {', '.join(VARIANTS)}")
-
-    workloads: dict[str, dict[str, dict[str, Any]]] = {}
-    master: dict[str, float | str] = {}
-    report = {
+    for option in ("warmup", "steps", "rounds"):
+        value = getattr(args, option)
+        if value is not None and value < 1:
+            parser.error(f"--{option} must be at least 1, got {value}")
+    device = torch.device(args.device)
+    shape = TINY if args.tiny else GPTShape()
+    run = Passes(
+        device=device,
+        shape=shape,
+        batch=2 if args.tiny else args.batch,
+        warmup=args.warmup or (1 if args.tiny else 3),
+        steps=args.steps or (2 if args.tiny else 6),
+        rounds=args.rounds or (2 if args.tiny else 8),
+        rows={name: {} for name in variants},
+    )
+    master: dict[str, Any] = {}
+    judged = device.type == "cuda" and not args.tiny
+    report: dict[str, Any] = {
         "torch": torch.__version__,
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "tiny": args.tiny,
-        "batch": args.batch,
-        "steps": args.steps,
-        "repeats": args.repeats,
-        "workloads": workloads,
-        "targets": [],
+        "judged": judged,
+        "shape": asdict(shape),
+        "batch": run.batch,
+        "steps": run.steps,
+        "rounds": run.rounds,
+        "rows": run.rows,
+        "orders": run.orders,
         "master_step": master,
+        "verdicts": [],
         "complete": False,
     }
-    # Judged on a full CUDA run only (a CPU, tiny or partial run reports no verdicts); a cut run keeps the
-    # verdicts of what it measured, the rest not met.
-    judged = device.type == "cuda" and not args.tiny and set(VARIANTS) <= set(variants)
 
     def save() -> None:
-        if judged and "transformer" in workloads:
-            report["targets"] = judge(workloads["transformer"])
+        report["verdicts"] = judge(run.rows, master, judged)
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "gpu_train_step.json").write_text(json.dumps(report, indent=2))
         (args.out / "gpu_train_step.md").write_text(markdown(report))
 
-    for workload in ("mlp", "transformer"):
-        workloads[workload] = {}
-        for variant in variants:
-            try:
-                workloads[workload][variant] = run_variant(variant, workload, device, args)
-            except Exception as error:
-                workloads[workload][variant] = _failed(error)
-                _close_sessions()
-            save()
-    master_step(
-        device, 200_000 if args.tiny else 124_000_000, 20 if args.tiny else 150, 3 if args.tiny else 20, master, save
-    )
+    run.save = save
+    memory_pass(list(variants), run, sync_steps=1 if args.tiny else 3)
+    time_pass([name for name in variants if name in TIMED], run)
+    master_step(device, 200_000 if args.tiny else 124_000_000, 20 if args.tiny else 150, run, master)
+    if args.profile:
+        profiles = profile_pass([name for name in PROFILED if name in variants], run, steps=min(3, run.steps))
+        report["profile"] = profiles
+        (args.out / "gpu_train_step_profile.txt").write_text(profile_text(profiles, device, min(3, run.steps)))
     report["complete"] = True
     save()
     print(markdown(report))
-    failed = [row for rows in workloads.values() for row in rows.values() if row["ms_per_step"] is None]
+    failed = any("error" in row or "memory_error" in row for row in run.rows.values())
     return 1 if failed or any(isinstance(ms, str) for ms in master.values()) else 0
 
 

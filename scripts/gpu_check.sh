@@ -5,19 +5,24 @@
 #
 # 1. the test suite with `--device cuda`, in parallel (pytest-xdist, one test file per worker at a time), each
 #    test under a timeout (pytest-timeout), the whole run under SUITE_TIMEOUT: a cut run still ends with counts;
-# 2. benchmarks/gpu_train_step.py under BENCH_TIMEOUT (a failing variant is a row with its error; the JSON is
-#    rewritten after every variant, so a cut run keeps what it measured);
-# 3. OUT_DIR/summary.json and summary.md (counts, every failure with its reason, each target's verdict),
-#    verdict.txt, and the logs packed into OUT_DIR/gpu_check_logs.tar.gz (pytest.txt with -rfE, --tb=short and
-#    --durations=25, pytest.xml, the benchmark's JSON/Markdown/log, machine.txt): four files, so OUT_DIR comes
-#    back whole from a device call (at most 8 files of 16 MiB). The last line printed is the verdict.
-# At the default limits the worst case, start-up, summary and packing included, is about 470 s.
+# 2. benchmarks/gpu_train_step.py --profile under BENCH_TIMEOUT (every variant interleaved in one process; a
+#    failing variant is a row with its error; the JSON is rewritten after every variant and round, so a cut run
+#    keeps what it measured);
+# 3. benchmarks/cast_list_effect.py --device cuda (bf16) under CAST_TIMEOUT: which of Apex's extra cast-list entries
+#    change results on CUDA, the figures the O1/O4 default lists wait for (its table goes into the logs archive);
+# 4. OUT_DIR/summary.json and summary.md (counts, every failure with its reason, each target's verdict),
+#    verdict.txt, profile.txt (the profiler's top kernels of O5 and native autocast bf16, when the benchmark got
+#    that far), and the logs packed into OUT_DIR/gpu_check_logs.tar.gz (pytest.txt with -rfE, --tb=short and
+#    --durations=25, pytest.xml, the benchmark's JSON/Markdown/log, machine.txt): at most five files, so OUT_DIR
+#    comes back whole from a device call (at most 8 files of 16 MiB). The last line printed is the verdict.
+# At the default limits the worst case, start-up, summary and packing included, is about 470 s (230 + 150 + 25,
+# three KILL_AFTERs of at most 15, 5 and 15 s, and about 30 s for the rest).
 #
 # Exit status: 0 when the suite passed and every target was met, 1 otherwise, 2 when no GPU is usable.
 # PYTHON picks the interpreter (default: python3); it needs torch with CUDA, pytest, pytest-xdist, pytest-timeout,
 # hypothesis, numpy, libcst and expecttest. Wheels in WHEELS_DIR (default: .whl in the checkout) are installed
 # first into a folder of their own (docs/gpu.md says how to fetch libcst's and expecttest's).
-# Limits, in seconds: SUITE_TIMEOUT (default 260), TEST_TIMEOUT per test (default 120; tests and module
+# Limits, in seconds: SUITE_TIMEOUT (default 230), TEST_TIMEOUT per test (default 120; tests and module
 # fixtures that need longer say so with a timeout mark), BENCH_TIMEOUT (default 150), KILL_AFTER (default 15:
 # how long a run cut with SIGINT may take to write its results before it is killed). WORKERS sets the suite's processes (default:
 # half the cores, at most 8); each gets cores/WORKERS threads. BENCH_ARGS is passed on to the benchmark (e.g.
@@ -65,7 +70,7 @@ threads=$((cores / workers > 0 ? cores / workers : 1))
 export OMP_NUM_THREADS="$threads" MKL_NUM_THREADS="$threads"
 kill_after="${KILL_AFTER:-15}"
 
-suite_limit="${SUITE_TIMEOUT:-260}"
+suite_limit="${SUITE_TIMEOUT:-230}"
 echo "== 1/2 the suite on cuda: $workers workers x $threads threads, at most ${suite_limit} s (log: pytest.txt)"
 # SIGINT, not SIGTERM: pytest stops as on Ctrl-C and still writes the JUnit file of the tests that ran.
 # pytest-benchmark's notice under xdist is filtered in pyproject.toml, so its plugin may stay loaded.
@@ -81,11 +86,23 @@ bench_limit="${BENCH_TIMEOUT:-150}"
 echo "== 2/2 train-step benchmark, at most ${bench_limit} s (log: benchmark.txt)"
 start=$SECONDS
 # shellcheck disable=SC2086  # BENCH_ARGS is a list of arguments
-timeout -s INT -k "$kill_after" "$bench_limit" "$python" -m benchmarks.gpu_train_step --device cuda --out "$logs" \
-    ${BENCH_ARGS:-} > "$logs/benchmark.txt" 2>&1
+timeout -s INT -k "$kill_after" "$bench_limit" "$python" -m benchmarks.gpu_train_step --device cuda --profile \
+    --out "$logs" ${BENCH_ARGS:-} > "$logs/benchmark.txt" 2>&1
 bench_rc=$?
 bench_s=$((SECONDS - start))
 tail -n 5 "$logs/benchmark.txt"
+# Outside the archive: it goes into benchmarks/README.md by hand.
+if [ -f "$logs/gpu_train_step_profile.txt" ]; then
+    cp "$logs/gpu_train_step_profile.txt" "$out/profile.txt"
+fi
+
+cast_limit="${CAST_TIMEOUT:-25}"
+echo "== cast-list effect on cuda, at most ${cast_limit} s (log: cast_list_effect.txt)"
+# Informational (the O1/O4 default lists are decided from it by hand): its exit status does not enter the verdict.
+# A cut run keeps the phases it finished (the JSON and Markdown are rewritten after each).
+timeout -s INT -k 5 "$cast_limit" "$python" -m benchmarks.cast_list_effect --device cuda --dtype bf16 --steps 3 \
+    --out "$logs" > "$logs/cast_list_effect.txt" 2>&1
+tail -n 2 "$logs/cast_list_effect.txt"
 
 "$python" scripts/gpu_check_summary.py "$out" "$suite_rc" "$bench_rc" \
     --limits "suite=$suite_limit,bench=$bench_limit" --seconds "suite=$suite_s,bench=$bench_s"

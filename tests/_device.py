@@ -8,10 +8,12 @@ Tests that mean something on any device take the ``device`` fixture (or, in a mo
 from __future__ import annotations
 
 import os
+import weakref
 from typing import Any, TypeVar
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 OPTION = "--device"
@@ -81,18 +83,47 @@ def requires_cuda(reason: str) -> Any:
 
 
 class HostSyncCounter(TorchDispatchMode):
-    """Counts what makes the host wait for a device: scalar reads (``item``, ``bool``, ``float`` of a tensor all
-    reach ``aten._local_scalar_dense``), copies from a non-CPU tensor into a CPU one, and blocking copies from a CPU
-    tensor into a non-CPU one (torch waits for the stream after those; ``non_blocking=True`` ones it does not)."""
+    """Counts what makes the host wait for a device:
 
-    def __init__(self) -> None:
+    - scalar reads: ``item``, ``bool``, ``float``, ``int`` of a tensor (all reach ``aten._local_scalar_dense``),
+      ``tolist()``, and ``nonzero`` (whose output size the host must learn; boolean-mask indexing goes through it
+      on CUDA);
+    - copies from a non-CPU tensor into a CPU one;
+    - blocking copies from a CPU tensor into a non-CPU one (torch waits for the stream after those;
+      ``non_blocking=True`` ones it does not), ``torch.tensor(..., device=)``/``torch.as_tensor(..., device=)``
+      onto a non-CPU device among them.
+
+    With ``cpu_as_device=True`` (a CPU run standing in for a GPU, e.g. under ``pretend_gpu``) the CPU tensors are
+    taken for device tensors, so that what would copy host data to the GPU is seen: ``torch.tensor``/``as_tensor``
+    given a ``device``, and a tensor built from host data (``torch.tensor``/``as_tensor`` without a device) moved
+    with ``.to(device)``/``.to(tensor)`` or copied into another tensor, without ``non_blocking``. Scalar reads
+    are counted on any device.
+    """
+
+    def __init__(self, *, cpu_as_device: bool = False) -> None:
         super().__init__()
         self.syncs: list[str] = []
+        self._calls = _HostDataCalls(self.syncs, cpu_as_device)
+
+    def __enter__(self) -> HostSyncCounter:
+        self._calls.__enter__()
+        try:
+            super().__enter__()
+        except BaseException:
+            self._calls.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        try:
+            super().__exit__(*exc_info)
+        finally:
+            self._calls.__exit__(*exc_info)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         name = str(func.overloadpacket)
-        if name == "aten._local_scalar_dense":
+        if name in ("aten._local_scalar_dense", "aten.nonzero"):
             self.syncs.append(name)
         elif name in ("aten._to_copy", "aten.copy_"):
             src, dst = _copy_devices(name, args, kwargs)
@@ -101,6 +132,64 @@ class HostSyncCounter(TorchDispatchMode):
             elif src.type == "cpu" and dst.type != "cpu" and not _non_blocking(name, args, kwargs):
                 self.syncs.append(f"{name} host->device, blocking")
         return func(*args, **kwargs)
+
+
+class _HostDataCalls(TorchFunctionMode):
+    """The half of :class:`HostSyncCounter` that sees Python-level calls no dispatch mode sees: ``tolist()``, and
+    host data put on a device by ``torch.tensor``/``as_tensor`` (copied below the dispatcher)."""
+
+    def __init__(self, syncs: list[str], cpu_as_device: bool) -> None:
+        super().__init__()
+        self._syncs = syncs
+        self._cpu_as_device = cpu_as_device
+        # id -> the tensor, weakly: a WeakSet would compare tensors with ==, which is elementwise.
+        self._host_born: dict[int, weakref.ref[torch.Tensor]] = {}
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        if func in (torch.tensor, torch.as_tensor) and args and not isinstance(args[0], torch.Tensor):
+            self._from_host_data(func.__name__, kwargs.get("device"), result)
+            return result
+        sync = self._sync_of(func, args, kwargs)
+        if sync is not None:
+            self._syncs.append(sync)
+        return result
+
+    def _sync_of(self, func: Any, args: Any, kwargs: Any) -> str | None:
+        if func is torch.Tensor.tolist:
+            return "Tensor.tolist"
+        if not self._cpu_as_device:
+            return None
+        if func is torch.Tensor.to and args and self._is_host_born(args[0]):
+            moved = _target_device(args[1:], kwargs) is not None
+            return "Tensor.to host->device, blocking" if moved and not kwargs.get("non_blocking", False) else None
+        if func is torch.Tensor.copy_ and len(args) > 1 and self._is_host_born(args[1]):
+            non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
+            return None if non_blocking else "Tensor.copy_ host->device, blocking"
+        return None
+
+    def _from_host_data(self, name: str, device: Any, result: torch.Tensor) -> None:
+        if device is None:
+            self._host_born[id(result)] = weakref.ref(result)
+        elif torch.device(device).type != "cpu" or self._cpu_as_device:
+            self._syncs.append(f"torch.{name}(..., device=) host->device, blocking")
+
+    def _is_host_born(self, tensor: Any) -> bool:
+        ref = self._host_born.get(id(tensor))
+        return ref is not None and ref() is tensor
+
+
+def _target_device(args: Any, kwargs: Any) -> torch.device | None:
+    """The device a ``Tensor.to`` call names (positionally, by keyword, or as another tensor's), if any."""
+    if kwargs.get("device") is not None:
+        return torch.device(kwargs["device"])
+    for arg in args:
+        if isinstance(arg, torch.Tensor):
+            return arg.device
+        if isinstance(arg, (str, torch.device)):
+            return torch.device(arg)
+    return None
 
 
 def _copy_devices(name: str, args: Any, kwargs: Any) -> tuple[torch.device, torch.device]:

@@ -318,6 +318,31 @@ def seeded_reference(case: str) -> dict[str, Any]:
     return result
 
 
+#: The precision dial's stochastic settings under DDP: (master_weights, optimizer_state, optimizer).
+DIAL_CASES: dict[str, tuple[str | bool, str, Callable[[nn.Module], torch.optim.Optimizer]]] = {
+    "stochastic_8bit_adamw": ("stochastic", "8bit", lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2)),
+    "remainder8_bf16_sgd": ("remainder8", "bf16", sgd),
+    "fp32_bf16_adamw": (True, "bf16", lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2)),
+}
+
+
+@one_thread
+def dial_from_different_seeds(rank: int, world: int, out: Path) -> None:
+    """Ranks whose torch seeds differ (so their models and their sessions' default SR seeds differ) under DDP."""
+    x, y = shard(rank, world)
+    for case, (master_weights, state, make) in DIAL_CASES.items():
+        torch.manual_seed(SEEDS[rank])
+        model = Net()
+        opt = make(model)
+        amp.initialize(model, opt, opt_level="O5", master_weights=master_weights, optimizer_state=state, verbosity=0)
+        ddp = DDP(model)
+        for _ in range(SEEDED_STEPS):
+            train_step(ddp, opt, x, y)
+        snapshot = {**seeded_snapshot(model), "optimizer": opt.state_dict()}
+        torch.save(snapshot, out / f"dial_{case}.{rank}.pt")
+        amp.deinitialize()
+
+
 SCENARIOS = {
     "ddp_levels": ddp_levels,
     "overflow_on_one_rank": overflow_on_one_rank,
@@ -326,6 +351,7 @@ SCENARIOS = {
     "fsdp2": fsdp2,
     "train_from_different_seeds": train_from_different_seeds,
     "resume_on_different_seeds": resume_on_different_seeds,
+    "dial_from_different_seeds": dial_from_different_seeds,
 }
 
 

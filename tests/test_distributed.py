@@ -214,6 +214,24 @@ def test_a_checkpoint_every_rank_loads_before_the_wrap_resumes_bitwise(results: 
     assert_bitwise(rank0["resumed"]["masters"], rank1["resumed"]["masters"])
 
 
+@pytest.mark.parametrize("case", list(_dist_worker.DIAL_CASES))
+def test_ranks_seeded_differently_round_alike_under_the_dial(results: Path, case: str) -> None:
+    """Stochastic rounding draws its bits from the session's seed: each rank's own ``torch.initial_seed()`` made
+    DDP ranks round the same averaged update differently, so their weights and moments drifted apart."""
+    rank0, rank1 = load(results, f"dial_{case}")
+    assert_bitwise(rank0["params"], rank1["params"])
+    assert_bitwise(rank0["masters"], rank1["masters"])
+    assert rank0["amp"] == rank1["amp"]
+    assert rank0["optimizer"]["amp_dial"] == rank1["optimizer"]["amp_dial"]  # the seed included
+    state0, state1 = rank0["optimizer"]["state"], rank1["optimizer"]["state"]
+    assert state0.keys() == state1.keys() and state0
+    for index, entry in state0.items():
+        assert entry.keys() == state1[index].keys()
+        for key, value in entry.items():
+            assert torch.equal(value, state1[index][key]), (index, key)
+    assert not any(torch.equal(a, b) for a, b in zip(rank0["params"], _dist_worker.broadcast_weights("O5")))
+
+
 @pytest.mark.skipif(not dist.is_available(), reason="this torch build has no torch.distributed")
 def test_dtensor_is_found_under_either_spelling() -> None:
     """The FSDP2 refusal finds torch's DTensor class, looked up lazily, under the spelling every supported torch has.

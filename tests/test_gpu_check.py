@@ -9,10 +9,12 @@ import subprocess
 import sys
 import tarfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
+import ampinit
 from benchmarks import gpu_train_step as bench
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -22,55 +24,292 @@ import gpu_check_summary  # noqa: E402
 sys.path.remove(str(ROOT / "scripts"))
 
 
+CPU = torch.device("cpu")
+
+
 @pytest.mark.slow
-def test_tiny_benchmark_writes_json_and_markdown(tmp_path: Path) -> None:
-    assert bench.main(["--tiny", "--device", "cpu", "--variants", "native fp32,O2,O5", "--out", str(tmp_path)]) == 0
+def test_tiny_benchmark_measures_every_pass_and_calls_nothing_a_verdict(tmp_path: Path) -> None:
+    only = "native autocast bf16,O4,O5 AdamW fused,O2 sync_free"
+    args = ["--tiny", "--device", "cpu", "--only", only, "--profile", "--out", str(tmp_path)]
+    assert bench.main(args) == 0
+    assert ampinit.current_session() is None and not torch.is_autocast_enabled("cpu")  # O4's turns closed
     report = json.loads((tmp_path / "gpu_train_step.json").read_text())
-    for workload in ("mlp", "transformer"):
-        rows = report["workloads"][workload]
-        assert list(rows) == ["native fp32", "O2", "O5"]
-        assert all(r["ms_per_step"] > 0 and r["peak_mib"] is None for r in rows.values())  # no CUDA peak on CPU
+    rows = report["rows"]
+    assert list(rows) == only.split(",")
+    for name in ("native autocast bf16", "O4", "O5 AdamW fused"):
+        assert len(rows[name]["rounds_ms"]) == 2 and rows[name]["ms_per_step"] > 0  # --tiny: 2 rounds
+        assert rows[name]["peak_mib"] is None and rows[name]["syncs_per_step"] is None  # CUDA-only figures
+    assert "ms_per_step" not in rows["O2 sync_free"]  # counted for host syncs, never timed
+    assert rows["O4"]["params"] == sum(p.numel() for p in bench.GPT(bench.TINY).parameters())
     assert set(report["master_step"]) == {"plain fused AdamW (fp32)", "O2", "O5"}
-    assert report["targets"] == []  # judged on a full CUDA run only
-    assert "| O2 |" in (tmp_path / "gpu_train_step.md").read_text()
+    verdicts = {v["target"]: v for v in report["verdicts"]}
+    assert list(verdicts) == [t.name for t in bench.TARGETS]
+    assert all(v["status"] == "not measured" for v in verdicts.values())  # a CPU run judges nothing
+    o5 = verdicts["O5 AdamW fused speed >= 1.08x native autocast bf16"]
+    assert o5["why"] == bench.SMOKE_NOTE and o5["figure"].endswith(" ms)")  # its figures are still shown
+    markdown = (tmp_path / "gpu_train_step.md").read_text()
+    assert f"**{bench.SMOKE_NOTE}.**" in markdown and "| O4 | " in markdown
+    profile = (tmp_path / "gpu_train_step_profile.txt").read_text()
+    assert "== O5 AdamW fused" in profile and "== native autocast bf16" in profile
+    assert "aten::mm" in profile  # the top of the trace: the matrix products lead on CPU too
+
+
+def test_hand_written_masters_train_exactly_as_o5() -> None:
+    """The baseline a user writes by hand (bf16 model, fp32 masters, fused AdamW on them, copy back) does O5's
+    work: after a few steps its bf16 weights equal O5's bit for bit."""
+    variants = [bench.build(name, CPU, bench.TINY, 2) for name in (bench.BY_HAND, "O5 AdamW fused")]
+    try:
+        for variant in variants:
+            for _ in range(3):
+                variant.step()
+        by_hand, o5 = (list(v.model.parameters()) for v in variants)
+        assert all(p.dtype == torch.bfloat16 for p in by_hand)
+        start = list(bench.make_workload(CPU, bench.TINY, 2)[0].bfloat16().parameters())
+        assert any(not torch.equal(p, q) for p, q in zip(by_hand, start))  # it trained
+        assert all(torch.equal(p, q) for p, q in zip(by_hand, o5))
+    finally:
+        for variant in variants:
+            variant.close()
 
 
 def test_tiny_transformer_is_gpt2_shaped_and_trains() -> None:
-    model, x, y, loss_fn = bench.make_workload("transformer", torch.device("cpu"), tiny=True, batch=2)
-    assert isinstance(model, bench.GPT) and model.head.weight is model.tok.weight  # tied, as in GPT-2
+    model, x, y = bench.make_workload(CPU, bench.TINY, batch=2)
+    assert model.head.weight is model.tok.weight  # tied, as in GPT-2
     assert bench.GPTShape() == bench.GPTShape(layers=12, d_model=768, heads=12, seq=1024, vocab=50257)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     first = None
     for _ in range(20):
         opt.zero_grad()
-        loss = loss_fn(model(x), y)
+        loss = bench.lm_loss(model(x), y)
         first = loss.item() if first is None else first
         loss.backward()
         opt.step()
     assert loss.item() < 0.8 * first
 
 
-def row(ms: float, mib: float) -> dict[str, float | None]:
-    return {"ms_per_step": ms, "peak_mib": mib}
+# -- interleaving, with stand-in variants whose steps write a log ----------------------------------------------------
+class Log:
+    def __init__(self, fail: dict[str, int] | None = None) -> None:
+        self.calls: list[str] = []
+        self.built: list[str] = []
+        self.fail = fail or {}  # name -> the step (counted from 1) at which it raises
+
+    def build(self, name: str, *args: object) -> bench.Variant:
+        self.built.append(name)
+        steps = 0
+
+        def step() -> None:
+            nonlocal steps
+            steps += 1
+            if steps == self.fail.get(name):
+                raise torch.OutOfMemoryError(f"{name} ran out")
+            self.calls.append(name)
+
+        return bench.Variant(
+            step,
+            torch.nn.Linear(1, 1),
+            1,
+            enter=lambda: self.calls.append(f"enter {name}"),
+            leave=lambda: self.calls.append(f"leave {name}"),
+            close=lambda: self.calls.append(f"close {name}"),
+        )
 
 
-def test_verdicts_follow_the_issue_targets() -> None:
-    rows = {
-        bench.AUTOCAST_FP16: row(100.0, 1000.0),
-        bench.AUTOCAST_BF16: row(100.0, 1000.0),
-        "O2": row(86.0, 990.0),  # 1.163x faster than native fp16: met; less memory: met
-        "O5": row(88.0, 900.0),  # 1.136x: not met
-        "O1": row(103.0, 5000.0),  # 1.03x: met (memory not judged for O1/O4)
-        "O4": row(103.5, 900.0),  # over 1.03x: not met
-    }
-    verdicts = {v["level"]: v for v in bench.judge(rows)}
-    assert [verdicts[k]["time_met"] for k in ("O2", "O5", "O1", "O4")] == [True, False, True, False]
-    assert verdicts["O2"]["peak_memory_met"] is True and verdicts["O1"]["peak_memory_met"] is None
-    rows["O2"] = row(86.0, 1001.0)
-    assert bench.judge(rows)[0]["peak_memory_met"] is False
+def passes(names: list[str], rounds: int) -> bench.Passes:
+    return bench.Passes(CPU, bench.TINY, 2, warmup=1, steps=2, rounds=rounds, rows={n: {} for n in names})
 
 
-def write_run(out: Path, failures: int, time_met: bool) -> None:
+def test_variants_are_built_once_and_timed_round_by_round_in_rotating_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    log = Log()
+    monkeypatch.setattr(bench, "build", log.build)
+    run = passes(["a", "b", "c"], rounds=4)
+    bench.time_pass(["a", "b", "c"], run)
+    assert log.built == ["a", "b", "c"]
+    warmups = [item for name in "abc" for item in (f"enter {name}", name, f"leave {name}")]
+    turns = [
+        item
+        for order in ("abc", "bca", "cab", "abc")
+        for name in order
+        for item in (f"enter {name}", name, name, f"leave {name}")
+    ]
+    assert log.calls == warmups + turns + ["close a", "close b", "close c"]
+    assert run.orders == [list(order) for order in ("abc", "bca", "cab", "abc")]
+    assert all(len(run.rows[name]["rounds_ms"]) == 4 for name in "abc")
+
+
+def test_a_variant_failing_mid_run_keeps_its_error_and_the_others_go_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    log = Log(fail={"b": 4})  # b's warm-up step and first round pass, its second round raises
+    monkeypatch.setattr(bench, "build", log.build)
+    run = passes(["a", "b", "c"], rounds=3)
+    bench.time_pass(["a", "b", "c"], run)
+    b = run.rows["b"]
+    assert b["error"] == "OutOfMemoryError: b ran out" and "OutOfMemoryError" in b["traceback"]
+    assert len(b["rounds_ms"]) == 1  # its measured round stays, and it left the rounds
+    closed = log.calls.index("close b")  # once, right after its failed turn, before the next variant's turn
+    assert log.calls[closed - 2 : closed + 2] == ["enter b", "leave b", "close b", "enter c"]
+    assert log.calls.count("close b") == 1
+    assert all(len(run.rows[name]["rounds_ms"]) == 3 and "error" not in run.rows[name] for name in "ac")
+    assert run.orders == [["a", "b", "c"], ["b", "c", "a"], ["a", "c"]]  # the rounds go on over what is left
+
+
+def test_a_variant_that_fails_to_build_is_a_row_and_the_run_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = bench.build
+
+    def build(name: str, *args: object) -> bench.Variant:
+        if name == "O5 AdamW fused":
+            raise NotImplementedError("no kernel for BFloat16")
+        return real(name, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(bench, "build", build)
+    only = "native autocast bf16,O5 AdamW fused"
+    args = ["--tiny", "--device", "cpu", "--only", only, "--rounds", "1", "--out", str(tmp_path)]
+    assert bench.main(args) == 1
+    report = json.loads((tmp_path / "gpu_train_step.json").read_text())
+    assert report["complete"] is True
+    o5, native = report["rows"]["O5 AdamW fused"], report["rows"]["native autocast bf16"]
+    assert o5["error"] == o5["memory_error"] == "NotImplementedError: no kernel for BFloat16"
+    assert "ms_per_step" not in o5 and native["ms_per_step"] > 0
+    assert "| O5 AdamW fused | n/a |" in (tmp_path / "gpu_train_step.md").read_text()
+    verdict = next(v for v in report["verdicts"] if v["target"].startswith("O5 AdamW fused speed"))
+    assert verdict["status"] == "not met" and "no kernel for BFloat16" in verdict["why"]
+
+
+def test_a_cut_benchmark_keeps_the_rounds_it_measured(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = bench.time_steps
+    calls = 0
+
+    def time_steps(*args: object) -> float:
+        nonlocal calls
+        calls += 1
+        if calls == 3:  # the first variant's second round
+            raise KeyboardInterrupt  # what `timeout -s INT` does to the run
+        return real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(bench, "time_steps", time_steps)
+    with pytest.raises(KeyboardInterrupt):
+        args = ["--tiny", "--device", "cpu", "--only", "native fp32,O2 AdamW fused", "--out", str(tmp_path)]
+        bench.main(args)
+    assert ampinit.current_session() is None  # the live O2 session was closed on the way out
+    report = json.loads((tmp_path / "gpu_train_step.json").read_text())
+    assert report["complete"] is False and report["orders"] == [["native fp32", "O2 AdamW fused"]]
+    assert all(len(row["rounds_ms"]) == 1 for row in report["rows"].values())
+
+
+# -- verdicts against hand-written figures ---------------------------------------------------------------------
+def figures() -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """A full run's figures, each target met exactly at or just inside its bound."""
+    rows: dict[str, dict[str, Any]] = {
+        bench.AUTOCAST_BF16: {"ms_per_step": 108.0, "peak_mib": 1000.0, "syncs_per_step": 0.0},
+        bench.AUTOCAST_FP16: {"ms_per_step": 108.0, "peak_mib": 1000.0, "syncs_per_step": 1.0},
+        bench.PURE_BF16: {"ms_per_step": 90.0, "peak_mib": 800.0, "syncs_per_step": 0.0},
+        "O5 remainder": {"ms_per_step": 102.8, "peak_mib": 800.0 + 2 * 2**20 / 2**20, "params": 2**20,
+                         "syncs_per_step": 0.0},
+        "O1": {"ms_per_step": 111.24, "syncs_per_step": 1.0},
+        "O4": {"ms_per_step": 111.24, "syncs_per_step": 0.0},
+        "O1 Apex lists": {"ms_per_step": 118.8},
+        "O4 Apex lists": {"ms_per_step": 118.8},
+        "O1 sync_free": {"syncs_per_step": 0.0},
+        "O2 sync_free": {"syncs_per_step": 0.0},
+    }  # fmt: skip
+    for name in (*bench.O2_VARIANTS, *bench.O5_VARIANTS):
+        rows[name] = {"ms_per_step": 100.0, "peak_mib": 1000.0, "syncs_per_step": 0.0, "params": 2**20}
+    rows["O2 AdamW fused"]["syncs_per_step"] = 1.0
+    master = {bench.PLAIN_ADAMW: 1.0, "O2": 1.1, "O5": 1.05}
+    return rows, master
+
+
+def statuses(rows: dict[str, dict[str, Any]], master: dict[str, Any], measured: bool = True) -> dict[str, str]:
+    return {v["target"]: v["status"] for v in bench.judge(rows, master, measured)}
+
+
+def test_verdicts_meet_figures_at_the_issue_bounds() -> None:
+    rows, master = figures()
+    assert set(statuses(rows, master).values()) == {"met"}
+    by_name = {v["target"]: v for v in bench.judge(rows, master)}
+    o5 = by_name["O5 AdamW foreach speed >= 1.08x native autocast bf16"]
+    assert o5["value"] == pytest.approx(1.08) and o5["figure"] == "1.080x (100.00 vs 108.00 ms)"
+    remainder = by_name["O5 remainder peak memory <= pure bf16 + 2 B/param"]
+    assert remainder["figure"] == "802 vs 802 MiB allowed (800 MiB + 2 B x 1048576 params)"
+
+
+@pytest.mark.parametrize(
+    ("variant", "key", "value", "target"),
+    [
+        ("O5 FusedAdam", "ms_per_step", 100.1, "O5 FusedAdam speed >= 1.08x native autocast bf16"),
+        ("O5 remainder", "ms_per_step", 103.0, "O5 remainder speed >= 1.05x native autocast bf16"),
+        ("O2 AdamW foreach", "ms_per_step", 100.1, "O2 AdamW foreach speed >= 1.08x native autocast fp16 + GradScaler"),
+        ("O1", "ms_per_step", 111.3, "O1 time <= 1.03x native autocast fp16 + GradScaler"),
+        ("O4 Apex lists", "ms_per_step", 118.9, "O4 Apex lists time <= 1.1x native autocast bf16"),
+        ("O5 AdamW fused", "peak_mib", 1000.5, "O5 AdamW fused peak memory <= native autocast bf16"),
+        ("O5 remainder", "peak_mib", 802.5, "O5 remainder peak memory <= pure bf16 + 2 B/param"),
+        ("O5 AdamW foreach", "syncs_per_step", 1 / 3, "O5 AdamW foreach host syncs per step <= 0"),
+        ("O2 sync_free", "syncs_per_step", 1 / 3, "O2 sync_free host syncs per step <= 0"),
+        ("O2 AdamW fused", "syncs_per_step", 4 / 3, "O2 AdamW fused host syncs per step <= 1"),
+    ],
+)
+def test_a_figure_past_its_bound_is_not_met_and_only_its_target(
+    variant: str, key: str, value: float, target: str
+) -> None:
+    rows, master = figures()
+    rows[variant][key] = value
+    assert {name for name, status in statuses(rows, master).items() if status != "met"} == {target}
+
+
+def test_master_step_verdicts() -> None:
+    rows, master = figures()
+    master["O2"] = 1.11
+    master["O5"] = "RuntimeError: boom"
+    verdicts = {v["target"]: v for v in bench.judge(rows, master)}
+    o2, o5 = (verdicts[f"{level} master step <= 1.1x plain fused AdamW (fp32)"] for level in ("O2", "O5"))
+    assert (o2["status"], o2["figure"]) == ("not met", "1.110x (1.110 vs 1.000 ms)")
+    assert (o5["status"], o5["why"]) == ("not met", "O5 failed: RuntimeError: boom")
+
+
+def test_failed_missing_and_smoke_figures_are_not_met_or_not_measured() -> None:
+    rows, master = figures()
+    rows["O1"]["error"] = "RuntimeError: boom"  # failed while timed: its timing targets are not met
+    rows["O4"]["memory_error"] = "OutOfMemoryError: full"  # failed in the memory pass: its syncs are not met
+    del rows["O4 Apex lists"]  # filtered out with --only
+    rows[bench.PURE_BF16]["peak_mib"] = None  # a device with no peak memory
+    verdicts = {v["target"]: v for v in bench.judge(rows, master)}
+    o1 = verdicts["O1 time <= 1.03x native autocast fp16 + GradScaler"]
+    assert (o1["status"], o1["why"]) == ("not met", "O1 failed: RuntimeError: boom")
+    assert verdicts["O1 host syncs per step <= 1"]["status"] == "met"  # the memory pass went well
+    o4 = verdicts["O4 host syncs per step <= 0"]
+    assert (o4["status"], o4["why"]) == ("not met", "O4 failed: OutOfMemoryError: full")
+    assert verdicts["O4 time <= 1.03x native autocast bf16"]["status"] == "met"
+    apex = verdicts["O4 Apex lists time <= 1.1x native autocast bf16"]
+    assert (apex["status"], apex["why"]) == ("not measured", "O4 Apex lists: not run")
+    remainder = verdicts["O5 remainder peak memory <= pure bf16 + 2 B/param"]
+    assert (remainder["status"], remainder["why"]) == ("not measured", "pure bf16: no peak_mib on this device")
+    smoke = bench.judge(*figures(), measured=False)
+    assert {v["status"] for v in smoke} == {"not measured"} and all(v["why"] == bench.SMOKE_NOTE for v in smoke)
+
+
+def test_idle_time_between_activities_counts_overlaps_once() -> None:
+    activities = [
+        bench.Activity("a", 0.0, 10.0, 10.0),
+        bench.Activity("b", 18.0, 30.0, 12.0),
+        bench.Activity("c", 15.0, 20.0, 5.0),  # recorded out of order, overlapping b (another stream)
+        bench.Activity("a", 40.0, 41.0, 1.0),
+    ]
+    assert bench.idle_between(activities) == 5.0 + 10.0
+    summary = bench.trace_summary(activities, steps=2, top=2)
+    assert summary["activities_per_step"] == 2.0 and summary["idle_us_per_step"] == 7.5
+    assert summary["top"] == [
+        {"name": "b", "us_per_step": 6.0, "calls_per_step": 0.5, "share": 12 / 28},
+        {"name": "a", "us_per_step": 5.5, "calls_per_step": 1.0, "share": 11 / 28},
+    ]
+
+
+# -- the summary ----------------------------------------------------------------------------------------------
+def test_summary_knows_every_target_of_the_benchmark() -> None:
+    assert tuple(t.name for t in bench.TARGETS) == gpu_check_summary.TARGET_NAMES
+
+
+def write_run(out: Path, failures: int, all_met: bool) -> None:
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     (logs / "pytest.xml").write_text(
@@ -82,22 +321,22 @@ def write_run(out: Path, failures: int, time_met: bool) -> None:
         + "</testsuite></testsuites>"
     )
     (logs / "pytest.txt").write_text("8 workers [10 items]\n")
-    targets = [
-        {"level": level, "baseline": baseline, "time_ratio": 0.8, "max_time_ratio": ratio, "time_met": time_met,
-         "peak_memory_met": True if memory else None}
-        for level, baseline, ratio, memory in bench.TARGETS
-    ]  # fmt: skip
-    (logs / "gpu_train_step.json").write_text(json.dumps({"targets": targets, "complete": True, "workloads": {}}))
+    verdicts = [{"target": t.name, "status": "met", "figure": "1.000x", "value": 1.0, "bound": t.bound}
+                for t in bench.TARGETS]  # fmt: skip
+    if not all_met:
+        verdicts[0].update(status="not met", figure="0.950x (105.00 vs 100.00 ms)")
+    report = {"verdicts": verdicts, "complete": True, "judged": True, "rows": {}}
+    (logs / "gpu_train_step.json").write_text(json.dumps(report))
     (logs / "machine.txt").write_text("2.11.0 13.0 NVIDIA H100 80GB HBM3\n")
 
 
 @pytest.mark.parametrize(
-    ("suite_rc", "failures", "time_met", "ok"), [(0, 0, True, True), (1, 1, True, False), (0, 0, False, False)]
+    ("suite_rc", "failures", "all_met", "ok"), [(0, 0, True, True), (1, 1, True, False), (0, 0, False, False)]
 )
 def test_summary_passes_only_a_green_suite_with_every_target_met(
-    tmp_path: Path, suite_rc: int, failures: int, time_met: bool, ok: bool
+    tmp_path: Path, suite_rc: int, failures: int, all_met: bool, ok: bool
 ) -> None:
-    write_run(tmp_path, failures, time_met)
+    write_run(tmp_path, failures, all_met)
     assert gpu_check_summary.main([str(tmp_path), str(suite_rc), "0"]) == (0 if ok else 1)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["ok"] is ok
@@ -108,60 +347,19 @@ def test_summary_passes_only_a_green_suite_with_every_target_met(
         assert "- FAILURE tests.test_x::test_0: assert 0 == 0" in (tmp_path / "summary.md").read_text()
     verdict = (tmp_path / "verdict.txt").read_text()
     assert verdict.startswith(f"gpu_check verdict: {'PASS' if ok else 'FAIL'} | suite: {8 - failures} passed, ")
-    assert verdict.count("time met" if time_met else "time NOT met") == 4
+    assert verdict.count(": met (1.000x)") == len(bench.TARGETS) - (0 if all_met else 1)
+    if not all_met:
+        assert "| O5 AdamW foreach speed >= 1.08x native autocast bf16: not met (0.950x (105.00 vs 100.00 ms)) |" in (
+            verdict
+        )
 
 
-def test_summary_lists_targets_as_not_met_when_the_benchmark_wrote_nothing(tmp_path: Path) -> None:
+def test_summary_lists_targets_as_not_measured_when_the_benchmark_wrote_nothing(tmp_path: Path) -> None:
     write_run(tmp_path, 0, True)
     (tmp_path / "logs" / "gpu_train_step.json").unlink()
     assert gpu_check_summary.main([str(tmp_path), "0", "124"]) == 1
     verdict = (tmp_path / "verdict.txt").read_text()
-    assert verdict.count("NOT met (no benchmark results)") == 4 and "FAIL" in verdict
-
-
-def test_a_failing_variant_is_a_row_and_the_run_goes_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """One variant raising (an unsupported kernel, out of memory) costs its own row, not the run; the target
-    that needs it is not met and says why."""
-    real = bench.make_step
-
-    def make_step(variant: str, *args: object) -> object:
-        if variant == "O2":
-            raise NotImplementedError("no kernel for BFloat16")
-        return real(variant, *args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(bench, "make_step", make_step)
-    args = ["--tiny", "--device", "cpu", "--variants", "native fp32,O2,O5", "--out", str(tmp_path)]
-    assert bench.main(args) == 1
-    report = json.loads((tmp_path / "gpu_train_step.json").read_text())
-    assert report["complete"] is True
-    for rows in report["workloads"].values():
-        assert (
-            rows["O2"]["ms_per_step"] is None and rows["O2"]["error"] == "NotImplementedError: no kernel for BFloat16"
-        )
-        assert rows["native fp32"]["ms_per_step"] > 0 and rows["O5"]["ms_per_step"] > 0
-    assert (
-        "| O2 | failed: NotImplementedError: no kernel for BFloat16 |" in (tmp_path / "gpu_train_step.md").read_text()
-    )
-    rows = {bench.AUTOCAST_FP16: row(100.0, 1000.0), "O2": {"ms_per_step": None, "peak_mib": None, "error": "boom"}}
-    (o2, *others) = bench.judge(rows)
-    assert o2["time_met"] is False and o2["peak_memory_met"] is False and o2["error"] == "O2: boom"
-    assert all(v["time_met"] is False and "not run" in v["error"] for v in others)
-
-
-def test_a_cut_benchmark_keeps_the_variants_it_measured(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    real = bench.run_variant
-
-    def run_variant(variant: str, *args: object) -> object:
-        if variant == "O5":
-            raise KeyboardInterrupt  # what `timeout -s INT` does to the run
-        return real(variant, *args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(bench, "run_variant", run_variant)
-    with pytest.raises(KeyboardInterrupt):
-        bench.main(["--tiny", "--device", "cpu", "--variants", "native fp32,O2,O5", "--out", str(tmp_path)])
-    report = json.loads((tmp_path / "gpu_train_step.json").read_text())
-    assert report["complete"] is False and list(report["workloads"]["mlp"]) == ["native fp32", "O2"]
-    assert all(r["ms_per_step"] > 0 for r in report["workloads"]["mlp"].values())
+    assert verdict.count(": not measured (no benchmark results)") == len(bench.TARGETS) and "FAIL" in verdict
 
 
 # -- the script itself, on CPU, with a fake interpreter -----------------------------------------------------------
@@ -204,12 +402,12 @@ if args[:2] == ["-m", "pytest"]:
 if args[:2] == ["-m", "benchmarks.gpu_train_step"]:
     out = Path(args[args.index("--out") + 1])
     if os.environ["FAKE_BENCH"] == "partial":
-        rows = {"native autocast fp16 + GradScaler": {"ms_per_step": 100.0, "peak_mib": 10.0},
-                "O2": {"ms_per_step": 80.0, "peak_mib": 9.0}}
-        targets = [{"level": "O2", "baseline": "native autocast fp16 + GradScaler", "time_ratio": 0.8,
-                    "max_time_ratio": 1 / 1.15, "time_met": True, "peak_memory_met": True}]
-        report = {"workloads": {"transformer": rows}, "targets": targets, "complete": False}
+        assert "--profile" in args
+        verdicts = [{"target": "O2 AdamW fused speed >= 1.08x native autocast fp16 + GradScaler", "status": "met",
+                     "figure": "1.250x (80.00 vs 100.00 ms)", "value": 1.25, "bound": 1.08}]
+        report = {"rows": {"O2 AdamW fused": {"ms_per_step": 80.0}}, "verdicts": verdicts, "complete": False}
         (out / "gpu_train_step.json").write_text(json.dumps(report))
+        (out / "gpu_train_step_profile.txt").write_text("== O5 AdamW fused\n")
     raise SystemExit(os.environ.get("FAKE_BENCH_RC", "1"))
 os.execv(PYTHON_REPR, [PYTHON_REPR, *args])
 """
@@ -256,13 +454,20 @@ def test_a_suite_cut_by_its_limit_still_gives_counts_and_a_verdict(tmp_path: Pat
         "gpu_check verdict: FAIL | suite: 2 passed, 1 failed, 0 errors, 0 skipped of 40 collected"
     )
     assert "(cut at the 3 s limit)" in verdict
-    # the benchmark's partial results are judged; what it did not reach is not met
-    assert "O2 vs native autocast fp16 + GradScaler: time met (0.800, target <= 0.870), memory met" in verdict
-    assert "O5 vs native autocast bf16: NOT met (not judged" in verdict
+    # the benchmark's partial results are judged; what it did not reach is not measured
+    assert "| O2 AdamW fused speed >= 1.08x native autocast fp16 + GradScaler: met (1.250x (80.00 vs 100.00 ms)) |" in (
+        verdict
+    )
+    assert "| O5 AdamW fused speed >= 1.08x native autocast bf16: not measured (not in the benchmark's report) |" in (
+        verdict
+    )
     assert "- FAILURE tests.test_a::test_slow: AssertionError: no" in (out / "summary.md").read_text()
     summary = json.loads((out / "summary.json").read_text())
     assert summary["suite"]["state"] == "cut" and summary["suite"]["exit_status"] == 124
-    assert returned_files(out) == ["gpu_check_logs.tar.gz", "summary.json", "summary.md", "verdict.txt"]
+    assert returned_files(out) == [
+        "gpu_check_logs.tar.gz", "profile.txt", "summary.json", "summary.md", "verdict.txt"
+    ]  # fmt: skip
+    assert (out / "profile.txt").read_text() == "== O5 AdamW fused\n"
     with tarfile.open(out / "gpu_check_logs.tar.gz") as tar:
         assert {"logs/pytest.xml", "logs/pytest.txt", "logs/machine.txt", "logs/gpu_train_step.json"} <= set(
             tar.getnames()
@@ -278,7 +483,7 @@ def test_a_suite_that_ignores_the_cut_is_killed_and_the_check_still_ends(tmp_pat
     assert result.returncode == 1, result.stderr
     verdict = result.stdout.splitlines()[-1]
     assert verdict.startswith("gpu_check verdict: FAIL | suite: no counts (the suite cut, exit 137)")
-    assert verdict.count("NOT met (no benchmark results)") == 4
+    assert verdict.count(": not measured (no benchmark results)") == len(bench.TARGETS)
     assert returned_files(out) == ["gpu_check_logs.tar.gz", "summary.json", "summary.md", "verdict.txt"]
 
 
@@ -287,7 +492,7 @@ def test_a_crashed_suite_is_reported_and_the_benchmark_still_runs(tmp_path: Path
     assert result.returncode == 1, result.stderr
     verdict = result.stdout.splitlines()[-1]
     assert verdict.startswith("gpu_check verdict: FAIL | suite: no counts (the suite crashed, exit 139)")
-    assert "O2 vs native autocast fp16 + GradScaler: time met" in verdict
+    assert "O2 AdamW fused speed >= 1.08x native autocast fp16 + GradScaler: met" in verdict
     assert "Segmentation fault" in (out / "summary.md").read_text()  # the log's last lines, with no JUnit file
 
 

@@ -1,7 +1,10 @@
-"""Host syncs per training step (issue 24): none with ``sync_free=True``, at most one (the overflow read that
-decides the step on the host) otherwise: a dynamic fp16 loss scale, and O4/O5's default skip of non-finite steps.
-Counted with ``tests._device.HostSyncCounter``: on CPU it sees the scalar reads; on CUDA (``pytest --device cuda``)
-also the copies that make the host wait for the GPU."""
+"""Host syncs per training step (issue 24): none at O4/O5 with their default options (a static scale of 1: the
+skip is decided on the device) and none with ``sync_free=True``; at most one (the overflow read that decides the
+step on the host) with a dynamic fp16 loss scale. Counted with ``tests._device.HostSyncCounter``: on CPU it sees
+the scalar reads, and under ``pretend_gpu`` with ``cpu_as_device=True`` also host data put on the device, while
+the step takes the CUDA path (amp's Triton master kernels, through the interpreter); on CUDA (``pytest --device
+cuda``) also the copies that make the host wait for the GPU, and ``torch.cuda.set_sync_debug_mode("error")``
+proves the zero."""
 
 from __future__ import annotations
 
@@ -13,8 +16,12 @@ from torch import nn
 
 from ampinit import amp
 from ampinit._types import OptLevel
-from tests._device import HostSyncCounter, on_device
-from tests.conftest import make_problem
+from tests._amp_loop import plant_inf_in_fc1
+from tests._device import HostSyncCounter, on_device, requires_cuda
+from tests.conftest import SmallNet, make_problem
+
+OVERFLOWING_STEP = 2  # of STEPS: one step of every run plants an inf in a gradient
+STEPS = 4
 
 
 def test_the_counter_sees_every_kind_of_host_wait() -> None:
@@ -22,48 +29,150 @@ def test_the_counter_sees_every_kind_of_host_wait() -> None:
     on_meta = torch.empty(3, device="meta")  # stands in for a GPU: any device that is not the host
     with HostSyncCounter() as counter:
         x.sum().item()
+        bool(x.sum())
+        x.tolist()
+        x.nonzero()
         x.to("meta")
         on_meta.copy_(x)
+        torch.tensor([1.0, 2.0], device="meta")
+        torch.as_tensor([1.0], device="meta")
         x.to("meta", non_blocking=True)  # no wait: not counted
         on_meta.copy_(x, non_blocking=True)
         x.to("cpu")  # host to host: not counted
+        torch.tensor(1.0)  # a host tensor: not counted
+        torch.as_tensor(x, device="meta")  # no host data: the copy is counted by the dispatcher
     assert counter.syncs == [
         "aten._local_scalar_dense",
+        "aten._local_scalar_dense",
+        "Tensor.tolist",
+        "aten.nonzero",
         "aten._to_copy host->device, blocking",
         "aten.copy_ host->device, blocking",
+        "torch.tensor(..., device=) host->device, blocking",
+        "torch.as_tensor(..., device=) host->device, blocking",
+        "aten._to_copy host->device, blocking",
     ]
 
 
-def syncs_per_step(level: OptLevel, steps: int = 3, **options: Any) -> list[list[str]]:
-    """The host syncs of each step after the first (which sets up state) of a small model at ``level``."""
+def test_the_counter_takes_the_cpu_for_a_device_when_told() -> None:
+    """Under ``pretend_gpu`` the CPU stands for the GPU: host data put on "the device" is seen."""
+    param = torch.zeros(2)
+    with HostSyncCounter(cpu_as_device=True) as counter:
+        host = torch.tensor([1.0, 2.0])
+        host.to(param.device)
+        host.to(device=param.device)
+        host.to(param)
+        param.copy_(host)
+        host.to(param.device, non_blocking=True)  # no wait: not counted
+        param.copy_(host, non_blocking=True)
+        host.to(torch.float64)  # no device named: not counted
+        param.to(param.device)  # not host data: not counted
+        torch.tensor(3.0, device=param.device)
+    assert counter.syncs == [
+        "Tensor.to host->device, blocking",
+        "Tensor.to host->device, blocking",
+        "Tensor.to host->device, blocking",
+        "Tensor.copy_ host->device, blocking",
+        "torch.tensor(..., device=) host->device, blocking",
+    ]
+    with HostSyncCounter() as counter:
+        torch.tensor([1.0]).to(param.device)
+        torch.tensor(3.0, device=param.device)
+    assert counter.syncs == []
+
+
+@pytest.fixture
+def cuda_path(pretend_gpu: None, request: pytest.FixtureRequest) -> bool:
+    """On CPU, the step's CUDA path (a GPU machine as code sees it, amp's Triton kernels interpreted), counted
+    with the CPU taken for the device; on CUDA, the real one. Whether the CPU stands for the device."""
+    on_cpu = on_device(torch.zeros(())).device.type == "cpu"
+    if on_cpu:
+        request.getfixturevalue("kernels_on_cpu")
+    return on_cpu
+
+
+def syncs_per_step(level: OptLevel, cpu_as_device: bool, steps: int = STEPS, **options: Any) -> list[list[str]]:
+    """The host syncs of each step after the first (which sets up state) of a small model at ``level``, with
+    fused AdamW; step ``OVERFLOWING_STEP`` overflows, and is checked to have been skipped."""
+    model: SmallNet
     model, x, y = on_device(make_problem())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     amp.initialize(model, opt, opt_level=level, verbosity=0, **options)
     counts = []
     try:
         for step in range(steps + 1):
-            with HostSyncCounter() as counter:
+            with HostSyncCounter(cpu_as_device=cpu_as_device) as counter:
                 opt.zero_grad()
                 loss = nn.functional.mse_loss(model(x).float(), y)
                 with amp.scale_loss(loss, opt) as scaled:
                     scaled.backward()
+                    if step == OVERFLOWING_STEP:
+                        plant_inf_in_fc1(model)
                 opt.step()
             if step > 0:
                 counts.append(counter.syncs)
+        stats = amp.stats()
+        assert (stats.steps, stats.skipped_steps) == (steps + 1, 1)
     finally:
         amp.deinitialize()
     return counts
 
 
-@pytest.mark.parametrize(
-    ("level", "options"),
-    [(level, {"sync_free": True}) for level in ("O1", "O2", "O4", "O5")],
-)
-def test_sync_free_steps_make_no_host_sync(level: OptLevel, options: dict[str, Any]) -> None:
-    assert syncs_per_step(level, **options) == [[], [], []]
+DEVICE_DECIDED: list[tuple[OptLevel, dict[str, Any]]] = [
+    ("O4", {}),
+    ("O5", {}),
+    ("O5", {"master_weights": "remainder"}),
+    ("O3", {}),
+    ("O2", {"loss_scale": 128.0}),
+    *((level, {"sync_free": True}) for level in ("O1", "O2", "O4", "O5")),
+]
 
 
-@pytest.mark.parametrize("level", ["O1", "O2", "O4", "O5"])
-def test_a_step_decided_on_the_host_reads_it_at_most_once(level: OptLevel) -> None:
-    for syncs in syncs_per_step(level):
-        assert len(syncs) <= 1, syncs
+@pytest.mark.parametrize(("level", "options"), DEVICE_DECIDED, ids=[f"{lv}-{o}" for lv, o in DEVICE_DECIDED])
+def test_steps_decided_on_the_device_make_no_host_sync(
+    level: OptLevel, options: dict[str, Any], cuda_path: bool
+) -> None:
+    """A static scale (O3/O4/O5's 1.0, or a number) and ``sync_free=True``: no step waits, the overflowing one
+    included. Before the skip was decided on the device at a static scale, every O4/O5 step read the flag."""
+    assert syncs_per_step(level, cuda_path, **options) == [[]] * STEPS
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_dynamic_scale_reads_the_flag_once_per_step(level: OptLevel, cuda_path: bool) -> None:
+    """The overflowing step too: the scale is read only for a log line that is written (none at verbosity 0)."""
+    assert syncs_per_step(level, cuda_path) == [["aten._local_scalar_dense"]] * STEPS
+
+
+# torch says once per process that the mode is a prototype; under filterwarnings=error that notice would raise with
+# the mode already switched on.
+@pytest.mark.filterwarnings("ignore:Synchronization debug mode is a prototype feature:UserWarning")
+@requires_cuda("torch.cuda.set_sync_debug_mode")
+@pytest.mark.parametrize(("level", "options"), DEVICE_DECIDED, ids=[f"{lv}-{o}" for lv, o in DEVICE_DECIDED])
+def test_steps_decided_on_the_device_never_synchronise_on_cuda(level: OptLevel, options: dict[str, Any]) -> None:
+    """CUDA's own verdict: any host sync in these steps (the overflowing one included) raises."""
+    model: SmallNet
+    model, x, y = (t.cuda() for t in make_problem())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    amp.initialize(model, opt, opt_level=level, verbosity=0, **options)
+
+    def iteration(overflow: bool) -> None:
+        opt.zero_grad()
+        with amp.scale_loss(nn.functional.mse_loss(model(x).float(), y), opt) as scaled:
+            scaled.backward()
+            if overflow:
+                plant_inf_in_fc1(model)
+        opt.step()
+
+    try:
+        for _ in range(2):  # the first steps create optimizer state, buffers and compiled kernels: warm up
+            iteration(overflow=False)
+        previous = torch.cuda.get_sync_debug_mode()
+        try:
+            torch.cuda.set_sync_debug_mode("error")
+            for step in range(STEPS):
+                iteration(overflow=step == OVERFLOWING_STEP)
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+        assert amp.stats().skipped_steps == 1
+    finally:
+        amp.deinitialize()

@@ -79,6 +79,7 @@ ROWS = [
     "grad_used_by_hand",
     "master_params_twice",
     "master_params_without_step",
+    "master_params_helper_unproven",
 ]
 
 #: Rows whose file cannot be refused for them alone: a step that cannot mean the initialized optimizer sits in a
@@ -150,6 +151,51 @@ def test_another_apex_name_under_if_is_refused_for_itself_not_as_a_guarded_amp_i
     source = _examples.LOOP + "\n\nif profiling:\n    from apex import pyprof\n\n    pyprof.nvtx.init()\n"
     messages = _messages(source)
     assert messages == ["apex.pyprof has no native torch equivalent (nor an ampinit one)"]
+
+
+def _importing(line: str, use: str = "", source: str = _examples.LOOP) -> str:
+    """``source`` with ``line`` added to its imports and ``use`` appended."""
+    return _examples.edit("from apex import amp\n", f"from apex import amp\n{line}\n", source) + use
+
+
+@pytest.mark.parametrize(
+    ("source", "reason", "named"),
+    [
+        (
+            "import torch\nimport apex\n\nmodel = torch.nn.Linear(2, 2)\n"
+            "model = apex.amp.initialize(model, opt_level='O1')\n",
+            "apex.amp is used through `import apex`: use --to ampinit",
+            "apex.amp.",
+        ),
+        (
+            _importing("from apex import amp as apex_amp", "\napex_amp.init()\n"),
+            "apex.amp is imported under several names: use --to ampinit",
+            "import amp as apex_amp",
+        ),
+        (
+            _importing("from apex.optimizers import FusedLAMB", "\nlamb = FusedLAMB(model.parameters())\n"),
+            "apex.optimizers.FusedLAMB has no native torch equivalent: torch.optim has no LAMB; use --to ampinit "
+            "(or replace it by hand)",
+            "FusedLAMB(",
+        ),
+        (
+            _importing("from apex.fp16_utils import FP16_Optimizer", "\nwrapped = FP16_Optimizer(optimizer)\n"),
+            "apex.fp16_utils.FP16_Optimizer has no native torch equivalent: use --to ampinit (or replace it by hand)",
+            "FP16_Optimizer(",
+        ),
+        (
+            _importing("from apex.contrib.group_norm import GroupNorm", "\nnorm = GroupNorm(2, 4)\n"),
+            "apex.contrib.group_norm.GroupNorm has no native torch equivalent (nor an ampinit one)",
+            "GroupNorm(",
+        ),
+    ],
+    ids=["import-apex", "several-names", "fused-lamb", "fp16-optimizer", "contrib"],
+)
+def test_a_file_is_refused_for_the_apex_name_it_uses(source: str, reason: str, named: str) -> None:
+    """The reasons outside the table (an Apex name --to torch has no counterpart for, or amp reached in a way the
+    rewrite does not read): exactly that reason, and what it names is in the file."""
+    assert _messages(source) == [reason]
+    assert named in source
 
 
 def test_an_opt_level_parameter_is_named_as_one() -> None:

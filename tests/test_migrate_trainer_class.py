@@ -253,3 +253,146 @@ def test_a_trainer_class_that_is_not_equivalent_is_refused_with_the_reason(sourc
     assert result.refused and result.migrated == source
     messages = [site.message for site in result.needs_human]
     assert any(message.startswith(reason) for message in messages), messages
+
+
+def test_the_autocast_note_of_a_class_held_scaler_names_its_attributes() -> None:
+    """Where the forward cannot be located (the loss is computed inside the scale_loss call), the note tells the
+    human which autocast to write: in a trainer class the device lives in ``self.amp_device``; a bare
+    ``amp_device`` there is an unbound name."""
+    source = _variant(
+        "with amp.scale_loss(loss, self.optimizer) as scaled_loss:",
+        "with amp.scale_loss(loss * 1.0, self.optimizer) as scaled_loss:",
+    )
+    result = migrate_source(source, "torch")
+    assert not result.refused
+    header = "torch.autocast(self.amp_device, dtype=torch.float16, enabled=self.amp_scaler.is_enabled())"
+    notes = [site.message for site in result.needs_human]
+    assert notes == [
+        f"run the forward pass and the loss under `with {header}:` (it could not be located next to this block)"
+    ]
+    assert f"# ampinit: {notes[0]}" in result.migrated
+
+
+_INIT_TAIL = (
+    "        if self.fp16:\n"
+    '            self.model, self.optimizer = amp.initialize(self.model, self.optimizer, opt_level="O1")\n'
+    "        self.model = torch.nn.DataParallel(self.model)\n"
+)
+_CLIPPING = (
+    "        if self.fp16:\n"
+    "            clip_grad_norm_(amp.master_params(self.optimizer), 1.0)\n"
+    "        else:\n"
+    "            clip_grad_norm_(self.model.parameters(), 1.0)\n"
+)
+#: The trainer with amp.initialize under `if self.fp16:` in a setup() that __init__ calls, and the master_params
+#: clipping in a helper method that the train step calls between its scale_loss block and its step.
+SET_UP_TRAINER = (
+    TRAINER.replace(
+        _INIT_TAIL,
+        "        self.setup()\n        self.model = torch.nn.DataParallel(self.model)\n\n"
+        "    def setup(self):\n" + _INIT_TAIL.replace("        self.model = torch.nn.DataParallel(self.model)\n", ""),
+    )
+    .replace(_CLIPPING, "        self.clip_gradients()\n")
+    .replace("    def save(self):\n", "    def clip_gradients(self):\n" + _CLIPPING + "\n    def save(self):\n")
+)
+
+
+def test_a_setup_method_and_a_clipping_helper_migrate() -> None:
+    assert "    def setup(self):\n" in SET_UP_TRAINER and "        self.clip_gradients()\n" in SET_UP_TRAINER
+    result = migrate_source(SET_UP_TRAINER, "torch")
+    assert not result.refused and not result.needs_human, [s.render() for s in result.sites]
+    assert (
+        "    def setup(self):\n"
+        "        self.amp_device = next(self.model.parameters()).device.type\n"
+        "        self.amp_scaler = torch.amp.GradScaler(self.amp_device, enabled=bool(self.fp16))\n"
+    ) in result.migrated
+    assert (
+        "    def clip_gradients(self):\n        if self.fp16:\n            self.amp_scaler.unscale_(self.optimizer)\n"
+    ) in result.migrated
+
+
+def test_the_set_up_trainer_trains_as_the_original_loss_by_loss(session_cleanup: None) -> None:
+    migrated = migrate_source(SET_UP_TRAINER, "torch").migrated
+    native_first, _, native_second = _train(migrated, True, apex_aliases=False)
+    apex_first, _, apex_second = _train(SET_UP_TRAINER, True, apex_aliases=True)
+    torch.testing.assert_close(native_first + native_second, apex_first + apex_second, rtol=1e-3, atol=1e-3)
+    off_first, _, off_second = _train(migrated, False, apex_aliases=False)
+    assert off_first + off_second == _fp32_losses()
+
+
+def _set_up_variant(old: str, new: str) -> str:
+    assert SET_UP_TRAINER.count(old) == 1, old
+    return SET_UP_TRAINER.replace(old, new)
+
+
+@pytest.mark.parametrize(
+    ("source", "reason"),
+    [
+        (  # setup() left to the caller: train_step() may run first, which with fp16 off worked without amp
+            _set_up_variant("        self.setup()\n", ""),
+            "amp.initialize sits under `if <flag>:` in setup(), and clip_gradients(), load(), save(), train_step() "
+            "may run before it",
+        ),
+        (  # setup() called again later: a second GradScaler would replace the first
+            _set_up_variant(
+                "    def save(self):\n", "    def reset(self):\n        self.setup()\n\n    def save(self):\n"
+            ),
+            "__init__() calls setup(), whose `if <flag>:` creates the GradScaler, but setup is named elsewhere",
+        ),
+        (  # __init__ steps before it sets up
+            _set_up_variant(
+                "        self.setup()\n",
+                "        self.train_step(torch.zeros(1, 4), torch.zeros(1, 2))\n        self.setup()\n",
+            ),
+            "self.train_step() is called in __init__() before it calls setup()",
+        ),
+        (  # the helper clips twice before one step
+            _set_up_variant(
+                "        self.clip_gradients()\n", "        self.clip_gradients()\n        self.clip_gradients()\n"
+            ),
+            "amp.master_params clipped in clip_gradients(), whose scaler.unscale_(optimizer) must run once between "
+            "each scaled backward and scaler.step(), but it may run twice before one step",
+        ),
+        (  # the helper handed out: whoever calls it is not in this file
+            _set_up_variant(
+                "        self.setup()\n", "        self.setup()\n        self.hooks = [self.clip_gradients]\n"
+            ),
+            "amp.master_params clipped in clip_gradients(), whose scaler.unscale_(optimizer) must run once between "
+            "each scaled backward and scaler.step(), but `clip_gradients` is used other than by a call",
+        ),
+        (  # clipped before the backward: Apex clipped the previous gradients, unscale_ would come too early
+            _set_up_variant(
+                "        self.optimizer.zero_grad()\n",
+                "        self.optimizer.zero_grad()\n        self.clip_gradients()\n",
+            ).replace(
+                "        self.clip_gradients()\n        self.optimizer.step()\n", "        self.optimizer.step()\n"
+            ),
+            "amp.master_params clipped in clip_gradients(), whose scaler.unscale_(optimizer) must run once between "
+            "each scaled backward and scaler.step(), but its call at line 26 is not between a scale_loss block",
+        ),
+        (  # the helper clips once per parameter group: unscale_ would run again before update()
+            _set_up_variant(
+                "            clip_grad_norm_(amp.master_params(self.optimizer), 1.0)\n",
+                "            for _ in self.optimizer.param_groups:\n"
+                "                if self.fp16:\n"
+                "                    clip_grad_norm_(amp.master_params(self.optimizer), 1.0)\n",
+            ),
+            "amp.master_params clipped in clip_gradients(), whose scaler.unscale_(optimizer) must run once between "
+            "each scaled backward and scaler.step(), but it clips in a loop",
+        ),
+    ],
+    ids=[
+        "setup-by-caller",
+        "setup-twice",
+        "step-in-init-first",
+        "helper-twice",
+        "helper-handed-out",
+        "helper-early",
+        "helper-loops",
+    ],
+)
+def test_a_set_up_trainer_that_is_not_equivalent_is_refused_with_the_reason(source: str, reason: str) -> None:
+    result = migrate_source(source, "torch")
+    assert result.refused and result.migrated == source
+    messages = [site.message for site in result.needs_human]
+    assert len(messages) == 1 and messages[0].startswith(reason), messages

@@ -603,7 +603,10 @@ def test_subclasses_of_an_optimizer_with_a_master_update_are_refused(make: Calla
 @pytest.mark.parametrize("value", ["Remainder", "fp32", 1])
 def test_bad_master_weights_values_are_named(value: object) -> None:
     net, _, _ = make_net(12, ties=False)
-    with pytest.raises(ValueError, match=re.escape("master_weights must be True, False, 'remainder' or None")):
+    with pytest.raises(
+        ValueError,
+        match=re.escape("master_weights must be True, False, 'remainder', 'remainder8', 'stochastic' or None"),
+    ):
         amp.initialize(net, torch.optim.AdamW(net.parameters()), opt_level="O5", master_weights=value)  # type: ignore[arg-type]
 
 
@@ -811,7 +814,7 @@ def test_training_through_the_kernels_is_bitwise_the_reference(kernels_on_cpu: M
         session.close()
 
 
-def test_master_params_are_the_bf16_parameters_with_unscaled_grads() -> None:
+def test_master_params_are_fp32_masters_with_the_unscaled_grads_widened() -> None:
     net, x, y = make_net(15, ties=False)
     optimizer = torch.optim.SGD(net.parameters(), lr=0.05)
     net, optimizer = amp.initialize(
@@ -822,12 +825,17 @@ def test_master_params_are_the_bf16_parameters_with_unscaled_grads() -> None:
         loss = nn.functional.mse_loss(net(x), y)
         with amp.scale_loss(loss, optimizer) as scaled:  # dynamic scale: 2**16 at first
             scaled.backward()
-        params = list(amp.master_params(optimizer))
-        assert params == list(net.parameters())
+        session = ampinit.session_of(optimizer)
+        params = list(net.parameters())
+        masters = list(amp.master_params(optimizer))
+        for p, master in zip(params, masters):
+            joined = session.master_for(p)  # None: a parameter without remainder (fp32) is its own master
+            assert master is p if joined is None else same_bits(master.detach(), joined)
         # The same forward at scale 1, differentiated without touching .grad.
         grads_at_scale_one = torch.autograd.grad(nn.functional.mse_loss(net(x), y), params)
-        for p, want in zip(params, grads_at_scale_one):
-            assert p.grad is not None and same_bits(p.grad, want)  # unscaled by 2**16, exactly
+        for master, want in zip(masters, grads_at_scale_one):
+            assert master.grad is not None and same_bits(master.grad, want.float())  # unscaled by 2**16, exactly
+        assert any(master.dtype != p.dtype for master, p in zip(masters, params))
     finally:
         ampinit.deinitialize()
 

@@ -10,9 +10,10 @@ native autocast does.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterator
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -31,6 +32,9 @@ from ampinit._types import HALF_DTYPES
 
 if TYPE_CHECKING:
     from ampinit._casting.policy import CastPolicy
+
+# The overloads :meth:`_Kernels.restricted_to` lets sessions register (None: the whole plan).
+_Only = frozenset[torch._ops.OpOverload] | None
 
 # Device types whose autocast dispatch key this torch build defines (the keys the extra kernels go to).
 AUTOCAST_KEYS: dict[str, str] = {
@@ -182,44 +186,75 @@ def _banned_kernel(run: _Runner) -> Callable[..., Any]:
 class _Kernels:
     """The extra autocast kernels, one ``torch.library.Library`` per device type, reference-counted.
 
-    All the sessions holding a device's kernels share them, so they must agree on Apex's lists.
+    All the sessions holding a device's kernels share them, so they must agree on Apex's lists (and on the
+    restriction of :meth:`restricted_to`).
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._libraries: dict[str, tuple[torch.library.Library, ApexLists, int]] = {}
+        self._libraries: dict[str, tuple[torch.library.Library, ApexLists, _Only, int]] = {}
+        self._only: _Only = None
 
     def registered(self) -> dict[str, int]:
         """Device type -> how many active policies hold its kernels."""
         with self._lock:
-            return {device: count for device, (_, _, count) in self._libraries.items()}
+            return {device: count for device, (_, _, _, count) in self._libraries.items()}
+
+    @contextlib.contextmanager
+    def restricted_to(self, overloads: Collection[torch._ops.OpOverload]) -> Iterator[None]:
+        """Inside the block, ``"apex"`` sessions register only ``overloads`` of each device's plan.
+
+        "Native autocast plus a chosen few of Apex's entries", for ``benchmarks/cast_list_effect.py``, which
+        measures what each entry changes. Not a user option: the lists stay Apex's. A session opened inside
+        keeps its kernels until it closes, and sessions with and without the restriction cannot be open at once
+        (the same refusal as for differing lists).
+        """
+        bad = next((op for op in overloads if not isinstance(op, torch._ops.OpOverload)), None)
+        if bad is not None:
+            raise TypeError(f"restricted_to() takes aten overloads (torch.ops.aten.<op>.<overload>), got {bad!r}")
+        with self._lock:
+            if self._only is not None:
+                raise RuntimeError("KERNELS.restricted_to() is already in force: restrictions do not nest")
+            self._only = frozenset(overloads)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._only = None
 
     def acquire(self, device_type: str, lists: ApexLists = DEFAULT_LISTS) -> None:
         with self._lock:
             held = self._libraries.get(device_type)
             if held is None:
-                self._libraries[device_type] = (_register(device_type, lists), lists, 1)
+                library = _register(device_type, lists, self._only)
+                self._libraries[device_type] = (library, lists, self._only, 1)
                 return
-            library, held_lists, count = held
+            library, held_lists, held_only, count = held
+            if held_only != self._only:
+                raise RuntimeError(
+                    f"An O1/O4 session is open on {device_type!r} with "
+                    f"{'all' if held_only is None else 'a restricted set of'} Apex's kernels; KERNELS.restricted_to() "
+                    "changes which are registered, so close that session first."
+                )
             if held_lists != lists:
                 raise RuntimeError(
                     f"apex.amp.lists differ from those of the O1/O4 session already open on {device_type!r}: "
                     "the lists are read at initialize() and shared by all open sessions. Close the open session "
                     "before initializing with edited lists, or edit them before the first initialize()."
                 )
-            self._libraries[device_type] = (library, lists, count + 1)
+            self._libraries[device_type] = (library, lists, held_only, count + 1)
 
     def release(self, device_type: str) -> None:
         with self._lock:
-            library, lists, count = self._libraries[device_type]
+            library, lists, only, count = self._libraries[device_type]
             if count > 1:
-                self._libraries[device_type] = (library, lists, count - 1)
+                self._libraries[device_type] = (library, lists, only, count - 1)
                 return
             del self._libraries[device_type]
             library._destroy()  # type: ignore[no-untyped-call]
 
 
-def _register(device_type: str, lists: ApexLists) -> torch.library.Library:
+def _register(device_type: str, lists: ApexLists, only: _Only = None) -> torch.library.Library:
     key = AUTOCAST_KEYS[device_type]
     library = torch.library.Library("aten", "IMPL")  # type: ignore[no-untyped-call]
     try:
@@ -229,6 +264,8 @@ def _register(device_type: str, lists: ApexLists) -> torch.library.Library:
             # the library is destroyed. The plan overrides no other native kernel.
             warnings.filterwarnings("ignore", message=r"(?s).*Overriding a previously registered kernel")
             for op, policy in plan(key, lists).items():
+                if only is not None and op not in only:
+                    continue
                 library.impl(op, make_kernel(op, policy, device_type), key)  # type: ignore[no-untyped-call]
     except BaseException:
         library._destroy()  # type: ignore[no-untyped-call]

@@ -8,7 +8,13 @@ functions here do all of it in one call, per list of tensors:
 - :func:`adam_` and :func:`sgd_` read each grad in its own dtype, multiply it by ``inv_scale``, update the
   fp32 master and the optimizer state, and write the master, rounded to nearest-even, into the half weight; they
   do nothing at all when ``found_inf`` is nonzero. With remainder masters (:class:`Masters`) they join each
-  master from its bf16 weight and remainder and split it back instead.
+  master from its bf16 weight and remainder and split it back instead;
+- :func:`adam_dial_` and :func:`sgd_dial_` run the same per-element math over the precision dial's storages
+  (:mod:`ampinit._masters.precision`): masters as above, as bf16 weights with 8-bit remainders
+  (``Masters.remainder8``) or as bare bf16 weights (``Masters.stochastic``), and optimizer state as fp32, bf16 or
+  8-bit block-wise codes (:class:`Moments`). Each step decodes the master and the moments, updates them in fp32,
+  and encodes what it stores (stochastic rounding with the keys the caller passes, one per tensor and purpose).
+  ``adam_`` and ``sgd_`` are these with fp32 moments.
 
 The functions in this module are the *reference*: plain torch ops in a fixed order, each op rounded to fp32 (no
 fused multiply-add), so that ``ampinit._masters.triton_kernels``, which take the same arguments, reproduce them
@@ -20,13 +26,17 @@ g*g*(1-beta2)``, ``sqrt(v)/sqrt(bc2) + eps``), with the bias corrections compute
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
-from typing import Any
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
 
 import torch
 
+from ampinit._masters import precision
 from ampinit._masters import remainder as encoding
 from ampinit._types import TensorList
+
+MasterKind = Literal["fp32", "remainder", "remainder8", "stochastic"]
+MomentFormat = Literal["fp32", "bf16", "8bit"]
 
 
 @dataclass(frozen=True)
@@ -70,14 +80,25 @@ class SgdSettings:
 class Masters:
     """Where one list's fp32 masters live: what every master-step function updates.
 
-    Either fp32 ``masters``, updated in place, and the half model ``weights`` written from them (empty: none),
-    or bf16 ``weights`` with the int16 ``remainders`` that make them fp32 masters (:mod:`ampinit._masters.remainder`).
-    Build one with :meth:`fp32` or :meth:`remainder`.
+    ``kind`` says how (build one with the class method of its name):
+
+    - ``"fp32"``: fp32 ``masters``, updated in place, and the half model ``weights`` written from them (empty:
+      none);
+    - ``"remainder"``: bf16 ``weights`` with the int16 ``remainders`` that make them fp32 masters
+      (:mod:`ampinit._masters.remainder`);
+    - ``"remainder8"``: bf16 ``weights`` with int8 ``remainders``, 24-bit masters whose low 8 bits are rounded
+      stochastically on the way back (:mod:`ampinit._masters.precision`);
+    - ``"stochastic"``: bf16 ``weights`` only: the fp32 update result is stochastically rounded into them.
+
+    ``keys`` (``"remainder8"``, ``"stochastic"``) holds one int64 random key per tensor (purpose 0 of
+    :func:`ampinit._masters.precision.keys`), on the tensors' device.
     """
 
     masters: TensorList
     weights: TensorList
     remainders: TensorList
+    kind: MasterKind = "fp32"
+    keys: torch.Tensor | None = None
 
     @classmethod
     def fp32(cls, masters: TensorList, weights: TensorList | None = None) -> Masters:
@@ -85,7 +106,17 @@ class Masters:
 
     @classmethod
     def remainder(cls, weights: TensorList, remainders: TensorList) -> Masters:
-        return cls([], weights, remainders)
+        return cls([], weights, remainders, "remainder")
+
+    @classmethod
+    def remainder8(cls, weights: TensorList, remainders: TensorList, keys: torch.Tensor) -> Masters:
+        _check_keys(keys, len(weights), "remainder8 masters")
+        return cls([], weights, remainders, "remainder8", keys)
+
+    @classmethod
+    def stochastic(cls, weights: TensorList, keys: torch.Tensor) -> Masters:
+        _check_keys(keys, len(weights), "stochastic masters")
+        return cls([], weights, [], "stochastic", keys)
 
     def take(self, indices: list[int]) -> Masters:
         """The masters at ``indices``, stored as these are."""
@@ -93,18 +124,101 @@ class Masters:
         def pick(tensors: TensorList) -> TensorList:
             return [tensors[i] for i in indices] if tensors else []
 
-        return Masters(pick(self.masters), pick(self.weights), pick(self.remainders))
+        keys = None if self.keys is None else self.keys[indices]
+        return Masters(pick(self.masters), pick(self.weights), pick(self.remainders), self.kind, keys)
 
     def master(self, i: int) -> torch.Tensor:
-        """Master ``i`` as an fp32 tensor: the master itself, or joined from its weight and remainder."""
-        return encoding.join(self.weights[i], self.remainders[i]) if self.remainders else self.masters[i]
+        """Master ``i`` as an fp32 tensor: the master itself, or decoded from its storage (a new tensor)."""
+        if self.kind == "remainder":
+            return encoding.join(self.weights[i], self.remainders[i])
+        if self.kind == "remainder8":
+            return precision.join8(self.weights[i], self.remainders[i])
+        if self.kind == "stochastic":
+            return precision.decode_bf16(self.weights[i])
+        return self.masters[i]
 
     def store(self, i: int, master: torch.Tensor) -> None:
-        """Keep the updated ``master`` ``i``: written into its half weight, or split back (``master`` is scratch)."""
-        if self.remainders:
+        """Keep the updated ``master`` ``i``: written into its half weight, or encoded back (``master`` is scratch)."""
+        if self.kind == "remainder":
             encoding.split_(master, self.weights[i], self.remainders[i])
+        elif self.kind == "remainder8":
+            precision.split8_(master, self.weights[i], self.remainders[i], self._bits(i, master))
+        elif self.kind == "stochastic":
+            precision.encode_bf16_(self.weights[i], master, self._bits(i, master))
         elif self.weights:
             self.weights[i].copy_(master)
+
+    def _bits(self, i: int, like: torch.Tensor) -> torch.Tensor:
+        assert self.keys is not None  # the constructors of the stochastic kinds take keys
+        return precision.tensor_bits(self.keys[i], like)
+
+
+@dataclass(frozen=True)
+class Moments:
+    """One list of optimizer state (``exp_avg``, ``exp_avg_sq`` or ``momentum_buffer``) in its stored format.
+
+    - ``"fp32"``: fp32 ``values``, torch's layout, updated in place;
+    - ``"bf16"``: bf16 ``values``, stochastically rounded with ``keys`` (one int64 per tensor, purpose 1 or 2);
+    - ``"8bit"``: uint8 codes in ``values`` (the parameter's shape) and fp32 per-block scales in ``absmax``, with
+      the map ``qmap`` (signed for ``exp_avg``/``momentum_buffer``, unsigned for ``exp_avg_sq``).
+    """
+
+    format: MomentFormat
+    values: TensorList
+    absmax: TensorList = field(default_factory=list)
+    keys: torch.Tensor | None = None
+    qmap: precision.QuantMap | None = None
+
+    @classmethod
+    def fp32(cls, values: TensorList) -> Moments:
+        return cls("fp32", values)
+
+    @classmethod
+    def bf16(cls, values: TensorList, keys: torch.Tensor) -> Moments:
+        _check_keys(keys, len(values), "bf16 moments")
+        return cls("bf16", values, keys=keys)
+
+    @classmethod
+    def eight_bit(cls, codes: TensorList, absmax: TensorList, qmap: precision.QuantMap) -> Moments:
+        return cls("8bit", codes, absmax, qmap=qmap)
+
+    def take(self, indices: list[int]) -> Moments:
+        """The moments at ``indices``, stored as these are."""
+
+        def pick(tensors: TensorList) -> TensorList:
+            return [tensors[i] for i in indices] if tensors else []
+
+        keys = None if self.keys is None else self.keys[indices]
+        return Moments(self.format, pick(self.values), pick(self.absmax), keys, self.qmap)
+
+    def load(self, i: int) -> torch.Tensor:
+        """Moment ``i`` as fp32: the tensor itself (fp32) or decoded (exactly for bf16)."""
+        if self.format == "bf16":
+            return precision.decode_bf16(self.values[i])
+        if self.format == "8bit":
+            assert self.qmap is not None
+            return precision.dequantize_blockwise(self.values[i], self.absmax[i], self.qmap)
+        return self.values[i]
+
+    def store(self, i: int, value: torch.Tensor) -> None:
+        """Keep the fp32 ``value`` of moment ``i``, encoded in this format."""
+        if self.format == "bf16":
+            assert self.keys is not None
+            precision.encode_bf16_(self.values[i], value, precision.tensor_bits(self.keys[i], value))
+        elif self.format == "8bit":
+            assert self.qmap is not None
+            codes, absmax = precision.quantize_blockwise(value, self.qmap)
+            self.values[i].copy_(codes)
+            self.absmax[i].copy_(absmax)
+        else:
+            self.values[i].copy_(value)
+
+
+def _check_keys(keys: torch.Tensor, count: int, what: str) -> None:
+    if keys.dtype != torch.int64 or keys.shape != (count,):
+        raise ValueError(
+            f"{what} need one int64 random key per tensor ({count}), got {keys.dtype} of shape {tuple(keys.shape)}"
+        )
 
 
 def adam_step_scalars(
@@ -173,11 +287,30 @@ def adam_(
 
     ``step_scalars`` comes from :func:`adam_step_scalars` (one row per tensor).
     """
+    moments = Moments.fp32(exp_avgs), Moments.fp32(exp_avg_sqs)
+    adam_dial_(grads, masters, *moments, step_scalars, settings, inv_scale=inv_scale, found_inf=found_inf)
+
+
+def adam_dial_(
+    grads: TensorList,
+    masters: Masters,
+    exp_avgs: Moments,
+    exp_avg_sqs: Moments,
+    step_scalars: torch.Tensor,
+    settings: AdamSettings,
+    *,
+    inv_scale: torch.Tensor | None = None,
+    found_inf: torch.Tensor | None = None,
+) -> None:
+    """:func:`adam_` over any storage of the masters and the moments: the update runs on the fp32 moments of this
+    step, and only what is stored is encoded."""
+    _check_maps(exp_avgs, signed=True, what="exp_avg")
+    _check_maps(exp_avg_sqs, signed=False, what="exp_avg_sq")
     if skipped(found_inf):
         return
     s = settings
     with torch.no_grad():
-        for i, (grad, m, v) in enumerate(zip(grads, exp_avgs, exp_avg_sqs)):
+        for i, grad in enumerate(grads):
             g = _unscaled(grad, inv_scale, s.maximize)
             p = master = masters.master(i)
             if s.weight_decay != 0:
@@ -185,8 +318,10 @@ def adam_(
                     p = p * (1 - s.lr * s.weight_decay)
                 else:
                     g = g + p * s.weight_decay
-            m.copy_(m * s.beta1 + g * (1 - s.beta1))
-            v.copy_(v * s.beta2 + (g * g) * (1 - s.beta2))
+            m = exp_avgs.load(i) * s.beta1 + g * (1 - s.beta1)
+            v = exp_avg_sqs.load(i) * s.beta2 + (g * g) * (1 - s.beta2)
+            exp_avgs.store(i, m)
+            exp_avg_sqs.store(i, v)
             denom = _div(_sqrt(v), step_scalars[i, 1]) + s.eps
             master.copy_(p - _div(step_scalars[i, 0] * m, denom))
             masters.store(i, master)
@@ -206,6 +341,22 @@ def sgd_(
 
     ``momentum_buffers`` is empty when ``settings.momentum == 0``.
     """
+    buffers = Moments.fp32(momentum_buffers)
+    sgd_dial_(grads, masters, buffers, settings, first_step=first_step, inv_scale=inv_scale, found_inf=found_inf)
+
+
+def sgd_dial_(
+    grads: TensorList,
+    masters: Masters,
+    momentum_buffers: Moments,
+    settings: SgdSettings,
+    *,
+    first_step: bool,
+    inv_scale: torch.Tensor | None = None,
+    found_inf: torch.Tensor | None = None,
+) -> None:
+    """:func:`sgd_` over any storage of the masters and the momentum buffers (as :func:`adam_dial_`)."""
+    _check_maps(momentum_buffers, signed=True, what="momentum_buffer")
     if skipped(found_inf):
         return
     s = settings
@@ -216,8 +367,18 @@ def sgd_(
             if s.weight_decay != 0:
                 g = g + master * s.weight_decay
             if s.momentum != 0:
-                buf = momentum_buffers[i]
-                buf.copy_(g if first_step else buf * s.momentum + g * (1 - s.dampening))
+                buf = g if first_step else momentum_buffers.load(i) * s.momentum + g * (1 - s.dampening)
+                momentum_buffers.store(i, buf)
                 g = g + buf * s.momentum if s.nesterov else buf
             master.copy_(master - g * s.lr)  # bitwise torch's p + (-lr)*g
             masters.store(i, master)
+
+
+def _check_maps(moments: Moments, *, signed: bool, what: str) -> None:
+    if moments.format == "8bit" and (moments.qmap is None or moments.qmap.signed != signed):
+
+        def name(signed_map: bool) -> str:
+            return "signed" if signed_map else "unsigned"
+
+        got = "no map" if moments.qmap is None else f"the {name(moments.qmap.signed)} one"
+        raise ValueError(f"8-bit {what} is quantized with the {name(signed)} dynamic map, got {got}")

@@ -26,6 +26,7 @@ value, unless the weight still holds what ``load_master`` split off a loaded mas
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -64,6 +65,8 @@ class RemainderGrads(OptimizerGrads):
         self._loading: dict[str, Any] | None = None
         # Until the first backward or step: the bf16 weights load_master split off loaded masters, by param id.
         self._loaded_weights: dict[int, torch.Tensor] = {}
+        # amp.master_params' fp32 masters, by param id, with the grad and versions they were made from.
+        self._materialised: dict[int, _Materialised] = {}
 
     # -- masters --------------------------------------------------------------------------------------------
     def create_masters(self, fp32_values: dict[int, torch.Tensor] | None = None) -> None:
@@ -134,6 +137,54 @@ class RemainderGrads(OptimizerGrads):
             self._loaded_weights.pop(param_id, None)
         self._note_agreement(param_id, weight, remainder)
 
+    # -- amp.master_params ----------------------------------------------------------------------------------
+    def master_params(self) -> Iterator[torch.Tensor]:
+        """The optimizer's parameters as fp32 masters with fp32 ``.grad``s (the bf16 grads, already unscaled,
+        widened), made when asked: ``clip_grad_norm_`` over them clips in fp32, and the step that follows takes
+        their values and grads (a later backward, ``zero_grad`` or weight write makes them stale: then the step
+        reads the parameter again). Parameters without a remainder are yielded as they are."""
+        for group in self.optimizer.param_groups:
+            for param in group["params"]:
+                if id(param) not in self._remainders:
+                    yield param
+                    continue
+                fresh = self._fresh_master(param)
+                if fresh is None:
+                    fresh = self._joined(param)
+                    fresh.grad = None if param.grad is None else param.grad.to(torch.float32, copy=True)
+                    grad_version = None if param.grad is None else param.grad._version
+                    self._materialised[id(param)] = _Materialised(fresh, param.grad, grad_version, param._version)
+                yield fresh
+
+    def _fresh_master(self, param: torch.Tensor) -> torch.Tensor | None:
+        """``param``'s materialised master if nothing has changed its weight or bf16 grad since it was made."""
+        entry = self._materialised.get(id(param))
+        if entry is None or entry.grad is not param.grad or param._version != entry.weight_version:
+            return None
+        if param.grad is not None and param.grad._version != entry.grad_version:
+            return None
+        return entry.master
+
+    def _step_master(self, param: torch.Tensor) -> torch.Tensor:
+        """The fp32 master the step updates (a scratch tensor): the materialised one, else joined now."""
+        fresh = self._fresh_master(param)
+        return self._joined(param) if fresh is None else fresh.detach()
+
+    def _step_grad(self, param: torch.Tensor) -> torch.Tensor:
+        """The fp32 grad the step applies: the materialised master's (clipped, maybe), else the bf16 grad widened."""
+        fresh = self._fresh_master(param)
+        if fresh is not None and fresh.grad is not None:
+            return fresh.grad
+        return _fp32(param.grad)
+
+    def prepare_backward(self) -> None:
+        super().prepare_backward()
+        self._materialised.clear()
+
+    def after_step(self, stepped: bool, weights_written: bool = False) -> None:
+        super().after_step(stepped, weights_written)
+        self._materialised.clear()
+
     def remainder_of(self, param: torch.Tensor) -> torch.Tensor | None:
         entry = self._remainders.get(id(param))
         return None if entry is None else entry[1]
@@ -145,6 +196,7 @@ class RemainderGrads(OptimizerGrads):
         self._handles.clear()
         self._remainders.clear()
         self._loaded_weights.clear()
+        self._materialised.clear()
         self._agreed = None
 
     # -- optimizer state_dict -------------------------------------------------------------------------------
@@ -178,7 +230,8 @@ class RemainderGrads(OptimizerGrads):
                 params = [p for p in group["params"] if p.grad is not None]
                 if not params:
                     continue
-                if self._kernels_step(group, params, found_inf):
+                # The kernels read the bf16 grads: materialised fp32 ones (clipped, maybe) take the chunked step.
+                if not self._materialised and self._kernels_step(group, params, found_inf):
                     continue
                 self._chunked_step(group, params, found_inf)
         return True
@@ -199,7 +252,7 @@ class RemainderGrads(OptimizerGrads):
         """``params`` in chunks with their joined masters and fp32 grads; a chunk's masters are split back into
         weights and remainders when the next chunk is asked for (or the iteration ends)."""
         for some in _in_chunks(params):
-            chunk = MasterChunk(some, [self._joined(p) for p in some], [_fp32(p.grad) for p in some])
+            chunk = MasterChunk(some, [self._step_master(p) for p in some], [self._step_grad(p) for p in some])
             yield chunk
             self._split_back(some, chunk.masters)
 
@@ -286,6 +339,16 @@ class RemainderGrads(OptimizerGrads):
         if params and id(params[0]) in self._remainders:
             return Masters.remainder(tensors, [self._remainders[id(p)][1] for p in params])
         return Masters.fp32(tensors)
+
+
+@dataclass
+class _Materialised:
+    """An fp32 master made for ``amp.master_params``, and what it was made from."""
+
+    master: torch.Tensor
+    grad: torch.Tensor | None
+    grad_version: int | None
+    weight_version: int
 
 
 def _fp32(grad: torch.Tensor | None) -> torch.Tensor:

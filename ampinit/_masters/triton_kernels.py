@@ -316,11 +316,11 @@ def _build_tables(device: torch.device, lists: Sequence[Sequence[torch.Tensor]])
 
 
 def _to_device(table: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if device.type == "cpu":
+        return table  # Triton's interpreter (tests): the table is already where the kernel reads it
     # From pinned memory the copy is asynchronous for real (from pageable memory CUDA stages it through a pinned
     # buffer on the host first); torch's pinned allocator keeps the buffer until the copy has run.
-    if device.type == "cuda":
-        return table.pin_memory().to(device, non_blocking=True)
-    return table.to(device)
+    return table.pin_memory().to(device, non_blocking=True)
 
 
 def check_finite_(grads: TensorList, found_inf: torch.Tensor) -> None:

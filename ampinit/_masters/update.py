@@ -40,7 +40,8 @@ class MasterChunk(NamedTuple):
 
 @runtime_checkable
 class MasterUpdate(Protocol):
-    """An optimizer whose update amp may run on fp32 masters (``master_weights="remainder"``)."""
+    """An optimizer whose update amp may run on fp32 masters (``master_weights="remainder"`` and the rest of the
+    precision dial: amp decodes masters and moments to fp32 around the update)."""
 
     def check_master_update(self) -> None:
         """Raise ``ValueError``, naming what to change, if this optimizer as configured cannot take the update."""
@@ -73,14 +74,23 @@ def update_of(optimizer: torch.optim.Optimizer) -> Update | None:
     return "own" if own_update(optimizer) is not None else None
 
 
-def remainder_update(optimizer: torch.optim.Optimizer) -> Update:
-    """The update a remainder step runs for ``optimizer``; ``ValueError`` naming it when none fits."""
+def dial_setting(master_weights: object, optimizer_state: str) -> str:
+    """How an error names the precision setting amp takes the step for: ``master_weights='remainder8'``, or
+    ``master_weights=True, optimizer_state='8bit'``."""
+    setting = f"master_weights={master_weights!r}"
+    return setting if optimizer_state == "fp32" else f"{setting}, optimizer_state={optimizer_state!r}"
+
+
+def remainder_update(optimizer: torch.optim.Optimizer, setting: str = "master_weights='remainder'") -> Update:
+    """The update amp's chunked step runs for ``optimizer`` under ``setting`` (as :func:`dial_setting` names it);
+    ``ValueError`` naming the optimizer when none fits."""
     update = update_of(optimizer)
     name = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
     if update is None:
         raise ValueError(
-            f"master_weights='remainder' does not support the optimizer {name}: it runs the update of "
-            f"{', '.join(REMAINDER_OPTIMIZERS)} (subclasses excluded). Use master_weights=True (fp32 masters) "
+            f"{setting} does not support the optimizer {name}: it runs the update of "
+            f"{', '.join(REMAINDER_OPTIMIZERS)} (subclasses excluded). Use master_weights=True (fp32 masters) and "
+            "optimizer_state='fp32' "
             "with other optimizers."
         )
     own = own_update(optimizer)
@@ -88,5 +98,5 @@ def remainder_update(optimizer: torch.optim.Optimizer) -> Update:
         own.check_master_update()
     for group in optimizer.param_groups:
         if group.get("differentiable"):
-            raise ValueError(f"master_weights='remainder' does not support {name}(differentiable=True)")
+            raise ValueError(f"{setting} does not support {name}(differentiable=True)")
     return update

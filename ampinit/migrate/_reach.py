@@ -167,7 +167,12 @@ def assigned_again(
             continue
         function = scopes.function_of(target)
         later = function is home.function and line_of(target) > after
-        elsewhere = home.kind == "attribute" and function is not home.function and scopes.class_of(function) is owner
+        elsewhere = (
+            home.kind == "attribute"
+            and function is not home.function
+            and scopes.class_of(function) is owner
+            and not set_before_home(scopes, home, target)
+        )
         rebound = home.kind == "module" and function is not home.function and code in declared_global(function)
         if later or elsewhere or rebound:
             return (
@@ -303,20 +308,117 @@ def _reaches_self(statement: cst.CSTNode, owner: str, early: set[str]) -> str | 
     return None
 
 
+def _init_method(owner: cst.ClassDef) -> cst.FunctionDef | None:
+    body = owner.body.body if isinstance(owner.body, cst.IndentedBlock) else []
+    return next((s for s in body if isinstance(s, cst.FunctionDef) and s.name.value == "__init__"), None)
+
+
+def _is_init(function: Function) -> bool:
+    return isinstance(function, cst.FunctionDef) and function.name.value == "__init__"
+
+
+def set_before_home(scopes: Scopes, home: Home, target: cst.CSTNode) -> bool:
+    """Whether ``target`` (an assignment) sits in the ``__init__`` of the class whose other method (a trainer's
+    ``setup()``) calls amp.initialize, in a statement that runs before that method can: nothing in ``__init__``
+    up to it calls a method that may reach the home method, or hands ``self`` out. ``__init__`` runs before any
+    other method of its instance, so such an assignment is the value the home method starts from, not a change
+    after it."""
+    owner = scopes.class_of(home.function)
+    if home.kind != "attribute" or owner is None or _is_init(home.function):
+        return False
+    init = _init_method(owner)
+    if init is None or first_param(init) != home.owner or scopes.function_of(target) is not init:
+        return False
+    module = scopes.enclosing(init)[-1]
+    assert isinstance(home.function, cst.FunctionDef) and isinstance(module, cst.Module)
+    early = reaching(module, {home.function.name.value})
+    for statement in init.body.body:
+        if _reaches_self(statement, home.owner, early) is not None:
+            return False
+        if _holds(scopes, statement, target):
+            return True
+    return False
+
+
+def _holds(scopes: Scopes, statement: cst.CSTNode, node: cst.CSTNode) -> bool:
+    current: cst.CSTNode | None = node
+    while current is not None and current is not statement:
+        current = scopes.parents.get(current)
+    return current is statement
+
+
+class _Names(cst.CSTVisitor):
+    """Every use of one name (not the names of definitions)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.count = 0
+
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> None:
+        self.count -= node.name.value == self.name  # visit_Name counts the definition's own name
+
+    def visit_Name(self, node: cst.Name) -> None:
+        self.count += node.value == self.name
+
+
+def _uses(module: cst.Module, name: str) -> int:
+    names = _Names(name)
+    module.visit(names)
+    return names.count
+
+
+def _set_up_in_init(module: cst.Module, home: Home, owner: cst.ClassDef | None, users: set[str]) -> str | None:
+    """A home method other than ``__init__`` (a trainer's ``setup()``) creates the GradScaler before any other
+    method can run only where ``__init__`` calls it: once, as a statement of its own body, with nothing before
+    that call that could reach the methods that use amp. Why not, or None."""
+    assert isinstance(home.function, cst.FunctionDef)
+    name = home.function.name.value
+    refused = (
+        f"amp.initialize sits under `if <flag>:` in {home.describe()}, and {_listed(users)} may run "
+        "before it: with the flag off that worked without amp, after the rewrite it would find no GradScaler; "
+        f"move amp.initialize to __init__ (or call {name}() once from __init__), or use --to ampinit"
+    )
+    init = _init_method(owner) if owner is not None else None
+    if init is None or first_param(init) != home.owner:
+        return refused
+    call = f"{home.owner}.{name}()"
+    calls = [
+        s
+        for s in init.body.body
+        if isinstance(s, cst.SimpleStatementLine) and len(s.body) == 1 and _cst.code(s.body[0]) == call
+    ]
+    if len(calls) != 1:
+        return refused
+    if _uses(module, name) != 1:
+        return (
+            f"__init__() calls {name}(), whose `if <flag>:` creates the GradScaler, but {name} is named elsewhere "
+            "in this file too: a second call would replace the GradScaler (and its scale) where Apex kept one "
+            "amp state; rewrite by hand, or use --to ampinit"
+        )
+    early = reaching(module, users)
+    for statement in init.body.body:
+        if statement is calls[0]:
+            return None
+        why = _reaches_self(statement, home.owner, early)
+        if why is not None:
+            return (
+                f"{why} in __init__() before it calls {name}(), whose `if <flag>:` creates the GradScaler, and "
+                f"may reach {_listed(users)}: with the flag off that worked without amp, after the rewrite it "
+                "would find no GradScaler"
+            )
+    return refused
+
+
 def runs_first(
     module: cst.Module, home: Home, guard: cst.CSTNode, users: set[str], owner: cst.ClassDef | None = None
 ) -> str | None:
     """With ``amp.initialize`` under ``if <flag>:`` (``guard``), why the functions ``users`` that use amp might run
     before the GradScaler is created, or None. A flag-off path worked without amp before the migration; after
     it, it reads the GradScaler, so it must exist by then."""
-    if home.kind == "attribute" and not (
-        isinstance(home.function, cst.FunctionDef) and home.function.name.value == "__init__"
-    ):
-        return (
-            f"amp.initialize sits under `if <flag>:` in {home.describe()}, and {_listed(users)} may run "
-            "before it: with the flag off that worked without amp, after the rewrite it would find no GradScaler; "
-            "move amp.initialize to __init__, or use --to ampinit"
-        )
+    if home.kind == "attribute" and not _is_init(home.function):
+        why = _set_up_in_init(module, home, owner, users)
+        if why is not None:
+            return why
     if home.kind == "attribute" and owner is not None:
         for subclass in _subclasses_with_init(module, owner.name.value):
             return (

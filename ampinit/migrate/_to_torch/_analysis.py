@@ -218,6 +218,7 @@ class Analysis:
         self.init_args: dict[str, cst.BaseExpression] | None = None  # read statically: one model, one optimizer
         self.init_function: cst.CSTNode | None = None
         self.model = ""
+        self.model_list = False  # the model given is a variable last bound to a list of models (see _is_a_list)
         self.optimizer = ""
         self.level = "O1"
         self.level_value: Any = "O1"  # the literal opt_level, or NOT_LITERAL (with level_why)
@@ -357,11 +358,28 @@ class Analysis:
             self.enabled = _cst.code(args["enabled"])
         self.optimizer = _cst.code(optimizers)
         self.model = _cst.code(models)
+        self.model_list = self._is_a_list(call, self.model)
         statement = self.parent(call)
         if isinstance(statement, cst.Assign):
             target = statement.targets[0].target
             if isinstance(target, cst.Tuple) and len(target.elements) == 2:
                 self.model, self.optimizer = (_cst.code(e.value) for e in target.elements)
+
+    def _is_a_list(self, call: cst.Call, name: str) -> bool:
+        """Whether ``name`` (amp.initialize's models) was last bound, before the call in its function, to a list
+        display or comprehension: Apex takes a list of models, and the GradScaler's device is then the first
+        one's (a list has no ``.parameters()``)."""
+        function, line = self.function_of(call), self.line(call)
+        stores = [
+            t
+            for t in self.assignments
+            if _cst.code(t) == name and self.function_of(t) is function and self.line(t) < line
+        ]
+        if not stores:
+            return False
+        target = self.parent(max(stores, key=self.line))
+        assign = self.parent(target) if isinstance(target, cst.AssignTarget) else None
+        return isinstance(assign, cst.Assign) and isinstance(assign.value, (cst.List, cst.ListComp))
 
     def _variable_level(self, call: cst.Call, node: cst.BaseExpression) -> tuple[Any, str]:
         """The level an ``opt_level`` expression holds at ``amp.initialize``, and why not when it cannot be known:

@@ -170,3 +170,7 @@ MASTER_PARAMS_TWICE = _with(
 MASTER_PARAMS_WITHOUT_STEP = _with(
     "if x is not None:", "    torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), 1.0)"
 )
+MASTER_PARAMS_HELPER_UNPROVEN = (
+    _with("if x is not None:", "    clip()")
+    + "\n\ndef clip():\n    torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), 1.0)\n"
+)

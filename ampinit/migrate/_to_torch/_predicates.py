@@ -13,7 +13,15 @@ import libcst as cst
 import libcst.matchers as m
 
 from ampinit.migrate import _cst
-from ampinit.migrate._reach import assigned_again, declared_global, runs_first, same_binding, unreachable
+from ampinit.migrate._reach import (
+    assigned_again,
+    declared_global,
+    first_param,
+    runs_first,
+    same_binding,
+    set_before_home,
+    unreachable,
+)
 from ampinit.migrate._to_torch._analysis import (
     APEX_SIGNATURE,
     NOT_LITERAL,
@@ -393,7 +401,8 @@ def flag_assigned_elsewhere(analysis: Analysis, module: cst.CSTNode) -> Hit | No
     for target in analysis.assignments:
         code, function = _cst.code(target), scopes.function_of(target)
         rebinds = "." in code or code in declared_global(function)  # a bare name elsewhere is that function's own
-        if rebinds and code in prefixes(flag) and function is not analysis.init_function:
+        before = analysis.home is not None and set_before_home(scopes, analysis.home, target)
+        if rebinds and code in prefixes(flag) and function is not analysis.init_function and not before:
             return hit(target, flag=flag, code=code)
     return None
 
@@ -470,14 +479,85 @@ def master_params_twice(analysis: Analysis, module: cst.CSTNode) -> Hit | None:
     return None
 
 
+def _step_follows(analysis: Analysis, node: cst.CSTNode) -> bool:
+    """Whether an optimizer step follows ``node`` in its function, in the same block (on every path it takes)."""
+    function, line, path = analysis.function_of(node), analysis.line(node), analysis.path(node)
+    return any(
+        analysis.function_of(s) is function and analysis.line(s) > line and analysis.path(s) == path
+        for s in analysis.optimizer_steps
+    )
+
+
+def clipping_helper(analysis: Analysis, node: cst.CSTNode) -> cst.FunctionDef | None:
+    """The function around an ``amp.master_params`` clipping that neither steps nor scales a loss (a trainer's
+    ``clip_gradients()``): whether its scaler.unscale_() runs once per step depends on its callers."""
+    function = analysis.function_of(node)
+    if not isinstance(function, cst.FunctionDef) or _step_follows(analysis, node):
+        return None
+    inside = {id(analysis.function_of(n)) for n in [*analysis.optimizer_steps, *analysis.scale_blocks]}
+    return None if id(function) in inside else function
+
+
 def master_params_without_step(analysis: Analysis, module: cst.CSTNode) -> Hit | None:
     for name, node in analysis.uses:
-        if name != "master_params":
-            continue
-        function, line, path = analysis.function_of(node), analysis.line(node), analysis.path(node)
-        if not any(
-            analysis.function_of(s) is function and analysis.line(s) > line and analysis.path(s) == path
-            for s in analysis.optimizer_steps
-        ):
+        if name == "master_params" and clipping_helper(analysis, node) is None and not _step_follows(analysis, node):
             return hit(node)
     return None
+
+
+def helper_unproven(analysis: Analysis, module: cst.CSTNode) -> Hit | None:
+    """A clipping helper is migrated when each of its runs is one clipping between a scale_loss block and the
+    step it precedes: outside loops in the helper, called (and named) only as ``self.<helper>()`` or
+    ``<helper>()`` on a line of its own, once per function, after a scale_loss block and followed by the step in
+    the same block. Then the scaler.unscale_() put before the clipping runs once before each scaler.step()."""
+    for name, node in analysis.uses:
+        helper = clipping_helper(analysis, node) if name == "master_params" else None
+        why = None if helper is None else _helper_why(analysis, helper, node)
+        if why is not None:
+            assert helper is not None
+            return hit(node, helper=helper.name.value, why=why)
+    return None
+
+
+def _helper_why(analysis: Analysis, helper: cst.FunctionDef, clipping: cst.CSTNode) -> str | None:
+    name = helper.name.value
+    current: cst.CSTNode | None = clipping
+    while current is not None and current is not helper:
+        if isinstance(current, (cst.For, cst.While)):
+            return "it clips in a loop"
+        current = analysis.parents.get(current)
+    owner = first_param(helper) if analysis.scopes and analysis.scopes.class_of(helper) else None
+    callers: set[int] = set()
+    for reference in analysis.parents:
+        if not isinstance(reference, cst.Name) or reference.value != name or reference is helper.name:
+            continue
+        called = _called_as_helper(analysis, reference, owner)
+        line = analysis.line(reference)
+        if called is None:
+            return f"`{name}` is used other than by a call on a line of its own (line {line})"
+        caller = analysis.function_of(called)
+        if id(caller) in callers or any(
+            analysis.function_of(n) is caller for u, n in analysis.uses if u == "master_params"
+        ):
+            return f"it may run twice before one step (line {line})"
+        if not analysis.after_a_block_before_a_step(called, analysis.optimizer_steps) or not _step_follows(
+            analysis, called
+        ):
+            return f"its call at line {line} is not between a scale_loss block and an optimizer step of the same block"
+        callers.add(id(caller))
+    return None if callers else "it is not called in this file"
+
+
+def _called_as_helper(analysis: Analysis, reference: cst.Name, owner: str | None) -> cst.Call | None:
+    """The call ``reference`` names, if it is ``<owner>.<helper>()`` (``<helper>()`` for a plain function) and
+    the whole statement of its line."""
+    parent = analysis.parent(reference)
+    func: cst.CSTNode = reference
+    if owner is not None:
+        if not (isinstance(parent, cst.Attribute) and parent.attr is reference and _cst.code(parent.value) == owner):
+            return None
+        func, parent = parent, analysis.parent(parent)
+    if not isinstance(parent, cst.Call) or parent.func is not func or parent.args:
+        return None
+    expression = analysis.parent(parent)
+    return parent if isinstance(expression, cst.Expr) and analysis.alone_on_its_line(parent) else None

@@ -38,6 +38,7 @@ from ampinit.migrate._to_torch._predicates import (
     flag_reassigned,
     grads_by_hand,
     guarded_import,
+    helper_unproven,
     hit,
     initialize,
     level_half,
@@ -572,6 +573,18 @@ REFUSALS: tuple[Refusal, ...] = (
         "accumulation?): the scaler.unscale_(optimizer) put before it would run again before update(), "
         "which GradScaler refuses; clip only on stepping iterations, by hand",
         ex.MASTER_PARAMS_WITHOUT_STEP,
+        alone=True,
+    ),
+    # A helper method that clips (a trainer's `clip_gradients()`) is the clipping of its callers: the same rule,
+    # checked at each call; over-refusing in the same way, so tested alone too.
+    Refusal(
+        "master_params_helper_unproven",
+        file,
+        helper_unproven,
+        "amp.master_params clipped in {helper}(), whose scaler.unscale_(optimizer) must run once between each "
+        "scaled backward and scaler.step(), but {why}: GradScaler refuses a second unscale_ before update(); "
+        "rewrite by hand, or use --to ampinit",
+        ex.MASTER_PARAMS_HELPER_UNPROVEN,
         alone=True,
     ),
 )

@@ -46,10 +46,12 @@ class _Plan:
     home: Home | None = None
     shared: bool = False  # amp is used in other functions than amp.initialize's
     names: set[str] = field(default_factory=set)
+    model_list: bool = False  # the model is a variable that holds a list of models
     loads_state: int = 0  # the line of amp.load_state_dict: checkpoints of either format go through a helper
     scale_reads: list[int] = field(default_factory=list)  # lines of amp._amp_state.loss_scalers[0].loss_scale()
     # (id of block, first index, last index) of the statements to run under autocast
     autocast: list[tuple[int, int, int]] = field(default_factory=list)
+    unplaced: list[int] = field(default_factory=list)  # lines of scale_loss blocks whose forward was not found
     notes: list[Site] = field(default_factory=list)
 
 
@@ -65,6 +67,7 @@ def plan_rewrite(analysis: Analysis) -> _Plan:
         analysis.home,
         shared=bool(elsewhere(analysis)),
         names=analysis.names,
+        model_list=analysis.model_list,
     )
     for name, node in analysis.uses:
         if name == "load_state_dict":
@@ -92,14 +95,14 @@ def _wrap_forward_before(analysis: Analysis, plan: _Plan, block: cst.With, loss:
         anchor = analysis.parent(container)
         container = analysis.parent(anchor)
     if not isinstance(container, (cst.Module, cst.IndentedBlock)) or not isinstance(loss, cst.Name):
-        plan.notes.append(Site(analysis.line(block), _AUTOCAST_NOTE, True))
+        plan.unplaced.append(analysis.line(block))
         return
     body = list(container.body)
     end = body.index(anchor) - 1  # type: ignore[arg-type]
     while end >= 0 and not _assigns(body[end], loss.value):
         end -= 1
     if end < 0:
-        plan.notes.append(Site(analysis.line(block), _AUTOCAST_NOTE, True))
+        plan.unplaced.append(analysis.line(block))
         return
     start = end
     while (
@@ -129,10 +132,12 @@ _FORWARD_LEFT_OUT = (
     "the model is called in a compound statement before the loss, outside the "
     "`with torch.autocast(...)` placed after it (Apex's O1 cast it): move it under that autocast"
 )
-_AUTOCAST_NOTE = (
-    "run the forward pass and the loss under `with torch.autocast(amp_device, dtype=torch.float16):` "
-    "(it could not be located next to this block)"
-)
+
+
+def _autocast_note(header: str) -> str:
+    """What to do where the forward could not be located, naming the autocast the file's other blocks got (a
+    GradScaler held by a class has its device in ``self.amp_device``, not in a local)."""
+    return f"run the forward pass and the loss under `with {header}:` (it could not be located next to this block)"
 
 
 def _assigns(statement: cst.CSTNode, name: str) -> bool:
@@ -360,11 +365,14 @@ class _Rewrite(cst.CSTTransformer):
     def _device_line(self) -> cst.BaseStatement:
         """``<device> = ...``: the device the GradScaler and every ``torch.autocast`` of the file name: the model's,
         as ampinit's own O1 takes it from the model's parameters (``torch.cuda.is_available()`` says nothing about
-        where a model lives). Of a list of models, the first's."""
+        where a model lives). Of a list of models, the first's: ``[a, b]`` unpacked, or a variable that holds the
+        list."""
         models = self.plan.model
         node = cst.parse_expression(models)
         if isinstance(node, (cst.List, cst.Tuple)) and node.elements:
             models = _cst.code(node.elements[0].value)
+        elif self.plan.model_list:
+            models = f"{models}[0]"
         return cst.parse_statement(f"{self.device} = next({models}.parameters()).device.type")
 
     def leave_With(self, original_node: cst.With, updated_node: cst.With) -> Any:
@@ -464,6 +472,7 @@ def rewrite_to_torch(
     if enabled and plan.shared:  # the flag's names may not be readable where the loop is; the GradScaler is
         enabled = f", enabled={scaler}.is_enabled()"
     header = f"torch.autocast({device}, dtype=torch.float16{enabled})"
+    plan.notes += [Site(line, _autocast_note(header), True) for line in plan.unplaced]
     wrapped = wrapper.module.visit(_WrapAutocast(plan.autocast, header, plan.notes, analysis.positions))
     has_torch = _cst.imports_torch(module)
     state_helper = _cst.fresh_name(["grad_scaler_state", "_grad_scaler_state"], plan.names)

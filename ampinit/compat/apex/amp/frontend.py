@@ -45,11 +45,14 @@ def initialize(
     verbosity: int = 1,
     min_loss_scale: float | None = None,
     max_loss_scale: float = 2.0**24,
+    *,
+    optimizer_state: str = "fp32",
 ) -> Any:
     """Apex's ``amp.initialize``: same signature, defaults and return shape (see :func:`ampinit.initialize`).
 
     The values Apex accepted are converted first (``verbosity=is_master``, ``enabled=None``, numpy numbers:
-    see ``_loose``)."""
+    see ``_loose``). ``optimizer_state`` (keyword only, not Apex's) and ``master_weights``'s ampinit values
+    (``"remainder"``, ``"remainder8"``, ``"stochastic"``) set the precision dial (docs/precision.md)."""
     enabled = _loose.truth(enabled)  # type: ignore[assignment]
     inner = _unwrap_optimizers(optimizers)
     result = ampinit.initialize(  # type: ignore[call-overload]  # the converted values are Apex-typed objects
@@ -68,6 +71,7 @@ def initialize(
         min_loss_scale=_loose.real_number(min_loss_scale),
         max_loss_scale=_loose.real_number(max_loss_scale),
         allow_half_model=bool(_amp_state.allow_incoming_model_not_fp32),
+        optimizer_state=optimizer_state,
     )
     if enabled:
         follow_apex_tensor_rules(_session_of(models))

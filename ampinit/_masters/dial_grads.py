@@ -1,0 +1,474 @@
+"""The precision dial on the optimizer side: every ``master_weights`` x ``optimizer_state`` setting steps, and
+every setting's checkpoint loads into every other.
+
+Settings (``initialize(master_weights=..., optimizer_state=...)``; the formats are ``ampinit._masters.precision``'s):
+
+- masters: ``True`` (fp32 tensors), ``"remainder"`` (bf16 weight + int16, exact), ``"remainder8"`` (bf16 weight +
+  int8, a 24-bit master, stochastically rounded) or ``"stochastic"`` (the bf16 weight alone, the fp32 update
+  result stochastically rounded into it);
+- moments (Adam's ``exp_avg``/``exp_avg_sq``, SGD's ``momentum_buffer``): ``"fp32"``, ``"bf16"`` (stochastically
+  rounded) or ``"8bit"`` (block-wise quantized codes under the moment's key, one fp32 absmax per block under
+  ``<key>_absmax``).
+
+A step that is not the exact one of today's classes (fp32 masters or 16-bit remainders, with fp32 moments) runs
+chunk by chunk here: the chunk's masters and moments are decoded into fp32 temporaries, the optimizer's own update
+runs on them (torch's functional ``adam``/``sgd``, or the optimizer's ``MasterUpdate``), then the moments and the
+masters are encoded back. Stochastic rounding draws its bits from the session's seed, the tensor's step count
+after this step (Adam's ``state["step"]``; for other optimizers amp keeps ``state["sr_step"]``) and the stream
+``4 * t + purpose`` (``t`` the parameter's position in the param groups): the same on every DDP rank, the same
+after a resume. A step skipped on the device (``found_inf`` set) changes nothing, stored state included.
+
+Checkpoints: the optimizer's ``state_dict`` keeps torch's keys with the stored values, plus ``"amp_dial"``
+(the setting and the seed). Loading (into a session of any setting, or at O2/O5 with fp32 state) decodes what it
+finds, by dtype and keys, into fp32, and encodes it into the loader's setting; where that rounds a value a
+``UserWarning`` names the moments that were rounded. The model's ``state_dict`` reports fp32 masters (joined), and
+an fp32 master loaded into ``"remainder8"``/``"stochastic"`` is rounded stochastically, with a ``UserWarning``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from ampinit import _torch_kernels
+from ampinit._masters import precision
+from ampinit._masters import remainder as encoding
+from ampinit._masters.grads import OptimizerGrads
+from ampinit._masters.kernel_step import adam_state
+from ampinit._masters.remainder_grads import RemainderGrads, _fp32, _in_chunks
+from ampinit._masters.update import MasterChunk, Update, dial_setting, own_update, remainder_update
+
+MasterFormat = Literal["fp32", "remainder", "remainder8", "stochastic"]
+StateFormat = Literal["fp32", "bf16", "8bit"]
+
+#: The moments the dial stores, and the purpose of their random bits (0 is the weight's).
+MOMENT_PURPOSES = {"exp_avg": 1, "momentum_buffer": 1, "exp_avg_sq": 2}
+ABSMAX_SUFFIX = "_absmax"
+#: amp's per-parameter step count where torch keeps none per parameter (SGD, ampinit's fused optimizers).
+SR_STEP = "sr_step"
+#: The key the dial adds to an optimizer's ``state_dict``.
+DIAL_KEY = "amp_dial"
+
+
+@dataclass(frozen=True)
+class Dial:
+    """One session's precision setting; ``seed`` is the stochastic rounding's 32-bit seed."""
+
+    masters: MasterFormat
+    state: StateFormat
+    seed: int
+
+    @property
+    def exact(self) -> bool:
+        """Whether today's exact classes step it (fp32 or 16-bit remainder masters, fp32 moments)."""
+        return self.state == "fp32" and self.masters in ("fp32", "remainder")
+
+
+def session_seed() -> int:
+    """The stochastic rounding's seed of a session started now: ``torch.initial_seed()``'s low 32 bits, so that
+    ``torch.manual_seed`` makes a run repeatable."""
+    return torch.initial_seed() & 0xFFFFFFFF
+
+
+def grads_for(optimizer: torch.optim.Optimizer, master_weights: bool, dial: Dial) -> OptimizerGrads:
+    """The amp-side state of ``optimizer`` under ``dial``."""
+    if dial.masters == "fp32" and dial.state == "fp32":
+        grads = OptimizerGrads(optimizer, master_weights)
+    elif dial.masters == "remainder" and dial.state == "fp32":
+        grads = RemainderGrads(optimizer)
+    elif dial.masters == "fp32":
+        grads = CompressedStateGrads(optimizer, dial)
+    else:
+        grads = DialGrads(optimizer, dial)
+    return grads
+
+
+def decode_moment(key: str, state: dict[str, Any]) -> torch.Tensor | None:
+    """The fp32 value of moment ``key`` in ``state`` (any setting's), or None if absent. Read by dtype and keys:
+    fp32 (or any float) as is, bf16 widened, uint8 codes with ``<key>_absmax`` dequantized."""
+    value = state.get(key)
+    if not isinstance(value, torch.Tensor):
+        return None
+    if value.dtype == torch.uint8:
+        absmax = state.get(key + ABSMAX_SUFFIX)
+        if not isinstance(absmax, torch.Tensor):
+            raise ValueError(f"an 8-bit moment {key!r} needs its block scales under {key + ABSMAX_SUFFIX!r}")
+        qmap = precision.QuantMap.build(signed=key != "exp_avg_sq", device=value.device)
+        return precision.dequantize_blockwise(value, absmax.to(value.device, torch.float32), qmap)
+    return value.to(torch.float32, copy=True)
+
+
+class StateStore:
+    """One optimizer's moments in the dial's format: decode, encode, its ``state_dict`` entry and its loader.
+
+    Every optimizer of a session with masters has one (with fp32 moments it only decodes what a load brings).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, dial: Dial) -> None:
+        self.optimizer = optimizer
+        self.dial = dial
+        self.seed = dial.seed
+        self._maps: dict[tuple[bool, torch.device], precision.QuantMap] = {}
+        self._loading: dict[str, Any] | None = None
+        self._handles = [
+            optimizer.register_state_dict_post_hook(self._add_dial),
+            optimizer.register_load_state_dict_pre_hook(self._remember_loaded),
+            optimizer.register_load_state_dict_post_hook(self._encode_loaded),
+        ]
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    # -- random bits ------------------------------------------------------------------------------------------
+    def bits(self, step: torch.Tensor, stream: int, like: torch.Tensor) -> torch.Tensor:
+        """The random bits of every element of ``like``, for a tensor at ``step`` (after this step) and ``stream``."""
+        key = precision.keys(self.seed, step.detach().reshape(()), torch.tensor(stream, dtype=torch.int64))
+        return precision.tensor_bits(key, like)
+
+    # -- moments ----------------------------------------------------------------------------------------------
+    def open(self, state: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """Decode ``state``'s stored moments into fp32 tensors, in place; return what was stored (for a skip)."""
+        stored: dict[str, torch.Tensor] = {}
+        if self.dial.state == "fp32":
+            return stored
+        for key in MOMENT_PURPOSES:
+            value = decode_moment(key, state)
+            if value is None:
+                continue
+            stored[key] = state[key]
+            absmax = state.pop(key + ABSMAX_SUFFIX, None)
+            if absmax is not None:
+                stored[key + ABSMAX_SUFFIX] = absmax
+            state[key] = value
+        return stored
+
+    def close(
+        self,
+        state: dict[str, Any],
+        stored: dict[str, torch.Tensor],
+        step: torch.Tensor,
+        position: int,
+        flag: torch.Tensor | None,
+    ) -> None:
+        """Encode ``state``'s fp32 moments into the dial's format; where ``flag`` is set, keep ``stored``."""
+        if self.dial.state == "fp32":
+            return
+        for key, purpose in MOMENT_PURPOSES.items():
+            value = state.get(key)
+            if not isinstance(value, torch.Tensor):
+                continue
+            for name, new in self.encode(key, value, step, 4 * position + purpose).items():
+                old = stored.get(name)
+                if flag is not None and old is not None:
+                    new = torch.where(flag.to(new.device) != 0, old, new)
+                state[name] = new
+
+    def encode(self, key: str, value: torch.Tensor, step: torch.Tensor, stream: int) -> dict[str, torch.Tensor]:
+        """Moment ``key``'s fp32 ``value`` in the dial's format, as state entries."""
+        if self.dial.state == "fp32":
+            return {key: value}
+        if self.dial.state == "bf16":
+            return {key: precision.round_bf16_stochastic(value, self.bits(step, stream, value))}
+        codes, absmax = precision.quantize_blockwise(value, self._map(key != "exp_avg_sq", value.device))
+        return {key: codes, key + ABSMAX_SUFFIX: absmax}
+
+    def _map(self, signed: bool, device: torch.device) -> precision.QuantMap:
+        qmap = self._maps.get((signed, device))
+        if qmap is None:
+            qmap = self._maps[(signed, device)] = precision.QuantMap.build(signed, device)
+        return qmap
+
+    # -- state_dict -------------------------------------------------------------------------------------------
+    def _add_dial(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+        state_dict[DIAL_KEY] = {"master_weights": self.dial.masters, "optimizer_state": self.dial.state}
+        state_dict[DIAL_KEY]["seed"] = self.seed
+        return state_dict
+
+    def _remember_loaded(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+        self._loading = state_dict
+
+    def _encode_loaded(self, optimizer: torch.optim.Optimizer) -> None:
+        # torch cast every loaded tensor but the step to its parameter's dtype (8-bit codes included): the
+        # moments are taken again from the loaded dict, decoded, and encoded into this setting.
+        loaded, self._loading = self._loading, None
+        if loaded is None:
+            return
+        seed = loaded.get(DIAL_KEY, {}).get("seed")
+        if isinstance(seed, int):
+            self.seed = seed
+        saved_ids = [i for group in loaded["param_groups"] for i in group["params"]]
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        rounded: set[str] = set()
+        for position, (saved_id, param) in enumerate(zip(saved_ids, params)):
+            saved = loaded["state"].get(saved_id)
+            if saved is not None:
+                rounded |= self._load_entry(optimizer.state[param], saved, param, position)
+        if rounded:
+            warnings.warn(
+                f"optimizer_state={self.dial.state!r} rounded the loaded {', '.join(sorted(rounded))}: the checkpoint "
+                "held finer moments than this setting stores (docs/precision.md says what each setting keeps)",
+                UserWarning,
+                stacklevel=3,
+            )
+
+    def _load_entry(self, state: dict[str, Any], saved: dict[str, Any], param: torch.Tensor, position: int) -> set[str]:
+        rounded: set[str] = set()
+        for key in [k for k in state if k.endswith(ABSMAX_SUFFIX)]:
+            del state[key]
+        step = state.get("step", state.get(SR_STEP))
+        for key, purpose in MOMENT_PURPOSES.items():
+            if self.dial.state == "8bit" and _is_8bit(key, saved):
+                # Stored as this setting stores it: taken as is (decoding and quantizing again may move a block's
+                # absmax, the signed map's negative end being short of -1).
+                for name in (key, key + ABSMAX_SUFFIX):
+                    state[name] = saved[name].to(device=param.device, copy=True)
+                continue
+            value = decode_moment(key, saved)
+            if value is None:
+                continue
+            value = value.to(param.device)
+            at = step if isinstance(step, torch.Tensor) else torch.zeros((), dtype=torch.int64)
+            entries = self.encode(key, value, at, 4 * position + purpose)
+            decoded = decode_moment(key, entries)
+            if decoded is None or not torch.equal(decoded, value):
+                rounded.add(key)
+            state.update(entries)
+        for key in ("max_exp_avg_sq",):
+            value = saved.get(key)
+            if isinstance(value, torch.Tensor):
+                state[key] = value.to(device=param.device, dtype=torch.float32, copy=True)
+        return rounded
+
+
+def _is_8bit(key: str, state: dict[str, Any]) -> bool:
+    value = state.get(key)
+    return isinstance(value, torch.Tensor) and value.dtype == torch.uint8 and key + ABSMAX_SUFFIX in state
+
+
+class _DialStep:
+    """The chunked step over decoded masters and moments, shared by the two dial classes below."""
+
+    optimizer: torch.optim.Optimizer
+    store: StateStore
+    update: Update | None
+
+    def _dial_step(self, found_inf: torch.Tensor | None, write_back: Callable[[list[torch.Tensor]], None]) -> None:
+        self.optimizer._opt_called = True  # type: ignore[attr-defined]  # as an lr scheduler's step wrapper records
+        flag = None if found_inf is None else found_inf.reshape(())
+        positions = {id(p): t for t, p in enumerate(p for g in self.optimizer.param_groups for p in g["params"])}
+        own = own_update(self.optimizer)
+        with torch.no_grad():
+            for group in self.optimizer.param_groups:
+                params = [p for p in group["params"] if p.grad is not None]
+                if not params:
+                    continue
+                chunks = self._dial_chunks(group, params, positions, flag, write_back)
+                if own is not None:
+                    own.update_masters(group, chunks, flag)
+                    continue
+                for chunk in chunks:
+                    if self.update == "adam":
+                        self._adam(group, chunk, flag)  # type: ignore[attr-defined]
+                    else:
+                        self._sgd(group, chunk, flag)  # type: ignore[attr-defined]
+
+    def _dial_chunks(
+        self,
+        group: dict[str, Any],
+        params: list[torch.Tensor],
+        positions: dict[int, int],
+        flag: torch.Tensor | None,
+        write_back: Callable[[list[torch.Tensor]], None],
+    ) -> Iterator[MasterChunk]:
+        for some in _in_chunks(params):
+            if self.update == "adam":
+                for p in some:
+                    adam_state(self.optimizer, group, p)
+            stored = [self.store.open(self.optimizer.state[p]) for p in some]
+            chunk = MasterChunk(some, [self._decode_master(p) for p in some], [self._step_grad(p) for p in some])
+            yield chunk
+            for param, master, old in zip(some, chunk.masters, stored):
+                state = self.optimizer.state[param]
+                step = self._count(state, param, flag)
+                self.store.close(state, old, step, positions[id(param)], flag)
+                self._encode_master(param, master, step, positions[id(param)])
+            write_back(some)
+
+    def _count(self, state: dict[str, Any], param: torch.Tensor, flag: torch.Tensor | None) -> torch.Tensor:
+        """This step's count for the random bits: Adam's ``step`` (already advanced), else amp's ``sr_step``."""
+        if self.update == "adam":
+            step: torch.Tensor = state["step"]
+            return step
+        count = state.get(SR_STEP)
+        if count is None:
+            count = state[SR_STEP] = torch.zeros((), dtype=torch.int64, device=param.device)
+        count.add_(1 if flag is None else (flag.to(count.device) == 0).to(torch.int64))
+        return count
+
+    def _decode_master(self, param: torch.Tensor) -> torch.Tensor:
+        return param.detach()
+
+    def _step_grad(self, param: torch.Tensor) -> torch.Tensor:
+        return _fp32(param.grad)
+
+    def _encode_master(self, param: torch.Tensor, master: torch.Tensor, step: torch.Tensor, position: int) -> None:
+        return None
+
+
+class DialGrads(_DialStep, RemainderGrads):
+    """Masters kept in or as the bf16 weight (``"remainder"``, ``"remainder8"``, ``"stochastic"``), any moments.
+
+    The gradient flow is ``RemainderGrads``'s (bf16 grads unscaled in place); the per-weight storage is an int16
+    or int8 remainder, or nothing (``"stochastic"``); every step is the chunked one (the Triton kernels assume
+    fp32 moments and exact masters).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, dial: Dial) -> None:
+        self.dial = dial
+        self._positions: dict[int, int] = {}
+        super().__init__(optimizer)
+        self.update = remainder_update(optimizer, dial_setting(dial.masters, dial.state))
+        self.store = StateStore(optimizer, dial)
+
+    def create_masters(self, fp32_values: dict[int, torch.Tensor] | None = None) -> None:
+        """Give every trainable bf16 parameter its storage, from its fp32 value before the cast if known (the
+        store, not ``RemainderGrads``'s fp32 hook, takes loaded moments)."""
+        for group in self.optimizer.param_groups:
+            self._add_group(group, fp32_values or {})
+
+    def _add_group(self, group: dict[str, Any], fp32_values: dict[int, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for param in group["params"]:
+                if id(param) in self._remainders or not param.requires_grad or param.dtype != torch.bfloat16:
+                    continue
+                source = fp32_values.get(id(param), param)
+                master = source.detach().to(device=param.device, dtype=torch.float32, copy=True)
+                storage = self._new_storage(param)
+                # The first rounding draws the bits of step 0: reproducible under the seed.
+                self._split(param.detach(), master, storage, torch.zeros(()), self._position(param))
+                self._remainders[id(param)] = (param, storage)
+                self._note_agreement(id(param), param, storage)
+
+    def _new_storage(self, param: torch.Tensor) -> torch.Tensor:
+        """Where the bits beyond the bf16 weight live: int16, int8, or nothing (an empty tensor) for "stochastic"."""
+        if self.dial.masters == "remainder":
+            return torch.empty_like(param, dtype=encoding.REMAINDER_DTYPE)
+        if self.dial.masters == "remainder8":
+            return torch.empty_like(param, dtype=precision.REMAINDER8_DTYPE)
+        return torch.empty(0, dtype=precision.REMAINDER8_DTYPE, device=param.device)
+
+    def _position(self, param: torch.Tensor) -> int:
+        # Param groups only grow (add_param_group appends), so the table is rebuilt only for a parameter it lacks.
+        position = self._positions.get(id(param))
+        if position is None:
+            flat = (p for g in self.optimizer.param_groups for p in g["params"])
+            self._positions = {id(p): t for t, p in enumerate(flat)}
+            position = self._positions[id(param)]
+        return position
+
+    def _split(
+        self, weight: torch.Tensor, master: torch.Tensor, storage: torch.Tensor, step: torch.Tensor, position: int
+    ) -> None:
+        """Store fp32 ``master`` (scratch) as bf16 ``weight`` and ``storage``, SR bits from ``step``."""
+        if self.dial.masters == "remainder":
+            encoding.split_(master, weight, storage)
+        elif self.dial.masters == "remainder8":
+            precision.split8_(master, weight, storage, self.store.bits(step, 4 * position, master))
+        else:
+            precision.encode_bf16_(weight, master, self.store.bits(step, 4 * position, master))
+
+    def _joined(self, param: torch.Tensor) -> torch.Tensor:
+        entry = self._remainders.get(id(param))
+        return param.detach() if entry is None else self._join(param, entry[1])
+
+    def _join(self, weight: torch.Tensor, storage: torch.Tensor) -> torch.Tensor:
+        if self.dial.masters == "remainder":
+            return encoding.join(weight.detach(), storage)
+        if self.dial.masters == "remainder8":
+            return precision.join8(weight.detach(), storage)
+        return weight.detach().float()
+
+    # -- masters --------------------------------------------------------------------------------------------
+    def master_for(self, param: torch.Tensor) -> torch.Tensor | None:
+        entry = self._remainders.get(id(param))
+        if entry is None:
+            return None
+        if self._agreed is not None:
+            self._follow(id(param))
+        return self._join(param, entry[1])
+
+    def load_master(self, param: torch.Tensor, value: torch.Tensor) -> torch.Tensor | None:
+        entry = self._remainders.get(id(param))
+        if entry is None or value.shape != param.shape:
+            return None
+        master = value.detach().to(device=param.device, dtype=torch.float32, copy=True)
+        weight = torch.empty_like(param.detach())
+        storage = torch.empty_like(entry[1])
+        self._split(weight, master.clone(), storage, torch.zeros(()), self._position(param))
+        if not torch.equal(self._join(weight, storage).view(torch.int32), master.view(torch.int32)):
+            warnings.warn(
+                f"master_weights={self.dial.masters!r} rounded loaded fp32 masters stochastically to "
+                f"{'24' if self.dial.masters == 'remainder8' else '16'} bits: the checkpoint held finer masters than "
+                "this setting keeps (docs/precision.md)",
+                UserWarning,
+                stacklevel=2,
+            )
+        entry[1].copy_(storage)
+        if self._agreed is not None:
+            self._loaded_weights[id(param)] = weight
+        return weight
+
+    def restore_model_params(self) -> None:
+        super().restore_model_params()
+        self.store.remove()
+
+    # -- the step -------------------------------------------------------------------------------------------
+    def step_in_amp_kernels(self, original: Callable[..., Any], found_inf: torch.Tensor | None) -> bool:
+        """Every step is the chunked one (see the module docstring); always True."""
+        self._dial_step(found_inf, lambda params: None)
+        return True
+
+    def _decode_master(self, param: torch.Tensor) -> torch.Tensor:
+        return self._step_master(param)
+
+    def _step_grad(self, param: torch.Tensor) -> torch.Tensor:
+        return RemainderGrads._step_grad(self, param)
+
+    def _encode_master(self, param: torch.Tensor, master: torch.Tensor, step: torch.Tensor, position: int) -> None:
+        entry = self._remainders.get(id(param))
+        if entry is not None:
+            self._split(param.detach(), master, entry[1], step, position)
+
+
+class CompressedStateGrads(_DialStep, OptimizerGrads):
+    """fp32 masters (``master_weights=True``) with bf16 or 8-bit moments: the optimizer's own ``step()`` cannot
+    read them, so amp takes every step, chunk by chunk, and copies the masters into the model weights."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, dial: Dial) -> None:
+        super().__init__(optimizer, master_weights=True)
+        self.dial = dial
+        self.update = remainder_update(optimizer, dial_setting(True, dial.state))
+        self.store = StateStore(optimizer, dial)
+
+    def step_in_amp_kernels(self, original: Callable[..., Any], found_inf: torch.Tensor | None) -> bool:
+        """The chunked step on the fp32 masters, then the copy into the model; always True."""
+        self._dial_step(found_inf, self._write_weights)
+        return True
+
+    def _write_weights(self, masters: list[torch.Tensor]) -> None:
+        pairs = [(self._model_of[id(m)], m) for m in masters if id(m) in self._model_of]
+        _torch_kernels.copy_([w for w, _ in pairs], [m for _, m in pairs])
+
+    def restore_model_params(self) -> None:
+        super().restore_model_params()
+        self.store.remove()
+
+    # The functional updates of RemainderGrads, on the fp32 masters the param groups hold.
+    _adam = RemainderGrads._adam
+    _sgd = RemainderGrads._sgd

@@ -1,0 +1,358 @@
+"""Triton kernels for the precision dial's step: the fused twins of ``reference.adam_dial_`` and ``sgd_dial_``.
+
+Same arguments, same bits, one launch per list (the launch tables, grad loading and the overflow flag are
+``ampinit._masters.triton_kernels``'). Each program takes ``BLOCK`` elements of one tensor, a whole number of
+8-bit blocks (``QBLOCK``), and in one pass reads the half grad, the master's storage and the moments' storage,
+decodes them to fp32, runs the reference's per-element math (fp32, each op rounded, no fused multiply-add), and
+encodes what it stores:
+
+- random bits ``mix32(key ^ i)`` per element in uint32 arithmetic, the key of each tensor and purpose read from
+  the caller's key tables (``ampinit._masters.precision``);
+- stochastic rounding on the signed fp32 bits, as the reference: bf16 weights, bf16 moments, 8-bit remainders;
+- 8-bit moments: each QBLOCK's absmax by a row maximum of the ``[BLOCK // QBLOCK, QBLOCK]`` view, the quotient
+  correctly rounded (``div_rn``), the code by 8 halvings over the 256 decision points of the map (the last one
+  ``+inf``), decoding by a gather from the 256-entry map.
+
+Bytes each launch reads and writes per parameter element (from the kernels' loads and stores; a bf16 model, bf16
+grads; the 8-bit absmax adds 4 bytes per 256 elements each way, the key tables and maps a few bytes per program):
+
+====================  =========================  ======  =======
+storage               what is loaded / stored    read    written
+====================  =========================  ======  =======
+grad                  bf16 grad                  2       0
+``"fp32"`` masters    fp32 master, bf16 weight   4       4 + 2
+``"remainder"``       bf16 weight + int16        2 + 2   2 + 2
+``"remainder8"``      bf16 weight + int8         2 + 1   2 + 1
+``"stochastic"``      bf16 weight                2       2
+moment, ``"fp32"``    fp32, per moment           4       4
+moment, ``"bf16"``    bf16, per moment           2       2
+moment, ``"8bit"``    uint8 code, per moment     1       1
+====================  =========================  ======  =======
+
+So an AdamW step over ``"remainder8"`` masters and 8-bit moments moves 2 + 3 + 2 = 7 bytes in and 3 + 2 = 5 out
+per parameter; fp32 masters with fp32 moments (today's O5 kernels) 14 in and 14 out.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from ampinit._masters.precision import QBLOCK
+from ampinit._masters.reference import AdamSettings, Masters, Moments, SgdSettings
+from ampinit._masters.triton_kernels import _BLOCK, _TL_DTYPES, _block, _load_grad, _tables, _to_weight
+from ampinit._types import TensorList
+
+# The launch tables cut tensors into _BLOCK elements: a multiple of QBLOCK, so a program's 8-bit blocks are its own.
+assert _BLOCK % QBLOCK == 0
+
+_KINDS = {"fp32": 0, "remainder": 2, "remainder8": 3, "stochastic": 4}  # 1: fp32 masters and half weights
+_FORMATS = {"fp32": 0, "bf16": 1, "8bit": 2}
+
+
+@triton.jit
+def _mix32(x):
+    # On uint32, modulo 2**32; the casts keep a product that a constant promoted to a wider type at 32 bits.
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D).to(tl.uint32)
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B).to(tl.uint32)
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _bits(keys, t, offs):
+    """The random bits (uint32) of the elements ``offs`` of tensor ``t``, whose key is ``keys[t]``."""
+    key = tl.load(keys + t).to(tl.uint32)
+    return _mix32(key ^ offs.to(tl.uint32))
+
+
+@triton.jit
+def _signed_bits(x):
+    return tl.where(x != x, 0x7FC00000, x.to(tl.int32, bitcast=True))
+
+
+@triton.jit
+def _widen(bits16):
+    # A bf16 pattern (int16) as fp32: the upper half, exact.
+    return (bits16.to(tl.int32) * 65536).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _stochastic_bf16(x, bits):
+    """fp32 ``x`` stochastically rounded to bf16, as an int16 pattern (``precision.round_bf16_stochastic``)."""
+    return ((_signed_bits(x) + (bits & 0xFFFF).to(tl.int32)) >> 16).to(tl.int16)
+
+
+@triton.jit
+def _list_ptr(ptrs, n_tensors, which, t, T: tl.constexpr):
+    return tl.load(ptrs + which * n_tensors + t).to(tl.pointer_type(T))
+
+
+@triton.jit
+def _load_master(ptrs, n_tensors, first, t, offs, mask, KIND: tl.constexpr):
+    """The fp32 master of tensor ``t`` from lists ``first`` and ``first + 1`` (``Masters.master``)."""
+    if KIND <= 1:
+        p = tl.load(_list_ptr(ptrs, n_tensors, first, t, tl.float32) + offs, mask=mask, other=0.0)
+    else:
+        w = tl.load(_list_ptr(ptrs, n_tensors, first, t, tl.int16) + offs, mask=mask, other=0)
+        if KIND == 2:
+            r = tl.load(_list_ptr(ptrs, n_tensors, first + 1, t, tl.int16) + offs, mask=mask, other=0)
+            p = (w.to(tl.int32) * 65536 + r.to(tl.int32)).to(tl.float32, bitcast=True)
+        elif KIND == 3:
+            r = tl.load(_list_ptr(ptrs, n_tensors, first + 1, t, tl.int8) + offs, mask=mask, other=0)
+            p = ((w.to(tl.int32) * 256 + r.to(tl.int32)) * 256).to(tl.float32, bitcast=True)
+        else:
+            p = _widen(w)
+    return p
+
+
+@triton.jit
+def _store_master(
+    p, ptrs, n_tensors, first, t, offs, mask, keys, KIND: tl.constexpr, WEIGHT_T: tl.constexpr,
+    WEIGHT_IS_BF16: tl.constexpr,
+):  # fmt: skip
+    """Store the updated master ``p`` where :func:`_load_master` read it (``Masters.store``)."""
+    if KIND <= 1:
+        tl.store(_list_ptr(ptrs, n_tensors, first, t, tl.float32) + offs, p, mask=mask)
+        if KIND == 1:
+            w_ptr = _list_ptr(ptrs, n_tensors, first + 1, t, WEIGHT_T)
+            tl.store(w_ptr + offs, _to_weight(p, WEIGHT_IS_BF16, WEIGHT_T), mask=mask)
+    else:
+        w_ptr = _list_ptr(ptrs, n_tensors, first, t, tl.int16)
+        if KIND == 4:
+            tl.store(w_ptr + offs, _stochastic_bf16(p, _bits(keys, t, offs)), mask=mask)
+        else:
+            b = _signed_bits(p)
+            if KIND == 3:
+                b = (b + (_bits(keys, t, offs) & 0xFF).to(tl.int32)) >> 8  # 24 bits, stochastically rounded
+                w = (b + 0x80) >> 8
+                r_ptr = _list_ptr(ptrs, n_tensors, first + 1, t, tl.int8)
+                tl.store(r_ptr + offs, (b - w * 256).to(tl.int8), mask=mask)
+            else:
+                w = (b + 0x8000) >> 16
+                r_ptr = _list_ptr(ptrs, n_tensors, first + 1, t, tl.int16)
+                tl.store(r_ptr + offs, (b - w * 65536).to(tl.int16), mask=mask)
+            tl.store(w_ptr + offs, w.to(tl.int16), mask=mask)
+
+
+# Reductions through tl.reduce with combiners of our own: triton.language's tl.max, tl.min (and tl.zeros) are jit
+# functions built when triton is imported, which the interpreter (switched on later, tests/_triton.py) cannot call.
+@triton.jit
+def _larger(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _smaller(a, b):
+    return tl.minimum(a, b)
+
+
+@triton.jit
+def _load_moment(ptrs, n_tensors, first, t, offs, mask, qmap, FMT: tl.constexpr, QBLOCK: tl.constexpr):
+    """Moment values (fp32) of tensor ``t`` from lists ``first`` (values) and ``first + 1`` (8-bit absmax)."""
+    if FMT == 0:
+        m = tl.load(_list_ptr(ptrs, n_tensors, first, t, tl.float32) + offs, mask=mask, other=0.0)
+    elif FMT == 1:
+        m = _widen(tl.load(_list_ptr(ptrs, n_tensors, first, t, tl.int16) + offs, mask=mask, other=0))
+    else:
+        codes = tl.load(_list_ptr(ptrs, n_tensors, first, t, tl.uint8) + offs, mask=mask, other=0)
+        absmax = tl.load(_list_ptr(ptrs, n_tensors, first + 1, t, tl.float32) + offs // QBLOCK, mask=mask, other=0.0)
+        m = tl.load(qmap + codes.to(tl.int32)) * absmax
+    return m
+
+
+@triton.jit
+def _store_moment(
+    m, ptrs, n_tensors, first, t, offs, mask, keys, qmap, FMT: tl.constexpr, BLOCK: tl.constexpr,
+    QBLOCK: tl.constexpr,
+):  # fmt: skip
+    """Store fp32 moment values ``m`` encoded in format ``FMT`` (``Moments.store``); ``qmap`` is the map, its 256
+    decision points follow it."""
+    if FMT == 0:
+        tl.store(_list_ptr(ptrs, n_tensors, first, t, tl.float32) + offs, m, mask=mask)
+    elif FMT == 1:
+        bf16 = _stochastic_bf16(m, _bits(keys, t, offs))
+        tl.store(_list_ptr(ptrs, n_tensors, first, t, tl.int16) + offs, bf16, mask=mask)
+    else:
+        rows: tl.constexpr = BLOCK // QBLOCK
+        magnitude = tl.reshape(tl.where(mask, tl.abs(m), 0.0), (rows, QBLOCK))
+        absmax_rows = tl.reduce(magnitude, 1, _larger)
+        absmax = tl.reshape(tl.broadcast_to(absmax_rows[:, None], (rows, QBLOCK)), (BLOCK,))
+        y = tl.where(absmax == 0, 0.0, tl.math.div_rn(m, tl.where(absmax == 0, 1.0, absmax)))
+        # The code: how many decision points lie strictly below y, by halving over the 256 (the last is +inf).
+        code = (offs * 0).to(tl.int32)  # zeros (tl.zeros is one of those jit functions)
+        for i in tl.static_range(8):
+            probe = code + (128 >> i)
+            code = tl.where(tl.load(qmap + 256 + probe - 1) < y, probe, code)
+        tl.store(_list_ptr(ptrs, n_tensors, first, t, tl.uint8) + offs, code.to(tl.uint8), mask=mask)
+        row_mask = tl.reduce(tl.reshape(mask.to(tl.int32), (rows, QBLOCK)), 1, _larger) > 0
+        row = tl.reduce(tl.reshape(offs, (rows, QBLOCK)), 1, _smaller) // QBLOCK
+        tl.store(_list_ptr(ptrs, n_tensors, first + 1, t, tl.float32) + row, absmax_rows, mask=row_mask)
+
+
+@triton.jit
+def _adam_dial_kernel(
+    ptrs, numels, block_tensor, block_start, n_tensors, inv_scale_ptr, flag_ptr, step_scalars,
+    master_keys, m_keys, v_keys, m_map, v_map,
+    beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, decay_factor,
+    GRAD_T: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_FLAG: tl.constexpr, MAXIMIZE: tl.constexpr,
+    KIND: tl.constexpr, WEIGHT_T: tl.constexpr, WEIGHT_IS_BF16: tl.constexpr, FMT: tl.constexpr,
+    DECAY: tl.constexpr,  # 0: none, 1: L2 (Adam), 2: decoupled (AdamW)
+    BLOCK: tl.constexpr, QBLOCK: tl.constexpr,
+):  # fmt: skip
+    # Lists: grads, the master's two, exp_avg's two (values, absmax), exp_avg_sq's two.
+    t, offs, mask = _block(ptrs, numels, block_tensor, block_start, flag_ptr, HAS_FLAG, BLOCK)
+    g = _load_grad(ptrs, t, offs, mask, inv_scale_ptr, GRAD_T, HAS_SCALE, MAXIMIZE)
+    p = _load_master(ptrs, n_tensors, 1, t, offs, mask, KIND)
+    if DECAY == 1:
+        g = g + p * weight_decay
+    if DECAY == 2:
+        p = p * decay_factor
+    m = _load_moment(ptrs, n_tensors, 3, t, offs, mask, m_map, FMT, QBLOCK) * beta1 + g * one_minus_beta1
+    v = _load_moment(ptrs, n_tensors, 5, t, offs, mask, v_map, FMT, QBLOCK) * beta2 + (g * g) * one_minus_beta2
+    _store_moment(m, ptrs, n_tensors, 3, t, offs, mask, m_keys, m_map, FMT, BLOCK, QBLOCK)
+    _store_moment(v, ptrs, n_tensors, 5, t, offs, mask, v_keys, v_map, FMT, BLOCK, QBLOCK)
+    step_size = tl.load(step_scalars + 2 * t)
+    bias_correction2_sqrt = tl.load(step_scalars + 2 * t + 1)
+    denom = tl.math.div_rn(tl.math.sqrt_rn(v), bias_correction2_sqrt) + eps
+    p = p - tl.math.div_rn(step_size * m, denom)
+    _store_master(p, ptrs, n_tensors, 1, t, offs, mask, master_keys, KIND, WEIGHT_T, WEIGHT_IS_BF16)
+
+
+@triton.jit
+def _sgd_dial_kernel(
+    ptrs, numels, block_tensor, block_start, n_tensors, inv_scale_ptr, flag_ptr,
+    master_keys, buf_keys, buf_map, lr, momentum, one_minus_dampening, weight_decay,
+    GRAD_T: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_FLAG: tl.constexpr, MAXIMIZE: tl.constexpr,
+    KIND: tl.constexpr, WEIGHT_T: tl.constexpr, WEIGHT_IS_BF16: tl.constexpr, FMT: tl.constexpr,
+    HAS_DECAY: tl.constexpr, HAS_MOMENTUM: tl.constexpr, FIRST_STEP: tl.constexpr, NESTEROV: tl.constexpr,
+    BLOCK: tl.constexpr, QBLOCK: tl.constexpr,
+):  # fmt: skip
+    # Lists: grads, the master's two, the momentum buffer's two (values, absmax).
+    t, offs, mask = _block(ptrs, numels, block_tensor, block_start, flag_ptr, HAS_FLAG, BLOCK)
+    g = _load_grad(ptrs, t, offs, mask, inv_scale_ptr, GRAD_T, HAS_SCALE, MAXIMIZE)
+    p = _load_master(ptrs, n_tensors, 1, t, offs, mask, KIND)
+    if HAS_DECAY:
+        g = g + p * weight_decay
+    if HAS_MOMENTUM:
+        if FIRST_STEP:
+            buf = g
+        else:
+            old = _load_moment(ptrs, n_tensors, 3, t, offs, mask, buf_map, FMT, QBLOCK)
+            buf = old * momentum + g * one_minus_dampening
+        _store_moment(buf, ptrs, n_tensors, 3, t, offs, mask, buf_keys, buf_map, FMT, BLOCK, QBLOCK)
+        if NESTEROV:  # noqa: SIM108
+            g = g + buf * momentum
+        else:
+            g = buf
+    p = p - g * lr  # as triton_kernels._sgd_update: bitwise torch's p + (-lr)*g
+    _store_master(p, ptrs, n_tensors, 1, t, offs, mask, master_keys, KIND, WEIGHT_T, WEIGHT_IS_BF16)
+
+
+# -- launching ------------------------------------------------------------------------------------------------
+def _master_lists(masters: Masters, grads: TensorList) -> tuple[list[TensorList], torch.Tensor, dict[str, Any]]:
+    """The master's two lists (a list a kernel does not read repeats the grads), its keys and constants."""
+    kind = _KINDS[masters.kind]
+    weight_dtype = torch.bfloat16
+    if masters.kind == "fp32":
+        second = masters.weights or grads
+        if masters.weights:
+            kind, weight_dtype = 1, masters.weights[0].dtype
+        first = masters.masters
+    else:
+        first, second = masters.weights, masters.remainders or grads
+    keys = grads[0] if masters.keys is None else masters.keys  # unread without stochastic rounding
+    constants = {"KIND": kind, "WEIGHT_T": _TL_DTYPES[weight_dtype], "WEIGHT_IS_BF16": weight_dtype == torch.bfloat16}
+    return [first, second], keys, constants
+
+
+def _moment_lists(moments: Moments, grads: TensorList) -> tuple[list[TensorList], torch.Tensor, torch.Tensor]:
+    """A moment's two lists, its keys and its map (unread ones are stand-ins)."""
+    values = moments.values or grads  # SGD without momentum: no buffers
+    keys = grads[0] if moments.keys is None else moments.keys
+    qmap = grads[0] if moments.qmap is None else torch.cat([moments.qmap.values, moments.qmap.mids])
+    return [values, moments.absmax or grads], keys, qmap
+
+
+def _format(*moments: Moments) -> int:
+    formats = {m.format for m in moments if m.values}
+    if len(formats) > 1:
+        raise ValueError(f"one launch stores its moments in one format, got {sorted(formats)}")
+    return _FORMATS[formats.pop() if formats else "fp32"]
+
+
+def _common(
+    grads: TensorList, inv_scale: torch.Tensor | None, found_inf: torch.Tensor | None, maximize: bool
+) -> dict[str, Any]:
+    return {
+        "GRAD_T": _TL_DTYPES[grads[0].dtype],
+        "HAS_SCALE": inv_scale is not None,
+        "HAS_FLAG": found_inf is not None,
+        "MAXIMIZE": maximize,
+        "BLOCK": _BLOCK,
+        "QBLOCK": QBLOCK,
+        "enable_fp_fusion": False,
+    }
+
+
+def adam_dial_(
+    grads: TensorList,
+    masters: Masters,
+    exp_avgs: Moments,
+    exp_avg_sqs: Moments,
+    step_scalars: torch.Tensor,
+    settings: AdamSettings,
+    *,
+    inv_scale: torch.Tensor | None = None,
+    found_inf: torch.Tensor | None = None,
+) -> None:
+    """See ``ampinit._masters.reference.adam_dial_`` (same arguments, same bits)."""
+    if not grads:
+        return
+    s = settings
+    fmt = _format(exp_avgs, exp_avg_sqs)
+    master_lists, master_keys, constants = _master_lists(masters, grads)
+    m_lists, m_keys, m_map = _moment_lists(exp_avgs, grads)
+    v_lists, v_keys, v_map = _moment_lists(exp_avg_sqs, grads)
+    tables = _tables(grads[0].device, grads, *master_lists, *m_lists, *v_lists)
+    unread = grads[0]
+    _adam_dial_kernel[(tables.n_blocks,)](
+        tables.pointers, tables.numels, tables.block_tensor, tables.block_start, len(grads),
+        unread if inv_scale is None else inv_scale, unread if found_inf is None else found_inf,
+        step_scalars.contiguous(), master_keys, m_keys, v_keys, m_map, v_map,
+        s.beta1, 1 - s.beta1, s.beta2, 1 - s.beta2, s.eps, s.weight_decay, 1 - s.lr * s.weight_decay,
+        FMT=fmt, DECAY=0 if s.weight_decay == 0 else (2 if s.decoupled else 1),
+        **constants, **_common(grads, inv_scale, found_inf, s.maximize),
+    )  # fmt: skip
+
+
+def sgd_dial_(
+    grads: TensorList,
+    masters: Masters,
+    momentum_buffers: Moments,
+    settings: SgdSettings,
+    *,
+    first_step: bool,
+    inv_scale: torch.Tensor | None = None,
+    found_inf: torch.Tensor | None = None,
+) -> None:
+    """See ``ampinit._masters.reference.sgd_dial_`` (same arguments, same bits)."""
+    if not grads:
+        return
+    s = settings
+    master_lists, master_keys, constants = _master_lists(masters, grads)
+    buf_lists, buf_keys, buf_map = _moment_lists(momentum_buffers, grads)
+    tables = _tables(grads[0].device, grads, *master_lists, *buf_lists)
+    unread = grads[0]
+    flags = {"HAS_DECAY": s.weight_decay != 0, "HAS_MOMENTUM": s.momentum != 0, "NESTEROV": s.nesterov}
+    _sgd_dial_kernel[(tables.n_blocks,)](
+        tables.pointers, tables.numels, tables.block_tensor, tables.block_start, len(grads),
+        unread if inv_scale is None else inv_scale, unread if found_inf is None else found_inf,
+        master_keys, buf_keys, buf_map, s.lr, s.momentum, 1 - s.dampening, s.weight_decay,
+        FMT=_format(momentum_buffers), FIRST_STEP=first_step,
+        **flags, **constants, **_common(grads, inv_scale, found_inf, s.maximize),
+    )  # fmt: skip
