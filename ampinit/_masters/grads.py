@@ -257,7 +257,7 @@ class OptimizerGrads:
         direct = [p.grad for p in self.direct_params() if p.grad is not None]
         kinds = {(g.dtype, g.device.type) for g in (*copy_src, *acc_src)}
         before_widening = all(scaler.unscales_before_widening(dtype, device_type) for dtype, device_type in kinds)
-        if fresh and not added and kernel_step.takes_half_grads(self.optimizer, self.update, self._model_of):
+        if fresh and not added and self._step_reads_half_grads():
             scaler.check_(copy_src)
             scaler.unscale_(direct)
             self._pending = PendingGrads(None if scaler.unit else scaler.inv_scale.clone(), before_widening)
@@ -287,6 +287,13 @@ class OptimizerGrads:
                 _torch_kernels.add_(acc_dst, acc_src)
                 scaler.unscale_unchecked_(acc_dst)
         self._merge_stash()
+
+    def _step_reads_half_grads(self) -> bool:
+        """Whether the next step will be this class's kernel step reading the half grads (a subclass with a step of
+        its own reads the master grads)."""
+        if type(self).step_in_amp_kernels is not OptimizerGrads.step_in_amp_kernels:
+            return False
+        return kernel_step.takes_half_grads(self.optimizer, self.update, self._model_of)
 
     def materialize_master_grads(self) -> None:
         """Write the fp32 master grads that a ``scale_loss`` exit left in the half grads (:class:`PendingGrads`),
