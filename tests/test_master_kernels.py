@@ -493,3 +493,15 @@ def test_fused_optimizers_keep_their_own_step_where_the_kernels_lack_an_option(
 ) -> None:
     _, _, launches = train(monkeypatch, kernels, "O2", make_opt)
     assert launches == 0
+
+
+def test_fused_adam_in_the_kernels_skips_an_overflow_on_the_device(
+    kernels: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Sync-free, an inf grad on step 2: the group's step count stays put, as the reference's."""
+    make = APEX_OPTIMIZERS["fused-adam-w"]
+    tensors, state, launches = train(monkeypatch, kernels, "O2", make, sync_free=True, poison_step=2)
+    ref_tensors, ref_state, _ = train(monkeypatch, ref, "O2", make, sync_free=True, poison_step=2)
+    assert launches > 0
+    assert_same(tensors, ref_tensors)
+    assert state["param_groups"][0]["step"].item() == 3.0 == ref_state["param_groups"][0]["step"].item()
