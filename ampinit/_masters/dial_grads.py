@@ -10,13 +10,25 @@ Settings (``initialize(master_weights=..., optimizer_state=...)``; the formats a
   rounded) or ``"8bit"`` (block-wise quantized codes under the moment's key, one fp32 absmax per block under
   ``<key>_absmax``).
 
-A step that is not the exact one of today's classes (fp32 masters or 16-bit remainders, with fp32 moments) runs
-chunk by chunk here: the chunk's masters and moments are decoded into fp32 temporaries, the optimizer's own update
-runs on them (torch's functional ``adam``/``sgd``, or the optimizer's ``MasterUpdate``), then the moments and the
-masters are encoded back. Stochastic rounding draws its bits from the session's seed, the tensor's step count
-after this step (Adam's ``state["step"]``; for other optimizers amp keeps ``state["sr_step"]``) and the stream
-``4 * t + purpose`` (``t`` the parameter's position in the param groups): the same on every DDP rank, the same
-after a resume. A step skipped on the device (``found_inf`` set) changes nothing, stored state included.
+A step that is not the exact one of today's classes (fp32 masters or 16-bit remainders, with fp32 moments) is
+amp's, in one of two ways, per param group:
+
+- where the group fits the kernels (``kernel_step.group_takes_kernels`` and ``kernels_taking``: CUDA, or CPU under
+  the tests' interpreter switch) and no fp32 master was materialised for clipping, one ``triton_dial`` launch per
+  list reads grad, master storage and moments once and writes them once, with the update math of
+  ``reference.adam_dial_``/``sgd_dial_``; the keys are computed on the device from the post-increment counts;
+- otherwise chunk by chunk: the chunk's masters and moments are decoded into fp32 temporaries, the optimizer's own
+  update runs on them (torch's functional ``adam``/``sgd``, or the optimizer's ``MasterUpdate``), then the moments
+  and the masters are encoded back.
+
+Both store the same layout and draw the same bits for a step (same seed, count and stream), so a run may move
+between them; the fp32 update itself may differ in the last bit (torch's functional update against the
+reference's order of ops), so they are not bitwise equal to each other.
+
+Stochastic rounding draws its bits from the session's seed, the tensor's step count after this step (Adam's
+``state["step"]``; for other optimizers amp keeps ``state["sr_step"]``, int64) and the stream ``4 * t + purpose``
+(``t`` the parameter's position in the param groups): the same on every DDP rank, the same after a resume. A
+step skipped on the device (``found_inf`` set) changes nothing, stored state included.
 
 Checkpoints: the optimizer's ``state_dict`` keeps torch's keys with the stored values, plus ``"amp_dial"``
 (the setting and the seed). Loading (into a session of any setting, or at O2/O5 with fp32 state) decodes what it
@@ -27,18 +39,22 @@ an fp32 master loaded into ``"remainder8"``/``"stochastic"`` is rounded stochast
 
 from __future__ import annotations
 
+import abc
+import functools
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Container, Iterator
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any, Literal
 
 import torch
 
 from ampinit import _torch_kernels
-from ampinit._masters import precision
+from ampinit._masters import kernel_step, precision
 from ampinit._masters import remainder as encoding
 from ampinit._masters.grads import OptimizerGrads
 from ampinit._masters.kernel_step import adam_state
+from ampinit._masters.reference import Masters, Moments, SgdSettings
 from ampinit._masters.remainder_grads import RemainderGrads, _fp32, _in_chunks
 from ampinit._masters.update import MasterChunk, Update, dial_setting, own_update, remainder_update
 
@@ -163,11 +179,16 @@ class StateStore:
             value = state.get(key)
             if not isinstance(value, torch.Tensor):
                 continue
-            for name, new in self.encode(key, value, step, 4 * position + purpose).items():
-                old = stored.get(name)
-                if flag is not None and old is not None:
-                    new = torch.where(flag.to(new.device) != 0, old, new)
-                state[name] = new
+            stream = 4 * position + purpose
+            encoded = self.encode(key, value, step, stream)
+            if flag is not None and key in stored:
+                kept = stored
+                if stored[key].dtype != encoded[key].dtype:
+                    # Not yet in the dial's format: the fp32 zeros this step's update created (a first step). A
+                    # skipped step keeps them encoded; mixing them in raw would store fp32 (code numbers, for 8 bits).
+                    kept = self.encode(key, stored[key].float(), step, stream)
+                encoded = {name: torch.where(flag.to(new.device) != 0, kept[name], new) for name, new in encoded.items()}
+            state.update(encoded)
 
     def encode(self, key: str, value: torch.Tensor, step: torch.Tensor, stream: int) -> dict[str, torch.Tensor]:
         """Moment ``key``'s fp32 ``value`` in the dial's format, as state entries."""
@@ -175,10 +196,12 @@ class StateStore:
             return {key: value}
         if self.dial.state == "bf16":
             return {key: precision.round_bf16_stochastic(value, self.bits(step, stream, value))}
-        codes, absmax = precision.quantize_blockwise(value, self._map(key != "exp_avg_sq", value.device))
+        codes, absmax = precision.quantize_blockwise(value, self.quant_map(key, value.device))
         return {key: codes, key + ABSMAX_SUFFIX: absmax}
 
-    def _map(self, signed: bool, device: torch.device) -> precision.QuantMap:
+    def quant_map(self, key: str, device: torch.device) -> precision.QuantMap:
+        """The 8-bit map of moment ``key`` on ``device`` (signed but for ``exp_avg_sq``), built once per session."""
+        signed = key != "exp_avg_sq"
         qmap = self._maps.get((signed, device))
         if qmap is None:
             qmap = self._maps[(signed, device)] = precision.QuantMap.build(signed, device)
@@ -221,6 +244,10 @@ class StateStore:
         rounded: set[str] = set()
         for key in [k for k in state if k.endswith(ABSMAX_SUFFIX)]:
             del state[key]
+        count = saved.get(SR_STEP)
+        if isinstance(count, torch.Tensor):
+            # torch cast it to the parameter's dtype: a bf16 count stops at 256, and the random bits would repeat.
+            state[SR_STEP] = count.to(device=param.device, dtype=torch.int64, copy=True)
         step = state.get("step", state.get(SR_STEP))
         for key, purpose in MOMENT_PURPOSES.items():
             if self.dial.state == "8bit" and _is_8bit(key, saved):
@@ -251,12 +278,16 @@ def _is_8bit(key: str, state: dict[str, Any]) -> bool:
     return isinstance(value, torch.Tensor) and value.dtype == torch.uint8 and key + ABSMAX_SUFFIX in state
 
 
-class _DialStep:
-    """The chunked step over decoded masters and moments, shared by the two dial classes below."""
+class _DialStep(abc.ABC):
+    """The step of the two dial classes below: one ``triton_dial`` launch per list where the group fits the
+    kernels, else chunk by chunk over decoded masters and moments."""
 
     optimizer: torch.optim.Optimizer
+    dial: Dial
     store: StateStore
     update: Update | None
+    # Each launch's random-key streams (4 * t + purpose) on the device, by (device, streams): copied there once.
+    _streams: dict[tuple[Any, ...], torch.Tensor]
 
     def _dial_step(self, found_inf: torch.Tensor | None, write_back: Callable[[list[torch.Tensor]], None]) -> None:
         self.optimizer._opt_called = True  # type: ignore[attr-defined]  # as an lr scheduler's step wrapper records
@@ -267,6 +298,8 @@ class _DialStep:
             for group in self.optimizer.param_groups:
                 params = [p for p in group["params"] if p.grad is not None]
                 if not params:
+                    continue
+                if self._dial_kernels_step(group, params, positions, found_inf):
                     continue
                 chunks = self._dial_chunks(group, params, positions, flag, write_back)
                 if own is not None:
@@ -300,14 +333,149 @@ class _DialStep:
                 self._encode_master(param, master, step, positions[id(param)])
             write_back(some)
 
+    # -- the one-pass kernels ---------------------------------------------------------------------------------
+    def _dial_kernels_step(
+        self,
+        group: dict[str, Any],
+        params: list[torch.Tensor],
+        positions: dict[int, int],
+        found_inf: torch.Tensor | None,
+    ) -> bool:
+        """Step ``group`` through ``triton_dial`` if it fits the kernels (``kernel_step``'s rule), one launch per
+        batch of :meth:`_kernel_batches`; False (nothing done) if it does not."""
+        if not self._takes_kernels(group, params, found_inf):
+            return False
+        from ampinit._masters import triton_dial
+
+        for batch, masters_of in self._kernel_batches(params):
+            if self.update == "adam":
+                self._adam_kernel(triton_dial, group, batch, masters_of, positions, found_inf)
+            else:
+                self._sgd_kernels(triton_dial, group, batch, masters_of, positions, found_inf)
+        return True
+
+    def _takes_kernels(self, group: dict[str, Any], params: list[torch.Tensor], found_inf: torch.Tensor | None) -> bool:
+        if not kernel_step.group_takes_kernels(self.update, group):
+            return False
+        if kernel_step.kernels_taking(params, found_inf, *self._kernel_storage()) is None:
+            return False
+        # A first momentum step skipped on the device would leave a zero buffer that the next step reads as a
+        # buffer (kernel_step's fp32 path declines it too): the chunked step takes it.
+        first = any("momentum_buffer" not in self.optimizer.state.get(p, {}) for p in params)
+        return not (self.update == "sgd" and group["momentum"] != 0 and found_inf is not None and first)
+
+    @abc.abstractmethod
+    def _kernel_storage(self) -> tuple[dict[int, torch.Tensor], Container[int]]:
+        """``kernel_step.kernels_taking``'s model weights by master id and the ids of bf16 parameters with masters."""
+
+    @abc.abstractmethod
+    def _kernel_batches(
+        self, params: list[torch.Tensor]
+    ) -> Iterator[tuple[list[torch.Tensor], Callable[[torch.Tensor], Masters]]]:
+        """``params`` in launches, each with how to view its masters given the weight's random keys."""
+
+    def _adam_kernel(
+        self,
+        kernels: ModuleType,
+        group: dict[str, Any],
+        params: list[torch.Tensor],
+        masters_of: Callable[[torch.Tensor], Masters],
+        positions: dict[int, int],
+        found_inf: torch.Tensor | None,
+    ) -> None:
+        for p in params:
+            self._stored_in_dial(adam_state(self.optimizer, group, p), p, positions)
+        # The step counts advance here, on the device, so the keys below are the post-increment ones.
+        _, _, scalars, settings = kernel_step.adam_inputs(self.optimizer, group, params, found_inf)
+        steps = torch.stack([self.optimizer.state[p]["step"].reshape(()) for p in params])
+        kernels.adam_dial_(
+            [_grad(p) for p in params],
+            masters_of(self._keys(steps, params, positions, 0)),
+            self._moments("exp_avg", params, steps, positions),
+            self._moments("exp_avg_sq", params, steps, positions),
+            scalars,
+            settings,
+            found_inf=found_inf,
+        )
+
+    def _sgd_kernels(
+        self,
+        kernels: ModuleType,
+        group: dict[str, Any],
+        params: list[torch.Tensor],
+        masters_of: Callable[[torch.Tensor], Masters],
+        positions: dict[int, int],
+        found_inf: torch.Tensor | None,
+    ) -> None:
+        counts = [self._sr_step(self.optimizer.state[p], p) for p in params]
+        more = 1 if found_inf is None else (found_inf.reshape(()) == 0).to(torch.int64)
+        torch._foreach_add_(counts, [more] * len(counts) if isinstance(more, torch.Tensor) else more)
+        steps = torch.stack(counts)
+        masters = masters_of(self._keys(steps, params, positions, 0))
+        settings = SgdSettings.of(group)
+        # sgd_batches gives a starting buffer fp32 zeros; stored in the dial's format before the launch reads it.
+        for first_step, chosen, _ in kernel_step.sgd_batches(self.optimizer, group, params):
+            some = [params[i] for i in chosen]
+            for p in some:
+                self._stored_in_dial(self.optimizer.state[p], p, positions)
+            buffers = (
+                self._moments("momentum_buffer", some, steps[chosen], positions)
+                if group["momentum"] != 0
+                else Moments.fp32([])
+            )
+            kernels.sgd_dial_(
+                [_grad(p) for p in some],
+                masters.take(chosen),
+                buffers,
+                settings,
+                first_step=first_step,
+                found_inf=found_inf,
+            )
+
+    def _stored_in_dial(self, state: dict[str, Any], param: torch.Tensor, positions: dict[int, int]) -> None:
+        """Moments torch's layout just created (fp32 zeros) re-stored in the dial's format (exactly: zeros)."""
+        if self.dial.state == "fp32":
+            return
+        for key, purpose in MOMENT_PURPOSES.items():
+            value = state.get(key)
+            if isinstance(value, torch.Tensor) and value.dtype == torch.float32:
+                zero_step = torch.zeros((), dtype=torch.int64, device=param.device)
+                state.update(self.store.encode(key, value, zero_step, 4 * positions[id(param)] + purpose))
+
+    def _keys(
+        self, steps: torch.Tensor, params: list[torch.Tensor], positions: dict[int, int], purpose: int
+    ) -> torch.Tensor:
+        """One random key per parameter for ``purpose``, from its post-increment step count, on the device."""
+        device = params[0].device
+        values = tuple(4 * positions[id(p)] + purpose for p in params)
+        streams = self._streams.get((device, values))
+        if streams is None:
+            streams = self._streams[(device, values)] = torch.tensor(values, dtype=torch.int64, device=device)
+        return precision.keys(self.store.seed, steps, streams).to(device)
+
+    def _moments(self, key: str, params: list[torch.Tensor], steps: torch.Tensor, positions: dict[int, int]) -> Moments:
+        """Moment ``key`` of ``params`` in the dial's stored format (the state dicts' own tensors)."""
+        states = [self.optimizer.state[p] for p in params]
+        values = [s[key] for s in states]
+        if self.dial.state == "bf16":
+            return Moments.bf16(values, self._keys(steps, params, positions, MOMENT_PURPOSES[key]))
+        if self.dial.state == "8bit":
+            absmax = [s[key + ABSMAX_SUFFIX] for s in states]
+            return Moments.eight_bit(values, absmax, self.store.quant_map(key, params[0].device))
+        return Moments.fp32(values)
+
+    def _sr_step(self, state: dict[str, Any], param: torch.Tensor) -> torch.Tensor:
+        count = state.get(SR_STEP)
+        if count is None:
+            count = state[SR_STEP] = torch.zeros((), dtype=torch.int64, device=param.device)
+        return count
+
     def _count(self, state: dict[str, Any], param: torch.Tensor, flag: torch.Tensor | None) -> torch.Tensor:
         """This step's count for the random bits: Adam's ``step`` (already advanced), else amp's ``sr_step``."""
         if self.update == "adam":
             step: torch.Tensor = state["step"]
             return step
-        count = state.get(SR_STEP)
-        if count is None:
-            count = state[SR_STEP] = torch.zeros((), dtype=torch.int64, device=param.device)
+        count = self._sr_step(state, param)
         count.add_(1 if flag is None else (flag.to(count.device) == 0).to(torch.int64))
         return count
 
@@ -325,8 +493,8 @@ class DialGrads(_DialStep, RemainderGrads):
     """Masters kept in or as the bf16 weight (``"remainder"``, ``"remainder8"``, ``"stochastic"``), any moments.
 
     The gradient flow is ``RemainderGrads``'s (bf16 grads unscaled in place); the per-weight storage is an int16
-    or int8 remainder, or nothing (``"stochastic"``); every step is the chunked one (the Triton kernels assume
-    fp32 moments and exact masters).
+    or int8 remainder, or nothing (``"stochastic"``); a step takes ``triton_dial`` or the chunked path (see the
+    module docstring).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, dial: Dial) -> None:
@@ -335,6 +503,7 @@ class DialGrads(_DialStep, RemainderGrads):
         super().__init__(optimizer)
         self.update = remainder_update(optimizer, dial_setting(dial.masters, dial.state))
         self.store = StateStore(optimizer, dial)
+        self._streams = {}
 
     def create_masters(self, fp32_values: dict[int, torch.Tensor] | None = None) -> None:
         """Give every trainable bf16 parameter its storage, from its fp32 value before the cast if known (the
@@ -430,9 +599,35 @@ class DialGrads(_DialStep, RemainderGrads):
 
     # -- the step -------------------------------------------------------------------------------------------
     def step_in_amp_kernels(self, original: Callable[..., Any], found_inf: torch.Tensor | None) -> bool:
-        """Every step is the chunked one (see the module docstring); always True."""
+        """Every step is amp's, in the kernels or chunked (see the module docstring); always True."""
         self._dial_step(found_inf, lambda params: None)
         return True
+
+    def _takes_kernels(self, group: dict[str, Any], params: list[torch.Tensor], found_inf: torch.Tensor | None) -> bool:
+        # The kernels read the bf16 grads: materialised fp32 masters and grads (clipped, maybe) take the chunked step.
+        return not self._materialised and super()._takes_kernels(group, params, found_inf)
+
+    def _kernel_storage(self) -> tuple[dict[int, torch.Tensor], Container[int]]:
+        return {}, self._remainders
+
+    def _kernel_batches(
+        self, params: list[torch.Tensor]
+    ) -> Iterator[tuple[list[torch.Tensor], Callable[[torch.Tensor], Masters]]]:
+        stored = [p for p in params if id(p) in self._remainders]
+        direct = [p.detach() for p in params if id(p) not in self._remainders]  # fp32 parameters: their own masters
+        if stored:
+            yield stored, functools.partial(self._stored_masters, stored)
+        if direct:
+            yield direct, lambda keys: Masters.fp32(direct)
+
+    def _stored_masters(self, params: list[torch.Tensor], keys: torch.Tensor) -> Masters:
+        weights = [p.detach() for p in params]
+        storages = [self._remainders[id(p)][1] for p in params]
+        if self.dial.masters == "remainder":
+            return Masters.remainder(weights, storages)
+        if self.dial.masters == "remainder8":
+            return Masters.remainder8(weights, storages, keys)
+        return Masters.stochastic(weights, keys)
 
     def _decode_master(self, param: torch.Tensor) -> torch.Tensor:
         return self._step_master(param)
@@ -448,18 +643,34 @@ class DialGrads(_DialStep, RemainderGrads):
 
 class CompressedStateGrads(_DialStep, OptimizerGrads):
     """fp32 masters (``master_weights=True``) with bf16 or 8-bit moments: the optimizer's own ``step()`` cannot
-    read them, so amp takes every step, chunk by chunk, and copies the masters into the model weights."""
+    read them, so amp takes every step: in ``triton_dial``, which writes the model weights, or chunk by chunk,
+    then copying the masters into the model weights."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, dial: Dial) -> None:
         super().__init__(optimizer, master_weights=True)
         self.dial = dial
         self.update = remainder_update(optimizer, dial_setting(True, dial.state))
         self.store = StateStore(optimizer, dial)
+        self._streams = {}
 
     def step_in_amp_kernels(self, original: Callable[..., Any], found_inf: torch.Tensor | None) -> bool:
-        """The chunked step on the fp32 masters, then the copy into the model; always True."""
+        """The step on the fp32 masters: in the kernels, which write the model weights, or chunked, then the copy
+        into the model; always True."""
         self._dial_step(found_inf, self._write_weights)
         return True
+
+    def _kernel_storage(self) -> tuple[dict[int, torch.Tensor], Container[int]]:
+        return self._model_of, ()
+
+    def _kernel_batches(
+        self, params: list[torch.Tensor]
+    ) -> Iterator[tuple[list[torch.Tensor], Callable[[torch.Tensor], Masters]]]:
+        # One launch per model weight dtype; masters without a model weight (None) write nothing back.
+        dtype_of = {id(p): self._model_of[id(p)].dtype if id(p) in self._model_of else None for p in params}
+        for weight_dtype in dict.fromkeys(dtype_of.values()):
+            chosen = [p for p in params if dtype_of[id(p)] == weight_dtype]
+            weights = [self._model_of[id(p)].detach() for p in chosen] if weight_dtype is not None else []
+            yield chosen, functools.partial(_fp32_masters, chosen, weights)
 
     def _write_weights(self, masters: list[torch.Tensor]) -> None:
         pairs = [(self._model_of[id(m)], m) for m in masters if id(m) in self._model_of]
@@ -472,3 +683,13 @@ class CompressedStateGrads(_DialStep, OptimizerGrads):
     # The functional updates of RemainderGrads, on the fp32 masters the param groups hold.
     _adam = RemainderGrads._adam
     _sgd = RemainderGrads._sgd
+
+
+def _fp32_masters(masters: list[torch.Tensor], weights: list[torch.Tensor], keys: torch.Tensor) -> Masters:
+    """fp32 masters (no random bits) writing the model ``weights``."""
+    return Masters.fp32([m.detach() for m in masters], weights)
+
+
+def _grad(param: torch.Tensor) -> torch.Tensor:
+    assert param.grad is not None
+    return param.grad

@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ampinit._masters.precision import QBLOCK
+from ampinit._masters.precision import QBLOCK, QuantMap
 from ampinit._masters.reference import AdamSettings, Masters, Moments, SgdSettings
 from ampinit._masters.triton_kernels import _BLOCK, _TL_DTYPES, _block, _load_grad, _tables, _to_weight
 from ampinit._types import TensorList
@@ -274,8 +274,20 @@ def _moment_lists(moments: Moments, grads: TensorList) -> tuple[list[TensorList]
     """A moment's two lists, its keys and its map (unread ones are stand-ins)."""
     values = moments.values or grads  # SGD without momentum: no buffers
     keys = grads[0] if moments.keys is None else moments.keys
-    qmap = grads[0] if moments.qmap is None else torch.cat([moments.qmap.values, moments.qmap.mids])
-    return [values, moments.absmax or grads], keys, qmap
+    table = grads[0] if moments.qmap is None else _map_table(moments.qmap)
+    return [values, moments.absmax or grads], keys, table
+
+
+# The map and its decision points in one tensor, per QuantMap (callers keep one per device and sign): built once,
+# not once per launch. The map is held with its table so that its id cannot be reused while cached.
+_map_tables: dict[int, tuple[QuantMap, torch.Tensor]] = {}
+
+
+def _map_table(qmap: QuantMap) -> torch.Tensor:
+    cached = _map_tables.get(id(qmap))
+    if cached is None:
+        cached = _map_tables[id(qmap)] = (qmap, torch.cat([qmap.values, qmap.mids]))
+    return cached[1]
 
 
 def _format(*moments: Moments) -> int:

@@ -344,6 +344,12 @@ def check_finite_(grads: TensorList, found_inf: torch.Tensor) -> None:
 
 def _storage(masters: Masters) -> tuple[TensorList, TensorList, dict[str, Any]]:
     """The kernels' last two lists, and their STORAGE constants (the weight dtype matters only when written)."""
+    if masters.kind not in ("fp32", "remainder"):
+        # An int8 remainder would be read as int16, a bare bf16 weight as an fp32 master: triton_dial steps these.
+        raise ValueError(
+            f"the fused master step takes masters of kind 'fp32' or 'remainder', got {masters.kind!r} "
+            "(ampinit._masters.triton_dial steps the precision dial's kinds)"
+        )
     if masters.remainders:
         storage, lists, weight_dtype = _REMAINDER, (masters.weights, masters.remainders), torch.bfloat16
     elif masters.weights:
