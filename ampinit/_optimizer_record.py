@@ -63,10 +63,11 @@ class OptimizerRecord:
 
         @functools.wraps(original_zero_grad)
         def zero_grad(*args: Any, **kwargs: Any) -> None:
+            set_to_none = bool(kwargs.get("set_to_none", args[0] if args else True))
+            grads.before_zero_grad(set_to_none)
             original_zero_grad(*args, **kwargs)
             if grads.master_weights:
-                set_to_none = kwargs.get("set_to_none", args[0] if args else True)
-                grads.zero_model_grads(bool(set_to_none))
+                grads.zero_model_grads(set_to_none)
             self._drop_kept_scaled()
 
         undo.rebind(opt, "zero_grad", zero_grad)
