@@ -295,6 +295,13 @@ class OptimizerGrads:
             return False
         return kernel_step.takes_half_grads(self.optimizer, self.update, self._model_of)
 
+    def skips_on_device(self) -> bool:
+        """Whether the next step is meant for this class's kernel step, which takes a device overflow flag (so the
+        skip need not be read on the host; a step the kernels decline reads it then)."""
+        if not self.master_weights or type(self).step_in_amp_kernels is not OptimizerGrads.step_in_amp_kernels:
+            return False
+        return kernel_step.takes_device_flag(self.optimizer, self.update)
+
     def materialize_master_grads(self) -> None:
         """Write the fp32 master grads that a ``scale_loss`` exit left in the half grads (:class:`PendingGrads`),
         with the bits that exit would have written then; a no-op when none are pending."""

@@ -158,6 +158,16 @@ def kernels_taking(
     return kernels
 
 
+def takes_device_flag(opt: torch.optim.Optimizer, update: Update | None) -> bool:
+    """Whether ``opt``'s next step is meant for the kernels, which skip on the device from an overflow flag.
+
+    A prediction for the skip decision: a step the kernels then decline (a grad beyond them, a first momentum step
+    that may be skipped) reads the flag on the host instead (``OptimizerRecord.step``).
+    """
+    update = kernel_update(opt, update)
+    return _takes_kernels(opt, update) and not _hooked(opt)
+
+
 def _hooked(opt: torch.optim.Optimizer) -> bool:
     """Whether a step hook (of ``opt``, or global) would run around ``opt``'s step."""
     if opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks:
