@@ -187,7 +187,8 @@ class StateStore:
                     # Not yet in the dial's format: the fp32 zeros this step's update created (a first step). A
                     # skipped step keeps them encoded; mixing them in raw would store fp32 (code numbers, for 8 bits).
                     kept = self.encode(key, stored[key].float(), step, stream)
-                encoded = {name: torch.where(flag.to(new.device) != 0, kept[name], new) for name, new in encoded.items()}
+                raised = flag.to(value.device) != 0
+                encoded = {name: torch.where(raised, kept[name], new) for name, new in encoded.items()}
             state.update(encoded)
 
     def encode(self, key: str, value: torch.Tensor, step: torch.Tensor, stream: int) -> dict[str, torch.Tensor]:
