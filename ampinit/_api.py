@@ -400,7 +400,8 @@ def master_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
     """The parameters ``optimizer`` updates: the fp32 masters with master weights, else the model's own.
 
     ``torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), max_norm)`` therefore clips the unscaled
-    gradients the step will use. Where the masters live in the bf16 weights (``master_weights="remainder"``,
+    gradients the step will use: the fp32 master grads that amp's kernel step reads from the half grads are
+    written when this is first iterated. Where the masters live in the bf16 weights (``master_weights="remainder"``,
     ``"remainder8"``, ``"stochastic"``) they are fp32 tensors made when asked, with fp32 grads, which the next step
     takes as its masters and grads.
     """

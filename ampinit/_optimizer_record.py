@@ -63,10 +63,11 @@ class OptimizerRecord:
 
         @functools.wraps(original_zero_grad)
         def zero_grad(*args: Any, **kwargs: Any) -> None:
+            set_to_none = bool(kwargs.get("set_to_none", args[0] if args else True))
+            grads.before_zero_grad(set_to_none)
             original_zero_grad(*args, **kwargs)
             if grads.master_weights:
-                set_to_none = kwargs.get("set_to_none", args[0] if args else True)
-                grads.zero_model_grads(bool(set_to_none))
+                grads.zero_model_grads(set_to_none)
             self._drop_kept_scaled()
 
         undo.rebind(opt, "zero_grad", zero_grad)
@@ -145,7 +146,8 @@ class OptimizerRecord:
         """Consume the decision for the step called with ``args``/``kwargs``: ``(skip on the host, device flag for
         the optimizer's kernel)``."""
         closure_given = _closure(args, kwargs) is not None
-        host_skip, flag = _skip.settle_on_host(self.optimizer, self.skip_flag, closure_given)
+        amp_step_skips = self.skip_flag is not None and self.grads.skips_on_device()
+        host_skip, flag = _skip.settle_on_host(self.optimizer, self.skip_flag, closure_given, amp_step_skips)
         skip = self.skip_pending or host_skip
         # A refused step leaves the decision in place (Apex's skip_step raises before it unpatches itself), so
         # that the step retried without a closure still skips.
@@ -171,7 +173,13 @@ class OptimizerRecord:
         if not skip:
             in_kernels = _closure(args, kwargs) is None and self.grads.step_in_amp_kernels(original, flag)
             if not in_kernels:
-                result = _skip.run_step(self.optimizer, original, flag, args, kwargs)
+                step_flag = flag
+                if flag is not None and not _skip.skips_on_device(self.optimizer):
+                    # The flag was left for amp's kernels, which declined this step, and the optimizer cannot take
+                    # it: read it now (the one sync the kernels would have saved); the device count keeps ``flag``.
+                    skip, step_flag = bool(flag.item()), None
+                if not skip:
+                    result = _skip.run_step(self.optimizer, original, step_flag, args, kwargs)
         self.grads.after_step(stepped=not skip, weights_written=in_kernels)
         self.stage = Stage.READY
         self.last_skipped = skip if flag is None else flag

@@ -183,13 +183,16 @@ class AmpSession:
         return None
 
     def master_params(self, optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
-        """``amp.master_params(optimizer)``: the param groups' parameters, but fp32 masters materialised with
-        their grads where the masters live in the bf16 weights (``master_weights="remainder"`` and the dial's
-        other bf16 settings)."""
+        """``amp.master_params(optimizer)``: the param groups' parameters, with the fp32 master grads that amp's
+        kernel step would read from the half grads written first, and fp32 masters materialised with their grads
+        where the masters live in the bf16 weights (``master_weights="remainder"`` and the dial's other bf16
+        settings)."""
         record = self._record_of(optimizer)
         if record is not None and isinstance(record.grads, RemainderGrads):
             yield from record.grads.master_params()
             return
+        if record is not None:
+            record.grads.materialize_master_grads()
         for group in optimizer.param_groups:
             yield from group["params"]
 

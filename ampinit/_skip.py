@@ -29,14 +29,15 @@ def fold_flag(flag: torch.Tensor | None, found_inf: torch.Tensor) -> torch.Tenso
 
 
 def settle_on_host(
-    optimizer: torch.optim.Optimizer, flag: torch.Tensor | None, closure_given: bool
+    optimizer: torch.optim.Optimizer, flag: torch.Tensor | None, closure_given: bool, amp_step_skips: bool = False
 ) -> tuple[bool, torch.Tensor | None]:
     """Who skips the step: ``(True, None)`` the host skips it, ``(False, flag)`` the optimizer's kernel decides.
 
-    A device flag is read on the host (one sync) when the optimizer cannot skip by itself, or when a closure
-    must run (a skipped step must not call it, which only the host can ensure).
+    A device flag is read on the host (one sync) when neither the optimizer nor amp's own step (``amp_step_skips``:
+    amp's kernel step is meant to take it) can skip by itself, or when a closure must run (a skipped step must not
+    call it, which only the host can ensure).
     """
-    if flag is None or (not closure_given and skips_on_device(optimizer)):
+    if flag is None or (not closure_given and (amp_step_skips or skips_on_device(optimizer))):
         return False, flag
     return bool(flag.item()), None
 

@@ -91,12 +91,15 @@ def cuda_path(pretend_gpu: None, request: pytest.FixtureRequest) -> bool:
     return on_cpu
 
 
-def syncs_per_step(level: OptLevel, cpu_as_device: bool, steps: int = STEPS, **options: Any) -> list[list[str]]:
+def syncs_per_step(
+    level: OptLevel, cpu_as_device: bool, steps: int = STEPS, fused: bool = True, **options: Any
+) -> list[list[str]]:
     """The host syncs of each step after the first (which sets up state) of a small model at ``level``, with
-    fused AdamW; step ``OVERFLOWING_STEP`` overflows, and is checked to have been skipped."""
+    fused AdamW (or torch's default, ``fused=False``); step ``OVERFLOWING_STEP`` overflows, and is checked to have
+    been skipped."""
     model: SmallNet
     model, x, y = on_device(make_problem())
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True) if fused else torch.optim.AdamW(model.parameters())
     amp.initialize(model, opt, opt_level=level, verbosity=0, **options)
     counts = []
     try:
@@ -135,6 +138,40 @@ def test_steps_decided_on_the_device_make_no_host_sync(
     """A static scale (O3/O4/O5's 1.0, or a number) and ``sync_free=True``: no step waits, the overflowing one
     included. Before the skip was decided on the device at a static scale, every O4/O5 step read the flag."""
     assert syncs_per_step(level, cuda_path, **options) == [[]] * STEPS
+
+
+@pytest.mark.parametrize(("level", "options"), [("O5", {}), ("O2", {"loss_scale": 128.0})], ids=["O5", "O2-static"])
+def test_masters_with_torchs_default_adamw_make_no_host_sync(
+    level: OptLevel, options: dict[str, Any], cuda_path: bool
+) -> None:
+    """``torch.optim.AdamW(params)`` (foreach: it cannot take a device flag itself) at O2/O5: amp's kernel step
+    takes it and skips on the device, so the flag is never read on the host."""
+    assert syncs_per_step(level, cuda_path, fused=False, **options) == [[]] * STEPS
+
+
+def test_a_step_the_kernels_decline_reads_the_flag_then(cuda_path: bool) -> None:
+    """O5 with torch's default SGD(momentum): its first step, which may be skipped, is one the kernels decline
+    (no momentum buffer yet), and the optimizer cannot take a device flag; the flag left for the kernels is read at
+    that step (one sync), so an overflowing first step is skipped for real: weights unchanged, no buffer made."""
+    model: SmallNet
+    model, x, y = on_device(make_problem())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    amp.initialize(model, opt, opt_level="O5", verbosity=0)
+    try:
+        before = [p.detach().clone() for p in model.parameters()]
+        with HostSyncCounter(cpu_as_device=cuda_path) as counter:
+            loss = nn.functional.mse_loss(model(x).float(), y)
+            with amp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+                plant_inf_in_fc1(model)
+            opt.step()
+        # One read of the flag (the first step's set-up copies aside, as syncs_per_step leaves out its first step).
+        assert counter.syncs.count("aten._local_scalar_dense") == 1
+        assert amp.step_was_skipped(opt)
+        assert all(torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before))
+        assert not any("momentum_buffer" in entry for entry in opt.state.values())
+    finally:
+        amp.deinitialize()
 
 
 @pytest.mark.parametrize("level", ["O1", "O2"])

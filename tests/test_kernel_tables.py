@@ -1,6 +1,9 @@
 """The master-step kernels' pointer and block tables: built once for a set of tensors and reused step after step,
 built again when any tensor the step touches is reallocated (a checkpoint load gives the optimizer new state
-tensors), so a cached table never points at memory the step no longer owns."""
+tensors, a new param group brings new tensors), so a cached table never points at memory the step no longer owns.
+The grads, which a backward may put anywhere, have a pointer table of their own: fresh grads rebuild only it.
+And the optimizer's per-parameter step counts, packed into one tensor for the step (``kernel_step.packed_steps``),
+are packed again when the state is replaced."""
 
 from __future__ import annotations
 
@@ -36,6 +39,7 @@ def builds(kernels_on_cpu: ModuleType, monkeypatch: pytest.MonkeyPatch) -> list[
     built: list[Any] = []
     build = kernels_on_cpu._build_tables
     monkeypatch.setattr(kernels_on_cpu, "_tables_by_storage", {})
+    monkeypatch.setattr(kernels_on_cpu, "_grad_tables_by_storage", {})
     monkeypatch.setattr(kernels_on_cpu, "_build_tables", lambda *a: built.append(a) or build(*a))
     return built
 
@@ -48,8 +52,68 @@ def test_tables_are_reused_while_the_tensors_stay(builds: list[Any]) -> None:
         one_step(model, opt, 0)
         assert len(builds) == 1  # one launch: one list of fp16 weights
         for seed in (1, 2):
-            one_step(model, opt, seed)
+            one_step(model, opt, seed)  # each backward gives fresh half grads: only their table may be rebuilt
         assert len(builds) == 1
+    finally:
+        amp.deinitialize()
+
+
+def test_fresh_grads_get_their_own_table(kernels_on_cpu: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A grad at a new address is read there (not through a stale pointer): the step equals the reference's."""
+    monkeypatch.setattr(kernels_on_cpu, "_grad_tables_by_storage", {})
+    from ampinit._masters import reference
+
+    weights = []
+    for module in (kernels_on_cpu, reference):
+        monkeypatch.setattr(kernels_on_cpu, "adam_", module.adam_)
+        model = make_model()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        amp.initialize(model, opt, opt_level="O2", verbosity=0, loss_scale=1.0)
+        try:
+            for seed in range(3):
+                keep = [p.grad for p in model.parameters()]  # the old grads stay alive: new ones go elsewhere
+                one_step(model, opt, seed)
+                del keep
+            weights.append([p.detach().clone() for p in model.parameters()])
+        finally:
+            amp.deinitialize()
+    assert len(kernels_on_cpu._grad_tables_by_storage) >= 2  # step 2 may find step 0's freed addresses again
+    for got, want in zip(*weights):
+        assert torch.equal(got, want)
+
+
+def test_a_new_param_group_gets_tables_of_its_own(builds: list[Any]) -> None:
+    model = make_model()
+    opt = torch.optim.AdamW(model[0].parameters(), lr=1e-2)
+    amp.initialize(model, opt, opt_level="O2", verbosity=0, loss_scale=1.0)
+    try:
+        one_step(model, opt, 0)
+        assert len(builds) == 1
+        before = [p.detach().clone() for p in model[2].parameters()]
+        opt.add_param_group({"params": list(model[2].parameters())})
+        one_step(model, opt, 1)
+        assert len(builds) == 2  # the first group's table again, the new group's built
+        assert all(not torch.equal(p.detach(), b) for p, b in zip(model[2].parameters(), before))
+    finally:
+        amp.deinitialize()
+
+
+def test_step_counts_are_packed_in_torch_layout_and_again_after_a_load(kernels_on_cpu: ModuleType) -> None:
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    amp.initialize(model, opt, opt_level="O2", verbosity=0, loss_scale=1.0)
+    try:
+        one_step(model, opt, 0)
+        steps = [s["step"] for s in opt.state.values()]
+        assert all(s.dim() == 0 and s.dtype == torch.float32 for s in steps)  # torch's layout, seen from outside
+        assert len({s._base is not None and id(s._base) for s in steps}) == 1  # views of one tensor
+        opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+        loaded = [s["step"] for s in opt.state.values()]
+        one_step(model, opt, 1)
+        stepped = [s["step"] for s in opt.state.values()]
+        assert [s.item() for s in stepped] == [2.0] * len(stepped)  # the loaded counts advanced, once
+        assert all(a is not b for a, b in zip(loaded, stepped))  # packed again: views of a new tensor
+        assert len({id(s._base) for s in stepped}) == 1 and stepped[0]._base is not steps[0]._base
     finally:
         amp.deinitialize()
 

@@ -146,11 +146,15 @@ def _messages(source: str) -> list[str]:
 
 
 def test_another_apex_name_under_if_is_refused_for_itself_not_as_a_guarded_amp_import() -> None:
-    """FastSpeech's ``if profiling: from apex import pyprof``: the rewrite never touches that import; what stops
-    the file is that pyprof has no native equivalent."""
-    source = _examples.LOOP + "\n\nif profiling:\n    from apex import pyprof\n\n    pyprof.nvtx.init()\n"
+    """FastSpeech's shape, ``if profiling: from apex import pyprof``, with a pyprof use that has no native
+    equivalent (its ``nvtx.init()`` alone is removed: tests/test_migrate_pyprof.py): what stops the file is that
+    use, not the import under ``if``."""
+    use = "pyprof.nvtx.wrap(torch, 'matmul')"
+    source = _examples.LOOP + f"\n\nif profiling:\n    from apex import pyprof\n\n    {use}\n"
     messages = _messages(source)
-    assert messages == ["apex.pyprof has no native torch equivalent (nor an ampinit one)"]
+    assert [m.split(":")[0] for m in messages] == [
+        f"apex.pyprof ({use}) has no native torch equivalent (nor an ampinit one)"
+    ]
 
 
 def _importing(line: str, use: str = "", source: str = _examples.LOOP) -> str:

@@ -150,7 +150,7 @@ class RoundingReference:
 
 @pytest.mark.parametrize("state", ["bf16", "8bit"])
 @pytest.mark.parametrize("masters", [True, "remainder"])
-@pytest.mark.parametrize("name", ["AdamW", "SGD"])
+@pytest.mark.parametrize("name", ["AdamW", "AdamW-fused", "SGD"])  # fused: the flag reaches the step on the device
 def test_compressed_moments_train_as_a_reference_that_rounds_them(name: str, masters: Any, state: str) -> None:
     net, x, y = make_net(0)
     reference = RoundingReference(
@@ -233,6 +233,31 @@ def test_an_overflowing_step_changes_nothing(masters: Any, state: str, sync_free
             assert entry.keys() == after[index].keys()
             for key, value in entry.items():
                 assert torch.equal(after[index][key], value), (index, key)
+    finally:
+        sess.close()
+
+
+@pytest.mark.parametrize("state", ["bf16", "8bit"])
+@pytest.mark.parametrize("masters", [True, "remainder", "stochastic"])
+def test_a_skipped_first_step_stores_zero_moments_in_the_dials_format(masters: Any, state: str) -> None:
+    """The first step creates the moments; skipped, it leaves none (fp32 masters: the step is not taken) or zeros
+    stored as the setting stores them (not the fp32 zeros the update started from); the next step trains."""
+    net, x, y = make_net(2)
+    net, opt, sess = session(net, OPTIMIZERS["AdamW-fused"](net.parameters()), masters, state)
+    dtype = {"bf16": torch.bfloat16, "8bit": torch.uint8}[state]
+    try:
+        amp_step(net, opt, x, y, scale=float("inf"))
+        assert amp.step_was_skipped(opt)
+        for entry in (opt.state[p] for g in opt.param_groups for p in g["params"]):
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert key not in entry or entry[key].dtype == dtype
+                assert (key + "_absmax" in entry) == (state == "8bit" and key in entry)
+        for moments in decoded_moments(opt):
+            assert all(not value.any() for value in moments.values())
+        amp_step(net, opt, x, y)
+        for entry in (opt.state[p] for g in opt.param_groups for p in g["params"]):
+            assert entry["exp_avg"].dtype == dtype and entry["exp_avg_sq"].dtype == dtype
+        assert any(value.any() for moments in decoded_moments(opt) for value in moments.values())
     finally:
         sess.close()
 

@@ -179,11 +179,17 @@ class StateStore:
             value = state.get(key)
             if not isinstance(value, torch.Tensor):
                 continue
-            for name, new in self.encode(key, value, step, 4 * position + purpose).items():
-                old = stored.get(name)
-                if flag is not None and old is not None:
-                    new = torch.where(flag.to(new.device) != 0, old, new)
-                state[name] = new
+            stream = 4 * position + purpose
+            encoded = self.encode(key, value, step, stream)
+            if flag is not None and key in stored:
+                kept = stored
+                if stored[key].dtype != encoded[key].dtype:
+                    # Not yet in the dial's format: the fp32 zeros this step's update created (a first step). A
+                    # skipped step keeps them encoded; mixing them in raw would store fp32 (code numbers, for 8 bits).
+                    kept = self.encode(key, stored[key].float(), step, stream)
+                raised = flag.to(value.device) != 0
+                encoded = {name: torch.where(raised, kept[name], new) for name, new in encoded.items()}
+            state.update(encoded)
 
     def encode(self, key: str, value: torch.Tensor, step: torch.Tensor, stream: int) -> dict[str, torch.Tensor]:
         """Moment ``key``'s fp32 ``value`` in the dial's format, as state entries."""

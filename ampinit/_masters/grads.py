@@ -10,6 +10,14 @@ runs in three moves, each a constant number of multi-tensor kernels per (device,
    with an inf/NaN check into the scaler's device flag; stashed grads are added back;
 3. ``after_step``: the updated masters are copied into the half model weights.
 
+When the step will take amp's Triton kernels (``kernel_step``), move 2 only checks the half grads into the flag
+and keeps ``1/scale`` (:class:`PendingGrads`): the kernels read the half grads themselves, so no fp32 master grad
+is written and read back, and move 3 is part of the kernel. The fp32 master grads are made (with the bits move 2
+would have given them) only when something asks for them: ``amp.master_params`` (clipping), a step the kernels do
+not take (hooks, a wrapped step, an optimizer or layout they lack), another backward, ``zero_grad`` keeping grads,
+or closing the session. Code that reads the masters' ``.grad`` through ``optimizer.param_groups`` instead sees
+None until then.
+
 Until the first backward (or step) the masters *follow the model* (``follow_model``), as Apex's masters, built
 at that moment, did: a half weight written after ``initialize`` (DDP broadcasting rank 0's weights, a custom
 init) becomes its master's value, so that every rank trains the weights DDP broadcast, whatever each rank's
@@ -21,7 +29,7 @@ what was written, read once; from the first backward on the masters are the trut
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -33,6 +41,13 @@ from ampinit._types import HALF_DTYPES
 
 #: Device types on which a master's fp32 grad storage is kept between steps (see ``OptimizerGrads._grad_buffer``).
 GRAD_BUFFERS_KEPT_ON = frozenset({"cpu"})
+
+
+class PendingGrads(NamedTuple):
+    """The master grads of a ``scale_loss`` exit left as the model's half grads (checked, not yet multiplied)."""
+
+    inv_scale: torch.Tensor | None  # 1/scale when the exit ran (a copy: the scale may change before the step)
+    before_widening: bool  # the exit would have unscaled the half grads in place before widening them
 
 
 class OptimizerGrads:
@@ -54,6 +69,7 @@ class OptimizerGrads:
         # of its master when amp last made them agree (see follow_model).
         self._agreed: dict[int, tuple[int, int]] | None = {}
         self._loaded: set[int] = set()  # ids of the model params whose masters a load wrote since (follow_model)
+        self._pending: PendingGrads | None = None  # master grads still in the half grads (see the module docstring)
 
     # -- masters --------------------------------------------------------------------------------------------
     def create_masters(self, fp32_values: dict[int, torch.Tensor] | None = None) -> None:
@@ -168,6 +184,7 @@ class OptimizerGrads:
 
     def restore_model_params(self) -> None:
         """Undo :meth:`create_masters`: the model parameters go back into the param groups, with their state."""
+        self.materialize_master_grads()
         for group in self.optimizer.param_groups:
             params = group["params"]
             for index, master in enumerate(params):
@@ -192,6 +209,7 @@ class OptimizerGrads:
     def prepare_backward(self) -> None:
         if self.following:
             self.follow_model()
+        self.materialize_master_grads()  # the half grads that hold them are dropped below
         direct = self.direct_params()
         # With fp32 masters a half parameter the optimizer trains directly can only be one unfrozen since the
         # masters were made: adopt it (the scan is shared with the stash below). Remainder masters train the bf16
@@ -229,24 +247,26 @@ class OptimizerGrads:
         self._stash = []
 
     def post_backward(self, scaler: LossScaler) -> None:
-        """Unscale this backward's grads into the optimizer's parameters and check them for inf/NaN."""
-        copy_dst: list[torch.Tensor] = []
-        copy_src: list[torch.Tensor] = []
-        acc_dst: list[torch.Tensor] = []
-        acc_src: list[torch.Tensor] = []
-        for model_param, master in self.pairs():
-            if model_param.grad is None:
-                continue
-            if master.grad is None:
-                master.grad = self._grad_buffer(master)
-                copy_dst.append(master.grad)
-                copy_src.append(model_param.grad)
-            else:
-                acc_dst.append(master.grad)
-                acc_src.append(model_param.grad)
+        """Unscale this backward's grads into the optimizer's parameters and check them for inf/NaN; when the
+        step's kernels will read the half grads themselves, only check them (see the module docstring)."""
+        fresh = [(p, m) for p, m in self.pairs() if p.grad is not None and m.grad is None]
+        added = [(p, m) for p, m in self.pairs() if p.grad is not None and m.grad is not None]
+        copy_src = [_grad(p) for p, _ in fresh]
+        acc_src = [_grad(p) for p, _ in added]
+        acc_dst = [_grad(m) for _, m in added]
         direct = [p.grad for p in self.direct_params() if p.grad is not None]
         kinds = {(g.dtype, g.device.type) for g in (*copy_src, *acc_src)}
-        if all(scaler.unscales_before_widening(dtype, device_type) for dtype, device_type in kinds):
+        before_widening = all(scaler.unscales_before_widening(dtype, device_type) for dtype, device_type in kinds)
+        if fresh and not added and self._step_reads_half_grads():
+            scaler.check_(copy_src)
+            scaler.unscale_(direct)
+            self._pending = PendingGrads(None if scaler.unit else scaler.inv_scale.clone(), before_widening)
+            self._merge_stash()
+            return
+        for _, master in fresh:
+            master.grad = self._grad_buffer(master)
+        copy_dst = [_grad(m) for _, m in fresh]
+        if before_widening:
             # Unscale and check the half grads before widening them: half the bytes, the same result (a scale of
             # 1, or a power of two on bf16 off CPU: see unscales_before_widening). The model's half grads are
             # left unscaled in this case.
@@ -267,6 +287,45 @@ class OptimizerGrads:
                 _torch_kernels.add_(acc_dst, acc_src)
                 scaler.unscale_unchecked_(acc_dst)
         self._merge_stash()
+
+    def _step_reads_half_grads(self) -> bool:
+        """Whether the next step will be this class's kernel step reading the half grads (a subclass with a step of
+        its own reads the master grads)."""
+        if type(self).step_in_amp_kernels is not OptimizerGrads.step_in_amp_kernels:
+            return False
+        return kernel_step.takes_half_grads(self.optimizer, self.update, self._model_of)
+
+    def skips_on_device(self) -> bool:
+        """Whether the next step is meant for this class's kernel step, which takes a device overflow flag (so the
+        skip need not be read on the host; a step the kernels decline reads it then)."""
+        if not self.master_weights or type(self).step_in_amp_kernels is not OptimizerGrads.step_in_amp_kernels:
+            return False
+        return kernel_step.takes_device_flag(self.optimizer, self.update)
+
+    def materialize_master_grads(self) -> None:
+        """Write the fp32 master grads that a ``scale_loss`` exit left in the half grads (:class:`PendingGrads`),
+        with the bits that exit would have written then; a no-op when none are pending."""
+        pending = self._pending
+        if pending is None:
+            return
+        self._pending = None
+        fresh = [(p, m) for p, m in self.pairs() if p.grad is not None and m.grad is None]
+        src = [_grad(p) for p, _ in fresh]
+        if pending.before_widening and pending.inv_scale is not None:
+            _torch_kernels.mul_(src, pending.inv_scale)
+        for _, master in fresh:
+            master.grad = self._grad_buffer(master)
+        dst = [_grad(m) for _, m in fresh]
+        _torch_kernels.copy_(dst, src)
+        if not pending.before_widening and pending.inv_scale is not None:
+            _torch_kernels.mul_(dst, pending.inv_scale)
+
+    def before_zero_grad(self, set_to_none: bool) -> None:
+        """``zero_grad`` is about to clear the master grads: pending ones are dropped, or made to be zeroed."""
+        if set_to_none:
+            self._pending = None
+        else:
+            self.materialize_master_grads()
 
     def _merge_stash(self) -> None:
         acc_dst: list[torch.Tensor] = []
@@ -310,13 +369,21 @@ class OptimizerGrads:
         list (see ``kernel_step``). False: nothing was done, and the optimizer's own ``step`` must run."""
         if not self.master_weights:
             return False
-        return kernel_step.step_fp32_masters(self.optimizer, self.update, self._model_of, original, found_inf)
+        pending = self._pending
+        inv_scale = None if pending is None else pending.inv_scale
+        taken = kernel_step.step_fp32_masters(
+            self.optimizer, self.update, self._model_of, original, found_inf, pending is not None, inv_scale
+        )
+        if not taken:
+            self.materialize_master_grads()
+        return taken
 
     def after_step(self, stepped: bool, weights_written: bool = False) -> None:
         """Copy updated masters into the model (if the step ran) and release the master grads (as Apex does).
 
         ``weights_written``: amp's kernels already wrote the half weights.
         """
+        self._pending = None
         pairs = list(self.pairs())
         if stepped and pairs and not weights_written:
             _torch_kernels.copy_([p for p, _ in pairs], [m for _, m in pairs])
@@ -333,3 +400,8 @@ class OptimizerGrads:
         elif grads:
             _torch_kernels.foreach_zero_(grads)
             self._zeroed = {id(p): (p.grad, p.grad._version) for p, _ in self.pairs() if p.grad is not None}
+
+
+def _grad(param: torch.Tensor) -> torch.Tensor:
+    assert param.grad is not None
+    return param.grad

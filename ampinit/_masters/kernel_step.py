@@ -1,16 +1,16 @@
 """When a master step takes the Triton kernels, and how the optimizer's state is kept for them.
 
 ``optimizer.step()`` of a master-weight optimizer normally runs the optimizer on the fp32 masters and then copies
-the masters into the half model weights. For ``torch.optim.Adam``, ``AdamW`` and ``SGD`` created with
-``fused=True`` (the user asked for a fused kernel's numerics), on CUDA with Triton importable, the step is instead
+the masters into the half model weights. For ``torch.optim.Adam``, ``AdamW`` and ``SGD``, whatever their
+``foreach``/``fused`` flags, on CUDA with Triton importable, the step is instead
 one Triton launch per (weight dtype) list (``ampinit._masters.triton_kernels``): it reads each master grad,
 updates the master and the optimizer state, and writes the half weight, so no copy-back pass follows. Remainder
 masters take the same kernels, group by group. The optimizer's ``state`` keeps torch's layout (``step``,
 ``exp_avg``, ``exp_avg_sq``; ``momentum_buffer``), so checkpoints move freely between this path and torch's.
 
 The rule, for both kinds of masters: the optimizer's update is torch's (``ampinit._masters.update.update_of``),
-its group asks for the fused numerics and takes no option the kernels lack (:func:`group_takes_kernels`: amsgrad,
-tensor lr or betas, differentiable), the device has kernels (:func:`kernels_for`), and every tensor is dense,
+its group takes no option the kernels lack (:func:`group_takes_kernels`: amsgrad, tensor lr or betas,
+differentiable), the device has kernels (:func:`kernels_for`), and every tensor is dense,
 contiguous, on one device, with a grad of its master's dtype (:func:`kernels_taking`). fp32 masters also leave the
 step to torch when its ``step`` has hooks or was wrapped by anyone but an lr scheduler (the remainder step never
 calls ``step``).
@@ -20,12 +20,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Container, Iterator, Mapping
 from types import ModuleType
-from typing import Any
+from typing import Any, Literal, Protocol, cast, runtime_checkable
 
 import torch
 import torch.optim.optimizer as optim_module
 
-from ampinit import _torch_kernels as engine_kernels
 from ampinit._masters import reference
 from ampinit._masters.reference import AdamSettings, Masters, SgdSettings
 from ampinit._masters.update import Update
@@ -55,9 +54,66 @@ def kernels_for(device: torch.device) -> ModuleType | None:
     return triton_kernels
 
 
+@runtime_checkable
+class KernelOptimizer(Protocol):
+    """An optimizer other than torch's whose step the kernels may take (ampinit's FusedAdam and FusedSGD): it
+    names the update it runs, gives a group's settings in the kernels' terms, and keeps the state they use (for
+    SGD torch's ``momentum_buffer`` layout). Only the class that defines ``kernel_settings`` is taken at its word,
+    as with ``update.MasterUpdate``: a subclass may have changed ``step()``."""
+
+    kernel_update: Literal["adam", "sgd"]
+
+    def kernel_settings(self, group: dict[str, Any]) -> AdamSettings | SgdSettings | None:
+        """``group``'s settings, or None where it takes an option the kernels lack (its own step then runs)."""
+
+
+@runtime_checkable
+class KernelAdamState(Protocol):
+    """A :class:`KernelOptimizer` whose update is Adam keeps its moments and step count its own way."""
+
+    def kernel_adam_state(
+        self, group: dict[str, Any], params: list[torch.Tensor]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+        """``(exp_avgs, exp_avg_sqs, steps)`` of one Adam launch over ``params``: ``steps`` (1-D, one per tensor) is
+        the step number each update's bias corrections use."""
+
+    def kernel_count_step(self, group: dict[str, Any], found_inf: torch.Tensor | None) -> None:
+        """Count the step of ``group`` that the kernels took (all its launches), unless ``found_inf`` is set."""
+
+
+def _kernel_optimizer(opt: torch.optim.Optimizer) -> KernelOptimizer | None:
+    # The class's own attributes, not isinstance: a runtime Protocol check costs more than the rest of a step's
+    # per-group work, and only the defining class counts anyway.
+    if "kernel_settings" in vars(type(opt)):
+        return cast(KernelOptimizer, opt)
+    return None
+
+
+def kernel_update(opt: torch.optim.Optimizer, update: Update | None) -> Update | None:
+    """The update the kernels would run for ``opt`` (``update`` is ``update_of(opt)``), or None."""
+    if update in ("adam", "sgd"):
+        return update
+    own = _kernel_optimizer(opt)
+    return None if own is None else own.kernel_update
+
+
+def _takes_kernels(opt: torch.optim.Optimizer, update: Update | None) -> bool:
+    """Whether every group of ``opt`` fits the kernels (the group rule of torch's optimizers, or the optimizer's)."""
+    own = _kernel_optimizer(opt)
+    if own is not None:
+        return all(own.kernel_settings(group) is not None for group in opt.param_groups)
+    return all(group_takes_kernels(update, group) for group in opt.param_groups)
+
+
 def group_takes_kernels(update: Update | None, group: dict[str, Any]) -> bool:
-    """Whether ``group`` of an optimizer whose update is ``update`` asks for the kernels' numerics and fits them."""
-    if update not in ("adam", "sgd") or not group.get("fused") or group.get("differentiable"):
+    """Whether ``group`` of an optimizer whose update is ``update`` fits the kernels.
+
+    Not only ``fused=True`` groups: the kernels' per-element math is that of torch's fused kernels, whose results
+    differ from its foreach and single-tensor paths in the last fp32 bits, as torch's fused kernels' own do
+    (measured in docs/opt-levels.md); a master step without the fp32 grad and copy-back passes is worth that on
+    every default optimizer.
+    """
+    if update not in ("adam", "sgd") or group.get("differentiable"):
         return False
     if not isinstance(group["lr"], float):
         return False
@@ -69,12 +125,14 @@ def kernels_taking(
     found_inf: torch.Tensor | None,
     weights: Mapping[int, torch.Tensor],
     remainders: Container[int],
+    grads: list[torch.Tensor | None] | None = None,
 ) -> ModuleType | None:
     """The kernels, if they take every one of ``params`` (the optimizer's, each with a grad), else None.
 
     Every parameter is on one device (the flag's, when there is one) and is an fp32 master, or a bf16 weight
-    whose id is in ``remainders``; it and its grad (of its own dtype) are dense and contiguous, and so is the model
-    weight ``weights`` maps its id to, if any.
+    whose id is in ``remainders``; it and its grad are dense and contiguous, and so is the model weight
+    ``weights`` maps its id to, if any. ``grads`` are what the kernels will read (default: each parameter's own
+    grad, of its dtype); a master's may be its model weight's half grad.
     """
     if not params:
         return None
@@ -82,8 +140,8 @@ def kernels_taking(
     kernels = kernels_for(device)
     if kernels is None:
         return None
-    for param in params:
-        grad, weight = param.grad, weights.get(id(param))
+    for param, grad in zip(params, grads if grads is not None else [p.grad for p in params]):
+        weight = weights.get(id(param))
         master_dtype = torch.bfloat16 if id(param) in remainders else torch.float32
         if not (
             grad is not None
@@ -91,7 +149,8 @@ def kernels_taking(
             and param.device == device
             and param.is_contiguous()
             and not grad.is_sparse
-            and grad.dtype == param.dtype
+            and grad.device == device
+            and (grad.dtype == param.dtype or (weight is not None and grad is weight.grad))
             and grad.is_contiguous()
             and (weight is None or weight.is_contiguous())
         ):
@@ -99,15 +158,43 @@ def kernels_taking(
     return kernels
 
 
+def takes_device_flag(opt: torch.optim.Optimizer, update: Update | None) -> bool:
+    """Whether ``opt``'s next step is meant for the kernels, which skip on the device from an overflow flag.
+
+    A prediction for the skip decision: a step the kernels then decline (a grad beyond them, a first momentum step
+    that may be skipped) reads the flag on the host instead (``OptimizerRecord.step``).
+    """
+    update = kernel_update(opt, update)
+    return _takes_kernels(opt, update) and not _hooked(opt)
+
+
+def _hooked(opt: torch.optim.Optimizer) -> bool:
+    """Whether a step hook (of ``opt``, or global) would run around ``opt``'s step."""
+    if opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks:
+        return True
+    return bool(optim_module._global_optimizer_pre_hooks or optim_module._global_optimizer_post_hooks)
+
+
 def _plain_step(opt: torch.optim.Optimizer, original: Callable[..., Any]) -> bool:
     """Whether ``original`` is the class's own step (possibly behind an lr scheduler's counter) and no hook is set."""
-    if opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks:
-        return False
-    if optim_module._global_optimizer_pre_hooks or optim_module._global_optimizer_post_hooks:
+    if _hooked(opt):
         return False
     if getattr(original, "_wrapped_by_lr_sched", False):
         return True
     return getattr(original, "__func__", None) is type(opt).step
+
+
+def takes_half_grads(opt: torch.optim.Optimizer, update: Update | None, model_of: Mapping[int, torch.Tensor]) -> bool:
+    """Whether ``opt``'s next step, as it stands after a backward, will take the kernels reading the half grads of
+    the model weights (``model_of``: id(master) -> weight) with ``1/scale``: then no fp32 master grad is needed.
+
+    A prediction for ``scale_loss``'s exit: a step that turns out otherwise (a wrapped ``step``, a hook added
+    since) makes the master grads first (``OptimizerGrads.materialize_master_grads``).
+    """
+    update = kernel_update(opt, update)
+    if not _takes_kernels(opt, update) or _hooked(opt):
+        return False
+    return _plan(opt, update, model_of, None, half_grads=True) is not None
 
 
 def step_fp32_masters(
@@ -116,42 +203,79 @@ def step_fp32_masters(
     model_of: dict[int, torch.Tensor],
     original: Callable[..., Any],
     found_inf: torch.Tensor | None,
+    half_grads: bool = False,
+    inv_scale: torch.Tensor | None = None,
 ) -> bool:
     """Take ``opt``'s step through the kernels, writing the half weights; False (nothing done) if it can't.
 
     ``update`` is ``update_of(opt)``; ``model_of`` maps id(master) -> half model parameter. ``found_inf`` is the
     device flag of a step that skips by itself (sync-free mode), or None for a step decided on the host.
+    ``half_grads``: the masters' grads are their weights' half grads, still to be multiplied by ``inv_scale``
+    (None: by nothing); the grads of parameters without a weight are their own, unscaled.
     """
-    if not all(group_takes_kernels(update, group) for group in opt.param_groups) or not _plain_step(opt, original):
+    update = kernel_update(opt, update)
+    if not _takes_kernels(opt, update) or not _plain_step(opt, original):
         return False
-    planned = _plan(opt, update, model_of, found_inf)
+    planned = _plan(opt, update, model_of, found_inf, half_grads)
     if planned is None:
         return False
     kernels, plan = planned
     opt._opt_called = True  # type: ignore[attr-defined]  # what an lr scheduler's step wrapper records
-    for group, params in plan:
+    for group, params, grads in plan:
         # One launch per weight dtype; masters without a model weight (None) write nothing back.
-        dtype_of = {id(p): model_of[id(p)].dtype if id(p) in model_of else None for p in params}
-        for weight_dtype in set(dtype_of.values()):
-            chosen = [p for p in params if dtype_of[id(p)] == weight_dtype]
-            weights = [model_of[id(p)] for p in chosen] if weight_dtype is not None else []
-            run_kernels(update, kernels, opt, group, chosen, Masters.fp32(chosen, weights), found_inf)
+        weight_of = [model_of.get(id(p)) for p in params]
+        dtype_of = [None if w is None else w.dtype for w in weight_of]
+        for weight_dtype in set(dtype_of):
+            chosen = [i for i, dtype in enumerate(dtype_of) if dtype == weight_dtype]
+            masters = [params[i] for i in chosen]
+            weights = [w for i in chosen if (w := weight_of[i]) is not None]
+            scaled = half_grads and weight_dtype is not None
+            run_kernels(
+                update,
+                kernels,
+                opt,
+                group,
+                masters,
+                Masters.fp32(masters, weights),
+                found_inf,
+                [grads[i] for i in chosen],
+                inv_scale if scaled else None,
+            )
+        if update == "adam" and params and _kernel_optimizer(opt) is not None:
+            cast(KernelAdamState, opt).kernel_count_step(group, found_inf)
     return True
 
 
 def _plan(
-    opt: torch.optim.Optimizer, update: Update | None, model_of: dict[int, torch.Tensor], found_inf: torch.Tensor | None
-) -> tuple[ModuleType, list[tuple[dict[str, Any], list[torch.Tensor]]]] | None:
-    """The kernels and each group's parameters with a grad, or None when any of them is beyond the kernels."""
-    params_of = [(group, [p for p in group["params"] if p.grad is not None]) for group in opt.param_groups]
-    kernels = kernels_taking([p for _, params in params_of for p in params], found_inf, model_of, ())
+    opt: torch.optim.Optimizer,
+    update: Update | None,
+    model_of: Mapping[int, torch.Tensor],
+    found_inf: torch.Tensor | None,
+    half_grads: bool,
+) -> tuple[ModuleType, list[tuple[dict[str, Any], list[torch.Tensor], list[torch.Tensor]]]] | None:
+    """The kernels and each group's parameters with a grad and those grads (a master's is its weight's with
+    ``half_grads``), or None when any of them is beyond the kernels."""
+    plan = []
+    for group in opt.param_groups:
+        if half_grads:
+            pairs = [(p, p.grad if (w := model_of.get(id(p))) is None else w.grad) for p in group["params"]]
+        else:
+            pairs = [(p, p.grad) for p in group["params"]]
+        taken = [(p, g) for p, g in pairs if g is not None]
+        plan.append((group, [p for p, _ in taken], [g for _, g in taken]))
+    params = [p for _, ps, _ in plan for p in ps]
+    kernels = kernels_taking(params, found_inf, model_of, (), [g for _, _, gs in plan for g in gs])
     if kernels is None:
         return None
-    for group, params in params_of:
-        first_momentum = any("momentum_buffer" not in opt.state.get(p, {}) for p in params)
-        if update == "sgd" and group["momentum"] != 0 and found_inf is not None and first_momentum:
+    for group, params_in_group, _ in plan:
+        if (
+            update == "sgd"
+            and group["momentum"] != 0
+            and found_inf is not None
+            and any("momentum_buffer" not in opt.state.get(p, {}) for p in params_in_group)
+        ):
             return None  # a first step that may be skipped on the device: torch's path handles it
-    return kernels, params_of
+    return kernels, plan
 
 
 def run_kernels(
@@ -162,17 +286,30 @@ def run_kernels(
     params: list[torch.Tensor],
     masters: Masters,
     found_inf: torch.Tensor | None,
+    grads: list[torch.Tensor] | None = None,
+    inv_scale: torch.Tensor | None = None,
 ) -> None:
-    """``update`` ("adam" or "sgd") on ``masters`` through ``kernels``; ``params`` (the optimizer's own) hold the
-    grads and key the optimizer's state. Adam is one launch; SGD two when some momentum buffers start."""
+    """``update`` ("adam" or "sgd") on ``masters`` through ``kernels``; ``params`` (the optimizer's own) key the
+    optimizer's state and hold the grads, unless ``grads`` (times ``inv_scale``) are given. Adam is one launch;
+    SGD two when some momentum buffers start."""
+    read = grads if grads is not None else [_grad(p) for p in params]
     if update == "adam":
         inputs = adam_inputs(opt, group, params, found_inf)
-        kernels.adam_([_grad(p) for p in params], masters, *inputs, found_inf=found_inf)
+        kernels.adam_(read, masters, *inputs, inv_scale=inv_scale, found_inf=found_inf)
         return
-    settings = SgdSettings.of(group)
+    own = _kernel_optimizer(opt)
+    settings = own.kernel_settings(group) if own is not None else SgdSettings.of(group)
+    assert isinstance(settings, SgdSettings)
     for first_step, chosen, buffers in sgd_batches(opt, group, params):
-        grads = [_grad(params[i]) for i in chosen]
-        kernels.sgd_(grads, masters.take(chosen), buffers, settings, first_step=first_step, found_inf=found_inf)
+        kernels.sgd_(
+            [read[i] for i in chosen],
+            masters.take(chosen),
+            buffers,
+            settings,
+            first_step=first_step,
+            inv_scale=inv_scale,
+            found_inf=found_inf,
+        )
 
 
 def _grad(param: torch.Tensor) -> torch.Tensor:
@@ -207,14 +344,46 @@ def adam_inputs(
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor, AdamSettings]:
     """What an Adam kernel takes besides grads and masters: ``(exp_avgs, exp_avg_sqs, step_scalars, settings)``.
 
-    The step counts advance here (on the device, not where ``found_inf`` is set).
+    The step counts advance here (on the device, not where ``found_inf`` is set), as one tensor (:func:`packed_steps`).
     """
-    states = [adam_state(opt, group, p) for p in params]
-    steps = [s["step"] for s in states]
-    engine_kernels.advance_steps_(steps, found_inf)
-    settings = AdamSettings.of(opt, group)
+    own = _kernel_optimizer(opt)
+    if own is not None:
+        settings = own.kernel_settings(group)
+        assert isinstance(settings, AdamSettings)
+        exp_avgs, exp_avg_sqs, steps = cast(KernelAdamState, own).kernel_adam_state(group, params)
+    else:
+        states = [adam_state(opt, group, p) for p in params]
+        steps = packed_steps(states)
+        steps.add_(1.0)
+        if found_inf is not None:
+            steps.sub_(found_inf.reshape(()))
+        settings = AdamSettings.of(opt, group)
+        exp_avgs, exp_avg_sqs = [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
     scalars = reference.adam_step_scalars(steps, settings.beta1, settings.beta2, settings.lr)
-    return [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], scalars.to(params[0].device), settings
+    return exp_avgs, exp_avg_sqs, scalars.to(params[0].device), settings
+
+
+def packed_steps(states: list[dict[str, Any]]) -> torch.Tensor:
+    """The ``step`` counts of ``states`` as one 1-D tensor whose elements the states' ``step`` entries are views of.
+
+    torch keeps a 0-d step count per parameter; advancing 150 of them one by one, and stacking them to compute the
+    bias corrections, cost more host time than the rest of the step (0.6 and 0.2 ms on CPU). Views of one tensor
+    keep torch's layout (each entry a 0-d tensor of its dtype and device, in ``state_dict`` and checkpoints) and
+    make both one op. Entries that are not views of one tensor in this order (a first step, a loaded
+    ``state_dict``, another set of parameters with grads) are packed again, values kept.
+    """
+    views = [state["step"] for state in states]
+    base: torch.Tensor | None = views[0]._base
+    if base is not None and base.dim() == 1 and base.numel() == len(views) and _views_in_order(views, base):
+        return base
+    packed = torch.stack([view.reshape(()) for view in views])
+    for state, view in zip(states, packed.unbind()):
+        state["step"] = view
+    return packed
+
+
+def _views_in_order(views: list[torch.Tensor], base: torch.Tensor) -> bool:
+    return all(view._base is base and view.storage_offset() == i for i, view in enumerate(views))
 
 
 def sgd_batches(

@@ -221,14 +221,20 @@ def _check_keys(keys: torch.Tensor, count: int, what: str) -> None:
         )
 
 
-def adam_step_scalars(steps: Sequence[torch.Tensor], beta1: float, beta2: float, lr: float) -> torch.Tensor:
-    """``[[step_size, sqrt(bias_correction2)], ...]`` in fp32, one row per tensor, from its step count.
+def adam_step_scalars(
+    steps: Sequence[torch.Tensor] | torch.Tensor, beta1: float, beta2: float, lr: float
+) -> torch.Tensor:
+    """``[[step_size, sqrt(bias_correction2)], ...]`` in fp32, one row per tensor, from its step count (``steps``:
+    one 0-d tensor per tensor, or their values in one 1-D tensor).
 
     Computed on the steps' device in float64 (as torch's Adam does on the host), then rounded once to fp32: no
     host synchronisation, so a step count that a skipped step did not advance stays correct on the device.
     """
-    # torch keeps 0-d step counts; a view of each (reshape) would cost more host time than the rest of the step.
-    step = torch.stack([s if s.dim() == 0 else s.reshape(()) for s in steps]).double()
+    if isinstance(steps, torch.Tensor):
+        step = steps.double()
+    else:
+        # torch keeps 0-d step counts; a view of each (reshape) would cost more host time than the rest of the step.
+        step = torch.stack([s if s.dim() == 0 else s.reshape(()) for s in steps]).double()
     bias_correction1 = 1 - torch.pow(beta1, step)
     bias_correction2 = 1 - torch.pow(beta2, step)
     return torch.stack([lr / bias_correction1, bias_correction2.sqrt()], dim=1).float()

@@ -4,7 +4,8 @@ Imported only when ``triton`` is importable (``ampinit._masters.kernel_step.kern
 takes exactly the arguments of the reference function of the same name and gives the same bits:
 
 - one launch per list (per dtype combination): every tensor's data pointer goes into a small int64 table, and a
-  block table maps each program to (tensor, offset), as Apex's multi-tensor apply does with its chunk lists;
+  block table maps each program to (tensor, offset), as Apex's multi-tensor apply does with its chunk lists; the
+  grads' pointers have a table of their own, as they are the tensors that move from step to step (fresh grads);
 - fp32 math in the reference's order, each operation rounded (``enable_fp_fusion=False``: no fused
   multiply-add), division and square root correctly rounded (``div_rn``, ``sqrt_rn``);
 - fp32 -> bf16 rounds to nearest-even with integer ops of our own: Triton's interpreter truncates that cast,
@@ -73,10 +74,10 @@ def _check_kernel(ptrs, numels, block_tensor, block_start, flag_ptr, GRAD_T: tl.
 
 @triton.jit
 def _load_grad(
-    ptrs, t, offs, mask, inv_scale_ptr, GRAD_T: tl.constexpr, HAS_SCALE: tl.constexpr, MAXIMIZE: tl.constexpr
+    grad_ptrs, t, offs, mask, inv_scale_ptr, GRAD_T: tl.constexpr, HAS_SCALE: tl.constexpr, MAXIMIZE: tl.constexpr
 ):
-    """The fp32, unscaled (and for ``maximize`` negated) grad of tensor ``t``, the first list of ``ptrs``."""
-    g_ptr = tl.load(ptrs + t).to(tl.pointer_type(GRAD_T))
+    """The fp32, unscaled (and for ``maximize`` negated) grad of tensor ``t`` (its pointer in ``grad_ptrs``)."""
+    g_ptr = tl.load(grad_ptrs + t).to(tl.pointer_type(GRAD_T))
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_SCALE:
         g = g * tl.load(inv_scale_ptr)
@@ -187,44 +188,44 @@ def _store_master(
 
 @triton.jit
 def _adam_kernel(
-    ptrs, numels, block_tensor, block_start, n_tensors, inv_scale_ptr, flag_ptr,
+    grad_ptrs, ptrs, numels, block_tensor, block_start, n_tensors, inv_scale_ptr, flag_ptr,
     step_scalars, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, decay_factor,
     GRAD_T: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_FLAG: tl.constexpr, MAXIMIZE: tl.constexpr,
     STORAGE: tl.constexpr, WEIGHT_T: tl.constexpr, WEIGHT_IS_BF16: tl.constexpr,
     DECAY: tl.constexpr,  # 0: none, 1: L2 (Adam), 2: decoupled (AdamW)
     BLOCK: tl.constexpr,
 ):  # fmt: skip
-    # Lists: grads, exp_avgs, exp_avg_sqs, then the masters' two (STORAGE).
+    # Lists of ptrs: exp_avgs, exp_avg_sqs, then the masters' two (STORAGE).
     t, offs, mask = _block(ptrs, numels, block_tensor, block_start, flag_ptr, HAS_FLAG, BLOCK)
-    m_ptr = tl.load(ptrs + n_tensors + t).to(tl.pointer_type(tl.float32))
-    v_ptr = tl.load(ptrs + 2 * n_tensors + t).to(tl.pointer_type(tl.float32))
-    g = _load_grad(ptrs, t, offs, mask, inv_scale_ptr, GRAD_T, HAS_SCALE, MAXIMIZE)
-    p = _load_master(ptrs, n_tensors, 3, t, offs, mask, STORAGE)
+    m_ptr = tl.load(ptrs + t).to(tl.pointer_type(tl.float32))
+    v_ptr = tl.load(ptrs + n_tensors + t).to(tl.pointer_type(tl.float32))
+    g = _load_grad(grad_ptrs, t, offs, mask, inv_scale_ptr, GRAD_T, HAS_SCALE, MAXIMIZE)
+    p = _load_master(ptrs, n_tensors, 2, t, offs, mask, STORAGE)
     p = _adam_update(
         g, p, m_ptr, v_ptr, offs, mask, t, step_scalars, beta1, one_minus_beta1, beta2, one_minus_beta2, eps,
         weight_decay, decay_factor, DECAY,
     )  # fmt: skip
-    _store_master(p, ptrs, n_tensors, 3, t, offs, mask, STORAGE, WEIGHT_T, WEIGHT_IS_BF16)
+    _store_master(p, ptrs, n_tensors, 2, t, offs, mask, STORAGE, WEIGHT_T, WEIGHT_IS_BF16)
 
 
 @triton.jit
 def _sgd_kernel(
-    ptrs, numels, block_tensor, block_start, n_tensors, inv_scale_ptr, flag_ptr,
+    grad_ptrs, ptrs, numels, block_tensor, block_start, n_tensors, inv_scale_ptr, flag_ptr,
     lr, momentum, one_minus_dampening, weight_decay,
     GRAD_T: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_FLAG: tl.constexpr, MAXIMIZE: tl.constexpr,
     STORAGE: tl.constexpr, WEIGHT_T: tl.constexpr, WEIGHT_IS_BF16: tl.constexpr,
     HAS_DECAY: tl.constexpr, HAS_MOMENTUM: tl.constexpr, FIRST_STEP: tl.constexpr, NESTEROV: tl.constexpr,
     BLOCK: tl.constexpr,
 ):  # fmt: skip
-    # Lists: grads, momentum buffers, then the masters' two (STORAGE).
+    # Lists of ptrs: momentum buffers, then the masters' two (STORAGE).
     t, offs, mask = _block(ptrs, numels, block_tensor, block_start, flag_ptr, HAS_FLAG, BLOCK)
-    g = _load_grad(ptrs, t, offs, mask, inv_scale_ptr, GRAD_T, HAS_SCALE, MAXIMIZE)
-    p = _load_master(ptrs, n_tensors, 2, t, offs, mask, STORAGE)
+    g = _load_grad(grad_ptrs, t, offs, mask, inv_scale_ptr, GRAD_T, HAS_SCALE, MAXIMIZE)
+    p = _load_master(ptrs, n_tensors, 1, t, offs, mask, STORAGE)
     p = _sgd_update(
-        g, p, ptrs, 1, n_tensors, t, offs, mask, lr, momentum, one_minus_dampening, weight_decay,
+        g, p, ptrs, 0, n_tensors, t, offs, mask, lr, momentum, one_minus_dampening, weight_decay,
         HAS_DECAY, HAS_MOMENTUM, FIRST_STEP, NESTEROV,
     )  # fmt: skip
-    _store_master(p, ptrs, n_tensors, 2, t, offs, mask, STORAGE, WEIGHT_T, WEIGHT_IS_BF16)
+    _store_master(p, ptrs, n_tensors, 1, t, offs, mask, STORAGE, WEIGHT_T, WEIGHT_IS_BF16)
 
 
 # -- launching ------------------------------------------------------------------------------------------------
@@ -236,6 +237,7 @@ class _Tables(NamedTuple):
     block_tensor: torch.Tensor  # int32, per block
     block_start: torch.Tensor  # int64, per block
     n_blocks: int
+    sizes: tuple[int, ...]  # numels, on the host
 
 
 #: Tables by the storage of the tensors they point at: ``(device, the first list's sizes, each list's dtype and data
@@ -268,7 +270,27 @@ def _tables(device: torch.device, *lists: Sequence[torch.Tensor]) -> _Tables:
     return cached
 
 
-def _build_tables(device: torch.device, lists: Sequence[Sequence[torch.Tensor]]) -> _Tables:
+#: The grads' pointer tables, by the same kind of key (the grads' sizes must be those of the other lists).
+_grad_tables_by_storage: dict[tuple[Any, ...], torch.Tensor] = {}
+
+
+def _grad_table(device: torch.device, grads: Sequence[torch.Tensor], sizes: tuple[int, ...]) -> torch.Tensor:
+    """The grads' pointers, from the cache when these grads were launched on before; ``sizes`` (the other lists')
+    are what each grad must hold."""
+    key = _storage_key(device, [grads])
+    cached = _grad_tables_by_storage.get(key)
+    if cached is None:
+        _check_lists(device, [grads])
+        if tuple(g.numel() for g in grads) != sizes:
+            raise ValueError("the fused master step needs a grad of its master's size for every master")
+        cached = _to_device(torch.tensor([g.data_ptr() for g in grads], dtype=torch.int64), device)
+        if len(_grad_tables_by_storage) >= _MAX_CACHED:
+            _grad_tables_by_storage.clear()
+        _grad_tables_by_storage[key] = cached
+    return cached
+
+
+def _check_lists(device: torch.device, lists: Sequence[Sequence[torch.Tensor]]) -> None:
     for tensors in lists:
         for tensor in tensors:
             if not tensor.is_contiguous() or tensor.device != device:
@@ -277,6 +299,10 @@ def _build_tables(device: torch.device, lists: Sequence[Sequence[torch.Tensor]])
             raise ValueError(
                 f"the fused master step needs one dtype per list, got {sorted({str(t.dtype) for t in tensors})}"
             )
+
+
+def _build_tables(device: torch.device, lists: Sequence[Sequence[torch.Tensor]]) -> _Tables:
+    _check_lists(device, lists)
     numels = [t.numel() for t in lists[0]]
     blocks = [(t, start) for t, n in enumerate(numels) for start in range(0, n, _BLOCK)]
     host = (
@@ -286,7 +312,7 @@ def _build_tables(device: torch.device, lists: Sequence[Sequence[torch.Tensor]])
         torch.tensor([b[1] for b in blocks], dtype=torch.int64),
     )
     pointers, sizes, block_tensor, block_start = (_to_device(t, device) for t in host)
-    return _Tables(pointers, sizes, block_tensor, block_start, len(blocks))
+    return _Tables(pointers, sizes, block_tensor, block_start, len(blocks), tuple(numels))
 
 
 def _to_device(table: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -336,6 +362,7 @@ def _storage(masters: Masters) -> tuple[TensorList, TensorList, dict[str, Any]]:
 
 def _launch(
     kernel: Any,
+    grads: TensorList,
     lists: Sequence[TensorList],
     masters: Masters,
     scalars: Sequence[object],
@@ -344,14 +371,15 @@ def _launch(
     maximize: bool,
     constants: dict[str, Any],
 ) -> None:
-    """One launch of ``kernel`` over ``lists`` (grads first) and ``masters``, one program per block of each tensor."""
-    grads = lists[0]
+    """One launch of ``kernel`` over ``grads``, ``lists`` and ``masters``, one program per block of each tensor."""
     if not grads:
         return
+    device = grads[0].device
     first, second, storage = _storage(masters)
-    tables = _tables(grads[0].device, *lists, first, second)
+    tables = _tables(device, *lists, first, second)
     unread = grads[0]  # passed for an absent scale or flag: the kernel never reads it
     kernel[(tables.n_blocks,)](
+        _grad_table(device, grads, tables.sizes),
         tables.pointers,
         tables.numels,
         tables.block_tensor,
@@ -387,8 +415,7 @@ def adam_(
     betas = (s.beta1, 1 - s.beta1, s.beta2, 1 - s.beta2)
     scalars = (step_scalars.contiguous(), *betas, s.eps, s.weight_decay, 1 - s.lr * s.weight_decay)
     constants = {"DECAY": 0 if s.weight_decay == 0 else (2 if s.decoupled else 1)}
-    lists = (grads, exp_avgs, exp_avg_sqs)
-    _launch(_adam_kernel, lists, masters, scalars, inv_scale, found_inf, s.maximize, constants)
+    _launch(_adam_kernel, grads, (exp_avgs, exp_avg_sqs), masters, scalars, inv_scale, found_inf, s.maximize, constants)
 
 
 def sgd_(
@@ -406,6 +433,6 @@ def sgd_(
     scalars = (s.lr, s.momentum, 1 - s.dampening, s.weight_decay)
     flags = {"HAS_DECAY": s.weight_decay != 0, "HAS_MOMENTUM": s.momentum != 0, "NESTEROV": s.nesterov}
     constants = {**flags, "FIRST_STEP": first_step}
-    # Without momentum the buffers' list repeats the grads, unread.
-    lists = (grads, momentum_buffers or grads)
-    _launch(_sgd_kernel, lists, masters, scalars, inv_scale, found_inf, s.maximize, constants)
+    # Without momentum the buffers' list repeats the masters' first list (same sizes), unread.
+    buffers = momentum_buffers or (masters.weights if masters.remainders else masters.masters)
+    _launch(_sgd_kernel, grads, (buffers,), masters, scalars, inv_scale, found_inf, s.maximize, constants)

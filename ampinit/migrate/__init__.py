@@ -17,6 +17,8 @@ import libcst
 from ampinit.migrate._guards import line_map, rewrite_guards
 from ampinit.migrate._multi_tensor import rewrite_multi_tensor
 from ampinit.migrate._optimizers import NOT_NATIVE, rewrite_fused_adam
+from ampinit.migrate._pyprof import NOT_NATIVE as PYPROF_NOT_NATIVE
+from ampinit.migrate._pyprof import rewrite_pyprof
 from ampinit.migrate._report import FileResult, Report, Site
 from ampinit.migrate._resolve import imported_modules, unresolved_imports
 from ampinit.migrate._to_ampinit import COMMENT_PREFIX, migrate_module
@@ -69,17 +71,23 @@ def _to_torch(source: str, path: str) -> FileResult:
     optimizer_sites = _relined(optimizer_sites, native, source)
     tensors, tensor_sites = rewrite_multi_tensor(optimizers)
     tensor_sites = _relined(tensor_sites, optimizers, source)
-    migrated, more = migrate_module(tensors, "torch")
-    more = _relined(more, tensors, source)
+    profiled, pyprof_sites = rewrite_pyprof(tensors)
+    pyprof_sites = _relined(pyprof_sites, tensors, source)
+    migrated, more = migrate_module(profiled, "torch")
+    more = _relined(more, profiled, source)
     left = _dependencies_left(migrated, more)
     if left:  # the specific reasons replace the generic ones
-        reasons = [s for s in optimizer_sites + tensor_sites if s.needs_human]
+        # pyprof's sites are reasons only where it was left in place (a removed hook is no reason to refuse)
+        blocked = pyprof_sites if profiled == tensors else []
+        reasons = [s for s in optimizer_sites + tensor_sites + blocked if s.needs_human]
         if any(s in optimizer_sites for s in reasons):
             left = [s for s in left if "FusedAdam" not in s.message]
         if any(s in tensor_sites for s in reasons):
             left = [s for s in left if not s.message.startswith(("amp_C ", "apex.multi_tensor_apply"))]
+        if blocked:
+            left = [s for s in left if not s.message.startswith("apex.pyprof")]
         return _earlier_notes(FileResult(path, source, source, sorted(reasons + left, key=lambda s: s.line), True))
-    found = guard_sites + sites + optimizer_sites + tensor_sites + more
+    found = guard_sites + sites + optimizer_sites + tensor_sites + pyprof_sites + more
     return _checked(FileResult(path, source, migrated, sorted(found, key=lambda s: s.line)))
 
 
@@ -106,7 +114,9 @@ def _dependencies_left(migrated: str, sites: list[Site]) -> list[Site]:
     left = []
     for site in sites:
         name = site.message.split(" -> ")[0].split(": ")[0]
-        if site.needs_human and "ampinit provides no" in site.message:
+        if site.needs_human and "ampinit provides no" in site.message and name.split(".")[:2] == ["apex", "pyprof"]:
+            left.append(Site(site.line, f"{name} {PYPROF_NOT_NATIVE}", True))
+        elif site.needs_human and "ampinit provides no" in site.message:
             left.append(Site(site.line, f"{name} has no native torch equivalent (nor an ampinit one)", True))
         elif " -> ampinit" in site.message or " -> import ampinit" in site.message:
             why = NOT_NATIVE.get(name.rsplit(".", 1)[-1])

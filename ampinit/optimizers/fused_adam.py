@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from ampinit import _torch_kernels
+from ampinit._masters.reference import AdamSettings
 from ampinit._masters.update import MasterChunk
 from ampinit._torch_kernels import device_scalar, fp32_copies, fp32_work, group_indices, pick, write_back
 from ampinit.optimizers._adam_math import adam_update_foreach, adam_update_single
@@ -400,6 +401,33 @@ class FusedAdam(FusedOptimizer):
             )
         if step is not None:
             advance_step(step, AmpScaling(found_inf=found_inf))
+
+    # -- amp's kernel step (ampinit._masters.kernel_step.KernelOptimizer) ----------------------------------
+    kernel_update = "adam"
+
+    def kernel_settings(self, group: dict[str, Any]) -> AdamSettings | None:
+        """The group in the kernels' terms; None with a tensor lr (``capturable``), fp32 copies of its own
+        (``master_weights``) or the historic per-group clipping (``max_grad_norm``), which the kernels lack."""
+        if self.capturable or self.master_weights or group.get("max_grad_norm", 0.0) > 0:
+            return None
+        beta1, beta2 = group["betas"]
+        return AdamSettings(
+            float(group["lr"]), beta1, beta2, group["eps"], group["weight_decay"], bool(self.adam_w_mode), False
+        )
+
+    def kernel_adam_state(
+        self, group: dict[str, Any], params: list[Tensor]
+    ) -> tuple[list[Tensor], list[Tensor], Tensor]:
+        """The moments of ``params``, and the group's step number for this update once per tensor (infinite
+        without bias correction: ``1 - beta**inf`` is exactly 1)."""
+        states = [self._state_for(p) for p in params]
+        step = group_step(group, params[0].device)
+        this_step = step + 1 if group["bias_correction"] else torch.full_like(step, float("inf"))
+        return [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], this_step.expand(len(params))
+
+    def kernel_count_step(self, group: dict[str, Any], found_inf: Tensor | None) -> None:
+        """One step of ``group`` counted, as this optimizer's own step counts it."""
+        advance_step(group["step"], AmpScaling(found_inf=None if found_inf is None else found_inf.reshape(())))
 
     def _state_for(self, param: Tensor) -> dict[str, Tensor]:
         self._zero_state([param], "exp_avg", "exp_avg_sq")

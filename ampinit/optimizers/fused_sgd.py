@@ -10,6 +10,7 @@ from torch import Tensor
 from torch.optim.optimizer import _RequiredParameter, required
 
 from ampinit import _torch_kernels
+from ampinit._masters.reference import SgdSettings
 from ampinit._masters.update import MasterChunk
 from ampinit._torch_kernels import fp32_copies, fp32_work, group_indices, pick, write_back
 from ampinit.optimizers._apex_ops import TensorLists, check_lists
@@ -245,6 +246,19 @@ class FusedSGD(FusedOptimizer):
         """This optimizer's SGD step of ``group`` on the fp32 masters amp hands it (``master_weights="remainder"``)."""
         for params, masters, grads in chunks:
             self._update_group(group, params, masters, grads, None, found_inf)
+
+    # -- amp's kernel step (ampinit._masters.kernel_step.KernelOptimizer) ----------------------------------
+    kernel_update = "sgd"
+
+    def kernel_settings(self, group: dict[str, Any]) -> SgdSettings | None:
+        """The group in the kernels' terms (torch's SGD rule); None with weight decay after momentum, which the
+        kernels lack. A zero buffer's first step equals a first step from the grad (``0*m + 1*g``), so the kernels'
+        first-step launch covers this optimizer's zero-initialised buffers too."""
+        if self.wd_after_momentum and group["weight_decay"] != 0:
+            return None
+        return SgdSettings(
+            float(group["lr"]), group["momentum"], group["dampening"], group["nesterov"], group["weight_decay"], False
+        )
 
     def _update_group(
         self,

@@ -20,7 +20,12 @@ from ampinit.migrate._argparse import argparse_levels
 from ampinit.migrate._reach import Home, Scopes, home_of
 
 # Apex's parameter names, in order, read from the Apex layer that reproduces its signatures (one source of truth).
-APEX_SIGNATURE = tuple(inspect.signature(apex_frontend.initialize).parameters)
+# Apex's own parameters: the ampinit-only keywords the Apex layer also takes (keyword-only) are not Apex's.
+APEX_SIGNATURE = tuple(
+    name
+    for name, parameter in inspect.signature(apex_frontend.initialize).parameters.items()
+    if parameter.kind is not inspect.Parameter.KEYWORD_ONLY
+)
 SCALE_LOSS_SIGNATURE = tuple(inspect.signature(apex_handle.scale_loss).parameters)
 NOT_LITERAL = object()
 

@@ -1,0 +1,169 @@
+"""The master step reading the half grads: when an O2/O5 step will take amp's kernels, ``scale_loss``'s exit only
+checks the half grads and the kernels read them times ``1/scale``; no fp32 master grad is written. Whatever asks
+for the master grads gets them, with the bits the exit writes when the kernels are off (today's path, the
+reference here): ``amp.master_params`` (clipping), a step hook, ``zero_grad(set_to_none=False)``, another backward
+before the step, closing the session between the exit and the step."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from ampinit import amp
+from ampinit._masters import kernel_step
+
+pytest.importorskip("triton", reason="triton is not installed (pip install triton); the kernels are tested through it")
+
+HALF = {"O2": torch.float16, "O5": torch.bfloat16}
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def _backward(model: nn.Module, opt: torch.optim.Optimizer, level: str, seed: int) -> None:
+    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(seed)).to(HALF[level])
+    with amp.scale_loss(model(x).float().pow(2).mean(), opt) as scaled:
+        scaled.backward()
+
+
+def _bits(tensors: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    return [None if t is None else t.detach().clone() for t in tensors]
+
+
+def run(
+    monkeypatch: pytest.MonkeyPatch,
+    kernels: bool,
+    level: str,
+    body: Callable[[nn.Module, torch.optim.Optimizer], list[torch.Tensor | None]],
+) -> list[torch.Tensor | None]:
+    """``body``'s tensors, from an O2/O5 session with the kernel step on CPU (``kernels``) or off."""
+    monkeypatch.setattr(kernel_step, "TRITON_ON_CPU", kernels)
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0)
+    session = amp.current_session()
+    assert session is not None
+    try:
+        return _bits(body(model, opt))
+    finally:
+        session.close()
+
+
+def assert_same(a: list[torch.Tensor | None], b: list[torch.Tensor | None]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert (x is None and y is None) or (x is not None and y is not None and torch.equal(x, y)), (x, y)
+
+
+def _master_grads(opt: torch.optim.Optimizer) -> list[torch.Tensor | None]:
+    return [p.grad for group in opt.param_groups for p in group["params"]]
+
+
+@pytest.mark.parametrize("level", ["O2", "O5"])
+def test_the_exit_writes_no_master_grad_and_the_step_gives_the_same_bits(
+    kernels_on_cpu: ModuleType, monkeypatch: pytest.MonkeyPatch, level: str
+) -> None:
+    """Three steps reading the half grads equal three steps whose master grads were asked for (and so made)."""
+    seen: list[torch.Tensor | None] = []
+
+    def train(ask: bool) -> Callable[[nn.Module, torch.optim.Optimizer], list[torch.Tensor | None]]:
+        def body(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor | None]:
+            for seed in range(3):
+                _backward(model, opt, level, seed)
+                if ask:
+                    list(amp.master_params(opt))
+                else:
+                    seen.append(opt.param_groups[0]["params"][0].grad)  # the first Linear's master
+                opt.step()
+                opt.zero_grad()
+            return [*model.parameters(), *amp.master_params(opt)]
+
+        return body
+
+    lazy = run(monkeypatch, True, level, train(ask=False))
+    asked = run(monkeypatch, True, level, train(ask=True))
+    assert seen == [None] * 3  # no fp32 master grad between the exit and the step
+    assert_same(lazy, asked)
+
+
+@pytest.mark.parametrize("level", ["O2", "O5"])
+def test_clipping_master_params_sees_todays_master_grads(
+    kernels_on_cpu: ModuleType, monkeypatch: pytest.MonkeyPatch, level: str
+) -> None:
+    def body(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor | None]:
+        _backward(model, opt, level, 0)
+        norm = torch.nn.utils.clip_grad_norm_(amp.master_params(opt), 0.01)
+        return [norm, *_master_grads(opt)]
+
+    assert_same(run(monkeypatch, True, level, body), run(monkeypatch, False, level, body))
+
+
+def test_a_step_hook_sees_todays_master_grads(kernels_on_cpu: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    def body(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor | None]:
+        seen: list[torch.Tensor | None] = []
+
+        def hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            seen.extend(_bits(_master_grads(optimizer)))
+
+        _backward(model, opt, "O2", 0)  # no hook yet: the exit leaves the master grads to the kernels
+        handle = opt.register_step_pre_hook(hook)
+        try:
+            opt.step()
+        finally:
+            handle.remove()
+        return seen
+
+    hooked = run(monkeypatch, True, "O2", body)
+    assert hooked and all(g is not None for g in hooked)
+    assert_same(hooked, run(monkeypatch, False, "O2", body))
+
+
+@pytest.mark.parametrize("set_to_none", [False, True])
+def test_zero_grad_between_exit_and_step_does_what_it_does_today(
+    kernels_on_cpu: ModuleType, monkeypatch: pytest.MonkeyPatch, set_to_none: bool
+) -> None:
+    """Kept grads are zeroed (and Adam steps on zeros); dropped ones leave nothing to step on."""
+
+    def body(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor | None]:
+        _backward(model, opt, "O2", 0)
+        opt.zero_grad(set_to_none=set_to_none)
+        grads = _bits(_master_grads(opt))
+        opt.step()
+        return [*grads, *model.parameters()]
+
+    zeroed = run(monkeypatch, True, "O2", body)
+    assert_same(zeroed, run(monkeypatch, False, "O2", body))
+
+
+def test_two_backwards_before_a_step_accumulate_todays_master_grads(
+    kernels_on_cpu: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def body(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor | None]:
+        _backward(model, opt, "O2", 0)
+        _backward(model, opt, "O2", 1)
+        return [p.grad for p in amp.master_params(opt)]
+
+    assert_same(run(monkeypatch, True, "O2", body), run(monkeypatch, False, "O2", body))
+
+
+def test_closing_between_exit_and_step_hands_back_todays_grads(
+    kernels_on_cpu: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The model's own grads become the unscaled master grads, as without the kernels."""
+    grads: dict[bool, list[torch.Tensor | None]] = {}
+    for kernels in (True, False):
+        monkeypatch.setattr(kernel_step, "TRITON_ON_CPU", kernels)
+        model = _model()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
+        _backward(model, opt, "O2", 0)
+        amp.deinitialize()
+        grads[kernels] = _bits([p.grad for p in model.parameters()])
+    assert_same(grads[True], grads[False])

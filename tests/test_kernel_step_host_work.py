@@ -1,0 +1,116 @@
+"""The host work of amp's kernel master step (O2/O5 on CUDA), pinned without a clock: the aten ops one
+``optimizer.step()`` runs through the kernel path do not grow with the number of parameter tensors.
+
+The path is taken for CPU tensors (``kernels_on_cpu``) with every Triton launch a no-op, so what runs is exactly
+the host side of a CUDA step (benchmarks/kernel_step_host.py times it). Ops are counted by torch's profiler, which
+also sees the ops an op runs inside itself: a foreach op over 0-d CPU step counts (one dispatch seen by a
+``TorchDispatchMode``) runs one ``add_`` per tensor, and ``stack`` one ``unsqueeze`` per tensor. Python calls per
+tensor are bounded against torch's own ``AdamW(fused=True)`` step, which has per-tensor Python too."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from types import FrameType, ModuleType
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.profiler import ProfilerActivity, profile
+
+from ampinit import amp
+
+pytest.importorskip("triton", reason="triton is not installed (pip install triton); the kernel path needs it")
+
+#: Python calls per parameter tensor of the kernel step over torch's fused AdamW's (measured 29-33 against 11 on
+#: torch 2.13: the plan's checks, the pointer tables' keys, the state's lookups).
+CALLS_PER_TENSOR_OVER_TORCH = 3.0
+
+
+class _NoLaunch:
+    """Stands in for a ``triton.jit`` kernel: ``kernel[grid](...)`` is accepted and does nothing."""
+
+    def __getitem__(self, grid: object) -> Callable[..., None]:
+        return lambda *args, **kwargs: None
+
+
+@pytest.fixture
+def no_launches(kernels_on_cpu: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kernels_on_cpu, "_adam_kernel", _NoLaunch())
+    monkeypatch.setattr(kernels_on_cpu, "_sgd_kernel", _NoLaunch())
+
+
+def _calls(step: Callable[[], None]) -> int:
+    count = 0
+
+    def tracer(frame: FrameType, event: str, arg: Any) -> None:
+        nonlocal count
+        count += event in ("call", "c_call")
+
+    sys.setprofile(tracer)
+    try:
+        step()
+    finally:
+        sys.setprofile(None)
+    return count
+
+
+def _aten_ops(step: Callable[[], None]) -> int:
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    return sum(event.name.startswith("aten::") for event in prof.events())
+
+
+def amp_step(level: str, tensors: int, measure: Callable[[Callable[[], None]], int], make_opt: Any) -> int:
+    """``measure`` of the third ``optimizer.step()`` of an O2/O5 session over ``tensors`` half parameters."""
+    gen = torch.Generator().manual_seed(0)
+    params = nn.ParameterList([nn.Parameter(torch.randn(16, generator=gen)) for _ in range(tensors)])
+    opt = make_opt(params.parameters())
+    amp.initialize(params, opt, opt_level=level, verbosity=0, loss_scale=1.0)  # type: ignore[arg-type]
+    session = amp.current_session()
+    assert session is not None
+    anchor = torch.zeros((), requires_grad=True)
+    try:
+        for step in range(3):
+            with session.scale_loss(anchor * 1.0, opt) as scaled:
+                scaled.backward()
+                for p in params:
+                    p.grad = torch.full_like(p, 0.01)
+            if step < 2:
+                opt.step()
+        return measure(opt.step)
+    finally:
+        session.close()
+
+
+OPTIMIZERS = {
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+    "adamw-fused": lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True),
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+}
+
+
+@pytest.mark.usefixtures("no_launches")
+@pytest.mark.parametrize("level", ["O2", "O5"])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_the_kernel_step_runs_the_same_aten_ops_for_any_number_of_tensors(level: str, name: str) -> None:
+    few, many = (amp_step(level, n, _aten_ops, OPTIMIZERS[name]) for n in (8, 32))
+    assert few == many
+
+
+@pytest.mark.usefixtures("no_launches")
+def test_the_kernel_steps_python_per_tensor_stays_within_a_factor_of_torchs() -> None:
+    def torch_calls(tensors: int) -> int:
+        gen = torch.Generator().manual_seed(0)
+        params = [torch.randn(16, generator=gen).requires_grad_() for _ in range(tensors)]
+        for p in params:
+            p.grad = torch.full_like(p, 0.01)
+        opt = torch.optim.AdamW(params, lr=1e-3, fused=True)
+        opt.step()
+        return _calls(opt.step)
+
+    make = OPTIMIZERS["adamw"]
+    ours = (amp_step("O5", 32, _calls, make) - amp_step("O5", 8, _calls, make)) / 24
+    theirs = (torch_calls(32) - torch_calls(8)) / 24
+    assert ours <= CALLS_PER_TENSOR_OVER_TORCH * theirs, (ours, theirs)
