@@ -56,6 +56,7 @@ def initialize(
     sync_free: bool = False,
     skip_nonfinite: bool = True,
     allow_half_model: bool = False,
+    stuck_weights_every: int | None = None,
     optimizer_state: OptimizerStateName = "fp32",
 ) -> _Models: ...
 
@@ -83,6 +84,7 @@ def initialize(
     sync_free: bool = False,
     skip_nonfinite: bool = True,
     allow_half_model: bool = False,
+    stuck_weights_every: int | None = None,
     optimizer_state: OptimizerStateName = "fp32",
 ) -> tuple[_Models, _Optimizers]: ...
 
@@ -109,6 +111,7 @@ def initialize(
     sync_free: bool = False,
     skip_nonfinite: bool = True,
     allow_half_model: bool = False,
+    stuck_weights_every: int | None = None,
     optimizer_state: str = "fp32",
 ) -> Any:
     """Prepare models and optimizers for mixed-precision training at ``opt_level``.
@@ -152,6 +155,11 @@ def initialize(
             ``_amp_state.allow_incoming_model_not_fp32``). By default an fp16 model is refused, as in Apex,
             because it usually means ``.half()`` was called by mistake before ``initialize``; bf16 and fp32
             weights are always accepted.
+        stuck_weights_every: ``N`` measures, at every N-th ``step()`` of each optimizer, the fraction of each
+            parameter tensor's elements whose nonzero update left the weight's bits unchanged (rounded away in
+            its dtype): ``amp.stats().stuck_weights``, and a log line naming the tensors at 50% or more. Measuring
+            steps snapshot the weights and masters and read the counts once; other steps pay nothing. ``None``
+            (default): off.
         optimizer_state: how the moments of Adam/AdamW (``exp_avg``, ``exp_avg_sq``) and SGD's momentum are
             stored between steps: ``"fp32"`` (torch's), ``"bf16"`` (stochastically rounded) or ``"8bit"``
             (block-wise quantized). Not fp32 needs master weights (O2/O5, or a ``master_weights`` setting).
@@ -182,6 +190,7 @@ def initialize(
         sync_free=sync_free,
         skip_nonfinite=skip_nonfinite,
         allow_half_model=allow_half_model,
+        stuck_weights_every=stuck_weights_every,
         optimizer_state=optimizer_state,
     )
     model_list, models_were_list = _as_list(
@@ -412,7 +421,8 @@ def deinitialize() -> None:
 
 
 def stats() -> AmpStats:
-    """Counters of the current session: steps, skipped steps, the last step's fate, scales per loss."""
+    """Counters of the current session: steps, skipped steps, the last step's fate, scales per loss, and the last
+    stuck-weight measurement (``initialize(stuck_weights_every=N)``)."""
     return _require_session("amp.stats()").stats()
 
 

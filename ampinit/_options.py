@@ -36,6 +36,8 @@ class AmpOptions:
             ``min_loss_scale``/``max_loss_scale`` already folded into the :class:`DynamicLossScale`.
         num_losses, verbosity, cast_model_outputs, cast_policy, allow_banned, sync_free, skip_nonfinite,
             allow_half_model, optimizer_state: as given to ``initialize``.
+        stuck_weights_every: measure stuck weights at every N-th step of each optimizer (``ampinit._stuck``);
+            None: never.
     """
 
     properties: Properties
@@ -48,6 +50,7 @@ class AmpOptions:
     sync_free: bool
     skip_nonfinite: bool
     allow_half_model: bool
+    stuck_weights_every: int | None = None
     optimizer_state: OptimizerStateName = "fp32"
 
     @property
@@ -75,6 +78,7 @@ def resolve_options(
     sync_free: object,
     skip_nonfinite: object,
     allow_half_model: object,
+    stuck_weights_every: object,
     optimizer_state: object,
 ) -> AmpOptions:
     """Check every option once and resolve the level's properties; the first bad value raises."""
@@ -99,6 +103,7 @@ def resolve_options(
         sync_free=_flag("sync_free", sync_free),
         skip_nonfinite=_flag("skip_nonfinite", skip_nonfinite),
         allow_half_model=_flag("allow_half_model", allow_half_model),
+        stuck_weights_every=_interval("stuck_weights_every", stuck_weights_every),
         optimizer_state=_optimizer_state(optimizer_state, properties),
     )
     if options.sync_free and isinstance(options.loss_scale, DynamicLossScale) and options.loss_scale.raise_at_min:
@@ -133,6 +138,16 @@ def _optimizer_state(value: object, properties: Properties) -> OptimizerStateNam
 def _count(name: str, value: object, *, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def _interval(name: str, value: object) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int >= 1 (every N-th step) or None (off), got {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be an int >= 1 (every N-th step) or None (off), got {value!r}")
     return value
 
 

@@ -30,6 +30,7 @@ from ampinit._optimizer_record import OptimizerRecord, Stage, StepCounts
 from ampinit._options import AmpOptions
 from ampinit._overflow import OverflowDecisions
 from ampinit._scaler import LossScaler, load_state_dict_into, state_dict_of
+from ampinit._stuck import StuckReport, StuckWeights
 from ampinit._types import Optimizers
 from ampinit._undo import UndoStack
 
@@ -49,6 +50,8 @@ class AmpStats:
         last_step_skipped: whether the most recent ``optimizer.step()`` call was skipped.
         loss_scales: the current scale of each loss scaler (``loss_id`` order).
         unskipped: clean unscale steps since each scaler's scale last changed (Apex's ``_unskipped``).
+        stuck_weights: the last stuck-weight measurement (``initialize(stuck_weights_every=N)``; see
+            :class:`ampinit._stuck.StuckReport`), or None: the report is off, or no step has been measured yet.
     """
 
     steps: int
@@ -56,6 +59,7 @@ class AmpStats:
     last_step_skipped: bool
     loss_scales: tuple[float, ...]
     unskipped: tuple[int, ...]
+    stuck_weights: StuckReport | None = None
 
 
 class AmpSession:
@@ -83,6 +87,8 @@ class AmpSession:
         self._undo = UndoStack()
         self._overflow = OverflowDecisions(options)
         self._counts = StepCounts()
+        every = options.stuck_weights_every
+        self._stuck = StuckWeights(every, self.models) if every is not None and self.enabled else None
         if self.enabled:
             props = self.properties
             masters = _master_format(props.master_weights)
@@ -270,10 +276,14 @@ class AmpSession:
         record.check_step()
         self._overflow.before_step(record, self.verbosity)
         skip, flag = record.take_skip(args, kwargs)
+        measured = None if self._stuck is None else self._stuck.before_step(record, skip, self.master_for)
         with self.disable_casts():
             result = record.step(original, skip, flag, args, kwargs)
         self.clear_cast_cache()
         self._counts.count(record, skip, flag)
+        if measured is not None:
+            assert self._stuck is not None
+            self._stuck.after_step(record, measured, flag, self._counts.steps, self.master_for, self.verbosity)
         return result
 
     # -- casts ------------------------------------------------------------------------------------------------
@@ -351,6 +361,7 @@ class AmpSession:
             last_step_skipped=self.step_was_skipped(),
             loss_scales=tuple(s.loss_scale() for s in self.scalers),
             unskipped=tuple(s.unskipped() for s in self.scalers),
+            stuck_weights=None if self._stuck is None else self._stuck.last,
         )
 
     def state_dict(self, destination: dict[str, Any] | None = None) -> dict[str, Any]:
