@@ -172,14 +172,15 @@ class OptimizerRecord:
         result, in_kernels = None, False
         if not skip:
             in_kernels = _closure(args, kwargs) is None and self.grads.step_in_amp_kernels(original, flag)
-            if not in_kernels:
-                step_flag = flag
-                if flag is not None and not _skip.skips_on_device(self.optimizer):
-                    # The flag was left for amp's kernels, which declined this step, and the optimizer cannot take
-                    # it: read it now (the one sync the kernels would have saved); the device count keeps ``flag``.
-                    skip, step_flag = bool(flag.item()), None
-                if not skip:
-                    result = _skip.run_step(self.optimizer, original, step_flag, args, kwargs)
+            step_flag = flag
+            if not in_kernels and flag is not None and not _skip.skips_on_device(self.optimizer):
+                # The flag was left for amp's kernels, which declined a step that may be skipped (a first momentum
+                # step), and the optimizer cannot take it: read it now (the one sync the kernels would have saved;
+                # the device count keeps ``flag``), and the kernels may take the step decided on the host.
+                skip, step_flag = bool(flag.item()), None
+                in_kernels = not skip and self.grads.step_in_amp_kernels(original, None)
+            if not in_kernels and not skip:
+                result = _skip.run_step(self.optimizer, original, step_flag, args, kwargs)
         self.grads.after_step(stepped=not skip, weights_written=in_kernels)
         self.stage = Stage.READY
         self.last_skipped = skip if flag is None else flag

@@ -8,6 +8,7 @@ proves the zero."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -16,6 +17,7 @@ from torch import nn
 
 from ampinit import amp
 from ampinit._types import OptLevel
+from tests import _triton
 from tests._amp_loop import plant_inf_in_fc1
 from tests._device import HostSyncCounter, on_device, requires_cuda
 from tests.conftest import SmallNet, make_problem
@@ -82,13 +84,22 @@ def test_the_counter_takes_the_cpu_for_a_device_when_told() -> None:
 
 
 @pytest.fixture
-def cuda_path(pretend_gpu: None, request: pytest.FixtureRequest) -> bool:
+def cuda_path(pretend_gpu: None, monkeypatch: pytest.MonkeyPatch) -> Iterator[bool]:
     """On CPU, the step's CUDA path (a GPU machine as code sees it, amp's Triton kernels interpreted), counted
-    with the CPU taken for the device; on CUDA, the real one. Whether the CPU stands for the device."""
+    with the CPU taken for the device; on CUDA, the real one. Whether the CPU stands for the device.
+
+    The interpreted kernels are built for this test alone (conftest's ``kernels_on_cpu`` rests on a module-scoped
+    fixture, which a function-scoped fixture asking for it would leave standing past this test's leak check)."""
     on_cpu = on_device(torch.zeros(())).device.type == "cpu"
-    if on_cpu:
-        request.getfixturevalue("kernels_on_cpu")
-    return on_cpu
+    if not on_cpu:
+        yield False
+        return
+    pytest.importorskip("triton", reason="triton is not installed (pip install triton); the kernels need it")
+    from ampinit._masters import kernel_step
+
+    monkeypatch.setattr(kernel_step, "TRITON_ON_CPU", True)
+    with _triton.interpreted_kernels():
+        yield True
 
 
 def syncs_per_step(

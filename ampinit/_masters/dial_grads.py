@@ -210,6 +210,8 @@ class StateStore:
 
     # -- state_dict -------------------------------------------------------------------------------------------
     def _add_dial(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+        if self.dial.exact:
+            return state_dict  # torch's own layout, as before the dial: nothing is rounded, no seed to keep
         state_dict[DIAL_KEY] = {"master_weights": self.dial.masters, "optimizer_state": self.dial.state}
         state_dict[DIAL_KEY]["seed"] = self.seed
         return state_dict
@@ -409,8 +411,9 @@ class _DialStep(abc.ABC):
         found_inf: torch.Tensor | None,
     ) -> None:
         counts = [self._sr_step(self.optimizer.state[p], p) for p in params]
-        more = 1 if found_inf is None else (found_inf.reshape(()) == 0).to(torch.int64)
-        torch._foreach_add_(counts, [more] * len(counts) if isinstance(more, torch.Tensor) else more)
+        device = params[0].device
+        more = torch.ones((), dtype=torch.int64, device=device) if found_inf is None else found_inf.reshape(()) == 0
+        _torch_kernels.add_(counts, [more.to(torch.int64)] * len(counts))
         steps = torch.stack(counts)
         masters = masters_of(self._keys(steps, params, positions, 0))
         settings = SgdSettings.of(group)
