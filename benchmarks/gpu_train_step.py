@@ -114,6 +114,10 @@ AMP_SPECS: dict[str, AmpSpec] = {
     "O5 AdamW fused": AmpSpec("O5", "fused"),
     "O5 FusedAdam": AmpSpec("O5", "FusedAdam"),
     "O5 remainder": AmpSpec("O5", options=(("master_weights", "remainder"),)),
+    # Issue 26's precision dial: each setting's step within 5% of O5's (fused AdamW, the same one-pass kernels).
+    "O5 remainder + 8bit": AmpSpec("O5", options=(("master_weights", "remainder"), ("optimizer_state", "8bit"))),
+    "O5 remainder8 + 8bit": AmpSpec("O5", options=(("master_weights", "remainder8"), ("optimizer_state", "8bit"))),
+    "O5 stochastic + 8bit": AmpSpec("O5", options=(("master_weights", "stochastic"), ("optimizer_state", "8bit"))),
     "O1 sync_free": AmpSpec("O1", options=(("sync_free", True),)),
     "O2 sync_free": AmpSpec("O2", options=(("sync_free", True),)),
 }
@@ -154,6 +158,7 @@ class Target:
 
 O2_VARIANTS = ("O2 AdamW foreach", "O2 AdamW fused", "O2 FusedAdam")
 O5_VARIANTS = ("O5 AdamW foreach", "O5 AdamW fused", "O5 FusedAdam")
+DIAL_VARIANTS = ("O5 remainder + 8bit", "O5 remainder8 + 8bit", "O5 stochastic + 8bit")
 TARGETS: tuple[Target, ...] = (
     *(Target("speed", name, AUTOCAST_BF16, 1.08) for name in O5_VARIANTS),
     Target("speed", "O5 remainder", AUTOCAST_BF16, 1.05),
@@ -167,6 +172,7 @@ TARGETS: tuple[Target, ...] = (
     Target("memory", "O5 remainder", PURE_BF16, 2.0),
     *(Target("syncs", name, None, 0.0) for name in ("O4", *O5_VARIANTS, *SYNC_ONLY)),
     *(Target("syncs", name, None, 1.0) for name in ("O1", "O2 AdamW fused")),
+    *(Target("time", name, "O5 AdamW fused", 1.05) for name in DIAL_VARIANTS),
     Target("master step", "O2", PLAIN_ADAMW, 1.10),
     Target("master step", "O5", PLAIN_ADAMW, 1.10),
 )

@@ -24,6 +24,7 @@ from typing import Any
 # not need torch to say so.
 _O2 = ("O2 AdamW foreach", "O2 AdamW fused", "O2 FusedAdam")
 _O5 = ("O5 AdamW foreach", "O5 AdamW fused", "O5 FusedAdam")
+_DIAL = ("O5 remainder + 8bit", "O5 remainder8 + 8bit", "O5 stochastic + 8bit")
 _BF16, _FP16 = "native autocast bf16", "native autocast fp16 + GradScaler"
 TARGET_NAMES = (
     *(f"{name} speed >= 1.08x {_BF16}" for name in _O5),
@@ -38,6 +39,7 @@ TARGET_NAMES = (
     "O5 remainder peak memory <= pure bf16 + 2 B/param",
     *(f"{name} host syncs per step <= 0" for name in ("O4", *_O5, "O1 sync_free", "O2 sync_free")),
     *(f"{name} host syncs per step <= 1" for name in ("O1", "O2 AdamW fused")),
+    *(f"{name} time <= 1.05x O5 AdamW fused" for name in _DIAL),
     "O2 master step <= 1.1x plain fused AdamW (fp32)",
     "O5 master step <= 1.1x plain fused AdamW (fp32)",
 )
