@@ -34,6 +34,7 @@ from torch import nn
 
 import ampinit
 from ampinit import amp
+from benchmarks.gpu_train_step import Block, GPTShape
 
 DEFAULT_JSON = Path("benchmarks/results/precision_quality.json")
 REFERENCE = "O5 fp32 masters"
@@ -66,25 +67,6 @@ class Shape:
     batch: int = 8
 
 
-class Block(nn.Module):
-    def __init__(self, shape: Shape) -> None:
-        super().__init__()
-        self.heads = shape.heads
-        self.ln1 = nn.LayerNorm(shape.d_model)
-        self.qkv = nn.Linear(shape.d_model, 3 * shape.d_model)
-        self.proj = nn.Linear(shape.d_model, shape.d_model)
-        self.ln2 = nn.LayerNorm(shape.d_model)
-        self.fc = nn.Linear(shape.d_model, 4 * shape.d_model)
-        self.out = nn.Linear(4 * shape.d_model, shape.d_model)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
-
-
 class CharDecoder(nn.Module):
     """A pre-LayerNorm GPT over bytes: learned positions, an untied 256-way head."""
 
@@ -92,7 +74,9 @@ class CharDecoder(nn.Module):
         super().__init__()
         self.tok = nn.Embedding(256, shape.d_model)
         self.pos = nn.Embedding(shape.context, shape.d_model)
-        self.blocks = nn.ModuleList(Block(shape) for _ in range(shape.layers))
+        # The GPU benchmark's transformer block (tanh GELU), at this width.
+        block_shape = GPTShape(layers=1, d_model=shape.d_model, heads=shape.heads, seq=shape.context, vocab=256)
+        self.blocks = nn.ModuleList(Block(block_shape) for _ in range(shape.layers))
         self.ln = nn.LayerNorm(shape.d_model)
         self.head = nn.Linear(shape.d_model, 256)
         for module in self.modules():
