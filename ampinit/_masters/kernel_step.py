@@ -353,7 +353,7 @@ def adam_inputs(
         exp_avgs, exp_avg_sqs, steps = cast(KernelAdamState, own).kernel_adam_state(group, params)
     else:
         states = [adam_state(opt, group, p) for p in params]
-        steps = packed_steps(states)
+        steps = packed_steps(states, params[0].device)
         steps.add_(1.0)
         if found_inf is not None:
             steps.sub_(found_inf.reshape(()))
@@ -363,7 +363,7 @@ def adam_inputs(
     return exp_avgs, exp_avg_sqs, scalars.to(params[0].device), settings
 
 
-def packed_steps(states: list[dict[str, Any]]) -> torch.Tensor:
+def packed_steps(states: list[dict[str, Any]], device: torch.device) -> torch.Tensor:
     """The ``step`` counts of ``states`` as one 1-D tensor whose elements the states' ``step`` entries are views of.
 
     torch keeps a 0-d step count per parameter; advancing 150 of them one by one, and stacking them to compute the
@@ -371,12 +371,23 @@ def packed_steps(states: list[dict[str, Any]]) -> torch.Tensor:
     keep torch's layout (each entry a 0-d tensor of its dtype and device, in ``state_dict`` and checkpoints) and
     make both one op. Entries that are not views of one tensor in this order (a first step, a loaded
     ``state_dict``, another set of parameters with grads) are packed again, values kept.
+
+    The packed counts live on ``device`` (the parameters'), also where torch keeps them on the host (a foreach or
+    single-tensor group): the bias corrections are then computed where the kernels read them, with no copy from
+    the host per step, and a device overflow flag can hold a count back. torch's own Adam takes counts on the
+    device in any mode (``state_dict`` keeps them there; loading keeps a count where it was saved).
     """
     views = [state["step"] for state in states]
     base: torch.Tensor | None = views[0]._base
-    if base is not None and base.dim() == 1 and base.numel() == len(views) and _views_in_order(views, base):
+    if (
+        base is not None
+        and base.device == device
+        and base.dim() == 1
+        and base.numel() == len(views)
+        and _views_in_order(views, base)
+    ):
         return base
-    packed = torch.stack([view.reshape(()) for view in views])
+    packed = torch.stack([view.reshape(()).to(device) for view in views])
     for state, view in zip(states, packed.unbind()):
         state["step"] = view
     return packed
