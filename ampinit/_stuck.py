@@ -46,7 +46,8 @@ class StuckReport:
 
     Attributes:
         step: the session's step count (``AmpStats.steps``) at the step measured.
-        fractions: parameter name (from the models' ``named_parameters()``) -> the fraction of its elements whose
+        fractions: parameter name (from the models' ``named_parameters()``; with several models, prefixed by the
+            model's position in ``initialize``'s list: ``"1.fc.weight"``) -> the fraction of its elements whose
             nonzero update left the weight's bits unchanged at that step. With several optimizers, each tensor's
             value is from its own optimizer's latest measurement.
     """
@@ -88,7 +89,13 @@ class StuckWeights:
         self._calls[id(record)] = calls
         if skip or calls % self.every:
             return None
-        names = {id(p): name for model in self._models for name, p in model.named_parameters()}
+        # With several models their names can repeat (a GAN's two halves): prefixed by the model's position.
+        several = len(self._models) > 1
+        names = {
+            id(p): f"{k}.{name}" if several else name
+            for k, model in enumerate(self._models)
+            for name, p in model.named_parameters()
+        }
         model_of = {id(master): param for param, master in record.grads.pairs()}
         entries = []
         with torch.no_grad():

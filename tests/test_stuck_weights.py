@@ -86,6 +86,28 @@ def test_a_planted_stuck_tensor_is_flagged_and_healthy_ones_are_not(master_weigh
         amp.deinitialize()
 
 
+def test_the_parameters_of_several_models_are_told_apart_by_position() -> None:
+    """Two models whose parameter names repeat (both ``nn.Sequential``): the planted tensor of the first is
+    reported under ``0.``, the same name in the healthy second under ``1.``; neither hides the other."""
+    planted, opt_planted, x, y = _problem()
+    healthy, opt_healthy, _, _ = _problem()
+    for group in opt_healthy.param_groups:
+        group["lr"] = 0.01
+    models, opts = amp.initialize(
+        [planted, healthy], [opt_planted, opt_healthy], opt_level="O5", stuck_weights_every=1, verbosity=0
+    )
+    try:
+        for model, opt in zip(models, opts):
+            _step(model, opt, x, y)
+        report = amp.stats().stuck_weights
+        assert report is not None
+        assert set(report.fractions) == {f"{k}.{name}" for k in (0, 1) for name, _ in planted.named_parameters()}
+        assert report.fractions["0." + PLANTED] >= 0.95
+        assert report.fractions["1." + PLANTED] < 0.01
+    finally:
+        amp.deinitialize()
+
+
 def test_a_master_that_is_the_widened_weight_counts_as_none(monkeypatch: pytest.MonkeyPatch) -> None:
     """A setting that keeps no master beside the weight (stochastic rounding into the bf16 weight) may still answer
     ``master_for`` with the weight widened; it changes exactly when the weight does, so it cannot tell an update
