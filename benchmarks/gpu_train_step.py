@@ -211,16 +211,18 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """GPT-2's layout (pre-LayerNorm blocks, learned positions, tied embedding and head)."""
+    """GPT-2's layout (pre-LayerNorm blocks, learned positions, tied embedding and head; ``tied=False``: a head of
+    its own, with a bias, as benchmarks/precision_quality.py's byte-level decoder has)."""
 
-    def __init__(self, shape: GPTShape) -> None:
+    def __init__(self, shape: GPTShape, tied: bool = True) -> None:
         super().__init__()
         self.tok = nn.Embedding(shape.vocab, shape.d_model)
         self.pos = nn.Embedding(shape.seq, shape.d_model)
         self.blocks = nn.ModuleList(Block(shape) for _ in range(shape.layers))
         self.ln = nn.LayerNorm(shape.d_model)
-        self.head = nn.Linear(shape.d_model, shape.vocab, bias=False)
-        self.head.weight = self.tok.weight
+        self.head = nn.Linear(shape.d_model, shape.vocab, bias=not tied)
+        if tied:
+            self.head.weight = self.tok.weight
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, std=0.02)

@@ -1,6 +1,6 @@
 """Persistent optimizer-side memory of the precision dial (issue 26): bytes per parameter, measured per setting.
 
-A decoder of >= 10M parameters (``precision_quality.CharDecoder``, wider) takes a few AdamW steps in every setting;
+A decoder of >= 10M parameters (``precision_quality.char_decoder``, wider) takes a few AdamW steps in every setting;
 then every tensor reachable from the model's parameters, their grads, the optimizer (its state and param groups)
 and the amp session (its records: masters, remainders, master-grad buffers, compressed state, whatever a setting
 keeps) is counted once per storage (by device and data pointer), in bytes of its whole storage. Model buffers
@@ -29,7 +29,7 @@ from torch import nn
 
 import ampinit
 from ampinit import amp
-from benchmarks.precision_quality import CharDecoder, Shape, lm_loss, machine, threads
+from benchmarks.precision_quality import Shape, char_decoder, lm_loss, machine, threads
 
 DEFAULT_JSON = Path("benchmarks/results/precision_memory.json")
 NATIVE = "native autocast + AdamW"
@@ -151,7 +151,7 @@ def measure(setting: Setting, initial: nn.Module, shape: Shape, steps: int, devi
 
 def run(settings: Sequence[Setting], shape: Shape, steps: int, device: torch.device) -> dict[str, dict[str, Any]]:
     torch.manual_seed(0)
-    initial = CharDecoder(shape)
+    initial = char_decoder(shape)
     rows: dict[str, dict[str, Any]] = {}
     for setting in settings:
         try:

@@ -29,12 +29,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import ampinit
 from ampinit import amp
-from benchmarks.gpu_train_step import Block, GPTShape
+from benchmarks.gpu_train_step import GPT, GPTShape, lm_loss
 
 DEFAULT_JSON = Path("benchmarks/results/precision_quality.json")
 REFERENCE = "O5 fp32 masters"
@@ -67,31 +66,13 @@ class Shape:
     batch: int = 8
 
 
-class CharDecoder(nn.Module):
-    """A pre-LayerNorm GPT over bytes: learned positions, an untied 256-way head."""
-
-    def __init__(self, shape: Shape) -> None:
-        super().__init__()
-        self.tok = nn.Embedding(256, shape.d_model)
-        self.pos = nn.Embedding(shape.context, shape.d_model)
-        # The GPU benchmark's transformer block (tanh GELU), at this width.
-        block_shape = GPTShape(layers=1, d_model=shape.d_model, heads=shape.heads, seq=shape.context, vocab=256)
-        self.blocks = nn.ModuleList(Block(block_shape) for _ in range(shape.layers))
-        self.ln = nn.LayerNorm(shape.d_model)
-        self.head = nn.Linear(shape.d_model, 256)
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, std=0.02)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln(x))
-
-
-def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.float().flatten(0, 1), target.flatten())
+def char_decoder(shape: Shape) -> nn.Module:
+    """A pre-LayerNorm GPT over bytes: the GPU benchmark's GPT (tanh GELU blocks, learned positions) with an untied
+    256-way head."""
+    return GPT(
+        GPTShape(layers=shape.layers, d_model=shape.d_model, heads=shape.heads, seq=shape.context, vocab=256),
+        tied=False,
+    )
 
 
 # -- the settings ------------------------------------------------------------------------------------------------
@@ -190,7 +171,7 @@ def held_out_loss(model: nn.Module, held_out: torch.Tensor, config: Config, auto
 def run(settings: Sequence[Setting], config: Config) -> dict[str, dict[str, Any]]:
     data = corpus(config.max_files)
     torch.manual_seed(0)
-    initial = CharDecoder(config.shape)
+    initial = char_decoder(config.shape)
     rows: dict[str, dict[str, Any]] = {}
     for setting in settings:
         started = time.perf_counter()

@@ -1,6 +1,6 @@
 """Step-time cost of the stuck-weight report (``initialize(stuck_weights_every=N)``, issue 26 point 4).
 
-Three copies of the same decoder (``precision_quality.CharDecoder``) train at O5 in one process, one session each:
+Three copies of the same decoder (``precision_quality.char_decoder``) train at O5 in one process, one session each:
 one without the report, one measuring every ``--every`` steps, one measuring every step. They run in interleaved
 blocks of ``--every`` steps (so that every block of the reporting copy holds exactly one measuring step), in an
 order rotated each round; the figure is the median over rounds of (variant block time / plain block time), in the
@@ -27,7 +27,7 @@ import torch
 
 import ampinit
 from ampinit import amp
-from benchmarks.precision_quality import CharDecoder, Shape, lm_loss, machine, threads
+from benchmarks.precision_quality import Shape, char_decoder, lm_loss, machine, threads
 
 DEFAULT_JSON = Path("benchmarks/results/stuck_report.json")
 TARGET = 1.02
@@ -71,7 +71,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     with threads(1):
         shape = Shape(layers=1, d_model=32, heads=2, context=16, batch=4) if args.quick else Shape()
         torch.manual_seed(0)
-        initial = CharDecoder(shape)
+        initial = char_decoder(shape)
         trainers = {name: make_trainer(initial, shape, n) for name, n in variants(every).items()}
         env = machine()
         print(f"{env['cpu']}, torch {env['torch']}, 1 thread; {shape}; interval {every}, {rounds} rounds")
