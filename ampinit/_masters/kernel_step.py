@@ -191,10 +191,9 @@ def takes_half_grads(opt: torch.optim.Optimizer, update: Update | None, model_of
     A prediction for ``scale_loss``'s exit: a step that turns out otherwise (a wrapped ``step``, a hook added
     since) makes the master grads first (``OptimizerGrads.materialize_master_grads``).
     """
-    update = kernel_update(opt, update)
-    if not _takes_kernels(opt, update) or _hooked(opt):
+    if not takes_device_flag(opt, update):
         return False
-    return _plan(opt, update, model_of, None, half_grads=True) is not None
+    return _plan(opt, kernel_update(opt, update), model_of, None, half_grads=True) is not None
 
 
 def step_fp32_masters(
