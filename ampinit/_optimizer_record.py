@@ -171,9 +171,14 @@ class OptimizerRecord:
         After a device-decided skip the masters are unchanged, so copying them back is harmless."""
         result, in_kernels = None, False
         if not skip:
-            in_kernels = _closure(args, kwargs) is None and self.grads.step_in_amp_kernels(original, flag)
+            takes_flag = flag is not None and _skip.skips_on_device(self.optimizer)
+            # Without masters amp's kernels only stand in for an optimizer that cannot take the device flag.
+            kernels_may = self.grads.master_weights or (flag is not None and not takes_flag)
+            in_kernels = (
+                kernels_may and _closure(args, kwargs) is None and self.grads.step_in_amp_kernels(original, flag)
+            )
             step_flag = flag
-            if not in_kernels and flag is not None and not _skip.skips_on_device(self.optimizer):
+            if not in_kernels and flag is not None and not takes_flag:
                 # The flag was left for amp's kernels, which declined a step that may be skipped (a first momentum
                 # step), and the optimizer cannot take it: read it now (the one sync the kernels would have saved;
                 # the device count keeps ``flag``), and the kernels may take the step decided on the host.

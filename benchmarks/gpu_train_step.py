@@ -11,7 +11,7 @@ steps AdamW with ``fused=True`` unless its name says otherwise):
 - ampinit O1-O5; O2 and O5 each with ``torch.optim.AdamW(params)`` (torch's default, foreach on CUDA), with
   ``fused=True`` and with ``ampinit.optimizers.FusedAdam``; O5 ``master_weights="remainder"``; O1 and O4 with
   the default cast lists and with Apex's (``apex.amp.initialize``, what ``ampinit run`` and the aliases give);
-- for the host-sync count only: O1 and O2 with ``sync_free=True``.
+- for the host-sync count only: O1 and O2 with ``sync_free=True``, and O4 with ``torch.optim.AdamW(params)``.
 
 Three passes in one process:
 
@@ -120,8 +120,10 @@ AMP_SPECS: dict[str, AmpSpec] = {
     "O5 stochastic + 8bit": AmpSpec("O5", options=(("master_weights", "stochastic"), ("optimizer_state", "8bit"))),
     "O1 sync_free": AmpSpec("O1", options=(("sync_free", True),)),
     "O2 sync_free": AmpSpec("O2", options=(("sync_free", True),)),
+    # torch's default AdamW cannot take the device flag: amp's kernels take its O4 step (docs/opt-levels.md).
+    "O4 AdamW foreach": AmpSpec("O4", "foreach"),
 }
-SYNC_ONLY = ("O1 sync_free", "O2 sync_free")
+SYNC_ONLY = ("O1 sync_free", "O2 sync_free", "O4 AdamW foreach")
 TIMED = NATIVE + tuple(name for name in AMP_SPECS if name not in SYNC_ONLY)
 VARIANTS = TIMED + SYNC_ONLY
 PROFILED = ("O5 AdamW fused", AUTOCAST_BF16)

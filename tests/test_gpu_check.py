@@ -212,6 +212,7 @@ def figures() -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
         "O4 Apex lists": {"ms_per_step": 118.8},
         "O1 sync_free": {"syncs_per_step": 0.0},
         "O2 sync_free": {"syncs_per_step": 0.0},
+        "O4 AdamW foreach": {"syncs_per_step": 0.0},
     }  # fmt: skip
     for name in (*bench.O2_VARIANTS, *bench.O5_VARIANTS):
         rows[name] = {"ms_per_step": 100.0, "peak_mib": 1000.0, "syncs_per_step": 0.0, "params": 2**20}
@@ -248,6 +249,7 @@ def test_verdicts_meet_figures_at_the_issue_bounds() -> None:
         ("O5 remainder", "peak_mib", 802.5, "O5 remainder peak memory <= pure bf16 + 2 B/param"),
         ("O5 AdamW foreach", "syncs_per_step", 1 / 3, "O5 AdamW foreach host syncs per step <= 0"),
         ("O2 sync_free", "syncs_per_step", 1 / 3, "O2 sync_free host syncs per step <= 0"),
+        ("O4 AdamW foreach", "syncs_per_step", 1.0, "O4 AdamW foreach host syncs per step <= 0"),
         ("O2 AdamW fused", "syncs_per_step", 4 / 3, "O2 AdamW fused host syncs per step <= 1"),
         ("O5 stochastic + 8bit", "ms_per_step", 105.1, "O5 stochastic + 8bit time <= 1.05x O5 AdamW fused"),
     ],

@@ -160,6 +160,24 @@ def test_masters_with_torchs_default_adamw_make_no_host_sync(
     assert syncs_per_step(level, cuda_path, fused=False, **options) == [[]] * STEPS
 
 
+WITHOUT_MASTERS: list[tuple[OptLevel, dict[str, Any]]] = [
+    ("O4", {}),
+    ("O0", {}),
+    ("O1", {"sync_free": True}),
+    ("O1", {"loss_scale": 128.0}),
+]
+
+
+@pytest.mark.parametrize(("level", "options"), WITHOUT_MASTERS, ids=[f"{lv}-{o}" for lv, o in WITHOUT_MASTERS])
+def test_levels_without_masters_with_torchs_default_adamw_make_no_host_sync(
+    level: OptLevel, options: dict[str, Any], cuda_path: bool
+) -> None:
+    """``torch.optim.AdamW(params)`` (foreach) at a level without masters whose skip is decided on the device:
+    amp's kernel step stands in for the optimizer, which cannot take the flag. Before, each step read the flag on
+    the host (one ``aten._local_scalar_dense`` per step), O4's default included."""
+    assert syncs_per_step(level, cuda_path, fused=False, **options) == [[]] * STEPS
+
+
 def test_a_step_the_kernels_decline_reads_the_flag_then(cuda_path: bool) -> None:
     """O5 with torch's default SGD(momentum): its first step, which may be skipped, is one the kernels decline
     (no momentum buffer yet), and the optimizer cannot take a device flag; the flag left for the kernels is read at
@@ -195,12 +213,20 @@ def test_a_dynamic_scale_reads_the_flag_once_per_step(level: OptLevel, cuda_path
 # the mode already switched on.
 @pytest.mark.filterwarnings("ignore:Synchronization debug mode is a prototype feature:UserWarning")
 @requires_cuda("torch.cuda.set_sync_debug_mode")
-@pytest.mark.parametrize(("level", "options"), DEVICE_DECIDED, ids=[f"{lv}-{o}" for lv, o in DEVICE_DECIDED])
-def test_steps_decided_on_the_device_never_synchronise_on_cuda(level: OptLevel, options: dict[str, Any]) -> None:
-    """CUDA's own verdict: any host sync in these steps (the overflowing one included) raises."""
+@pytest.mark.parametrize(
+    ("level", "options", "fused"),
+    [(lv, o, True) for lv, o in DEVICE_DECIDED] + [(lv, o, False) for lv, o in (*WITHOUT_MASTERS, ("O5", {}))],
+    ids=[f"{lv}-{o}-fused" for lv, o in DEVICE_DECIDED]
+    + [f"{lv}-{o}-foreach" for lv, o in (*WITHOUT_MASTERS, ("O5", {}))],
+)
+def test_steps_decided_on_the_device_never_synchronise_on_cuda(
+    level: OptLevel, options: dict[str, Any], fused: bool
+) -> None:
+    """CUDA's own verdict: any host sync in these steps (the overflowing one included) raises; with fused AdamW,
+    and with torch's default (foreach) AdamW, whose step amp's kernels take."""
     model: SmallNet
     model, x, y = (t.cuda() for t in make_problem())
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, **({"fused": True} if fused else {}))
     amp.initialize(model, opt, opt_level=level, verbosity=0, **options)
 
     def iteration(overflow: bool) -> None:

@@ -297,8 +297,9 @@ class OptimizerGrads:
 
     def skips_on_device(self) -> bool:
         """Whether the next step is meant for this class's kernel step, which takes a device overflow flag (so the
-        skip need not be read on the host; a step the kernels decline reads it then)."""
-        if not self.master_weights or type(self).step_in_amp_kernels is not OptimizerGrads.step_in_amp_kernels:
+        skip need not be read on the host; a step the kernels decline reads it then). Without masters the kernels
+        are meant only for a step given a flag (see :meth:`step_in_amp_kernels`)."""
+        if type(self).step_in_amp_kernels is not OptimizerGrads.step_in_amp_kernels:
             return False
         return kernel_step.takes_device_flag(self.optimizer, self.update)
 
@@ -366,9 +367,18 @@ class OptimizerGrads:
 
     def step_in_amp_kernels(self, original: Callable[..., Any], found_inf: torch.Tensor | None) -> bool:
         """Whether amp's kernels took the step: the masters updated and the half weights written, one launch per
-        list (see ``kernel_step``). False: nothing was done, and the optimizer's own ``step`` must run."""
+        list (see ``kernel_step``). False: nothing was done, and the optimizer's own ``step`` must run.
+
+        Without masters (O0/O1/O3/O4) the optimizer's own step runs, but for a step whose skip was decided on the
+        device (a static scale, ``sync_free=True``), which torch's foreach and for-loop optimizers cannot take: the
+        kernels take such a step of torch's Adam/AdamW/SGD on the fp32 parameters (in place, the grads as they
+        are), so that the flag is never read on the host. The caller hands the flag only to a step the optimizer
+        cannot skip by itself (``OptimizerRecord.step``): a fused optimizer keeps its own kernel.
+        """
         if not self.master_weights:
-            return False
+            if found_inf is None:
+                return False
+            return kernel_step.step_fp32_masters(self.optimizer, self.update, {}, original, found_inf)
         pending = self._pending
         inv_scale = None if pending is None else pending.inv_scale
         taken = kernel_step.step_fp32_masters(
