@@ -133,12 +133,12 @@ def compiled_modules() -> tuple[ModuleType, ModuleType]:
     return kernels_copy, dial_copy
 
 
-def _tensors(dtype: torch.dtype) -> list[torch.Tensor]:
-    return [torch.zeros(n, dtype=dtype) for n in SIZES]
-
-
 SIZES = (3, 2048)
 KEYS = torch.zeros(len(SIZES), dtype=torch.int64)
+
+
+def _tensors(dtype: torch.dtype) -> list[torch.Tensor]:
+    return [torch.zeros(n, dtype=dtype) for n in SIZES]
 
 
 def _masters(storage: str) -> Masters:
