@@ -117,17 +117,25 @@ def grads_of(step: int) -> list[torch.Tensor]:
     return [(torch.randn(n, generator=gen) * 64).to(torch.bfloat16) for n in SIZES]
 
 
-def step(module: ModuleType, name: str, state: State, n: int, found_inf: torch.Tensor | None = None) -> None:
+def step(
+    module: ModuleType,
+    name: str,
+    state: State,
+    n: int,
+    found_inf: torch.Tensor | None = None,
+    grads: list[torch.Tensor] | None = None,
+) -> None:
     settings = OPTIMIZERS[name]
+    grads = grads_of(n) if grads is None else [g.clone() for g in grads]
     masters, moments = state.view(n)
     inv_scale = torch.tensor([1 / 64])
     if isinstance(settings, ref.AdamSettings):
         steps = [torch.tensor(float(n))] * len(SIZES)
         scalars = ref.adam_step_scalars(steps, settings.beta1, settings.beta2, settings.lr)
-        module.adam_dial_(grads_of(n), masters, *moments, scalars, settings, inv_scale=inv_scale, found_inf=found_inf)
+        module.adam_dial_(grads, masters, *moments, scalars, settings, inv_scale=inv_scale, found_inf=found_inf)
     else:
         module.sgd_dial_(
-            grads_of(n), masters, moments[0], settings, first_step=n == 1, inv_scale=inv_scale, found_inf=found_inf
+            grads, masters, moments[0], settings, first_step=n == 1, inv_scale=inv_scale, found_inf=found_inf
         )
 
 
@@ -166,6 +174,20 @@ def test_a_raised_flag_writes_nothing(dial: ModuleType, name: str, kind: str, fm
     step(dial, name, state, 2, found_inf=torch.zeros(1))
     with pytest.raises(AssertionError):
         assert_same(state, before)
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+def test_a_nan_grad_makes_its_8bit_block_nan_as_the_reference_does(dial: ModuleType, name: str) -> None:
+    """Unflagged (bf16 without a loss scaler), a NaN grad reaches the moments: the reference's absmax (torch's
+    amax) is NaN for that block, where a NaN-dropping maximum would keep the NaN as a finite code."""
+    grads = grads_of(1)
+    grads[0][7] = float("nan")
+    ours = initial("remainder8", "8bit", 2 if name.startswith("adam") else 1)
+    theirs = ours.clone()
+    step(ref, name, theirs, 1, grads=grads)
+    step(dial, name, ours, 1, grads=grads)
+    assert theirs.absmax[0][0][0].isnan()
+    assert_same(ours, theirs)
 
 
 def test_one_launch_takes_one_moment_format(dial: ModuleType) -> None:

@@ -1,17 +1,30 @@
 """The Triton master-step kernels compiled for NVIDIA GPUs (sm_80, sm_90) on a machine without one.
 
-``test_master_kernels.py`` and ``test_remainder_masters.py`` check the kernels' arithmetic bit for bit on CPU,
-through Triton's interpreter. The interpreter compiles nothing, so a kernel it runs may still fail to build for
-a GPU, or build with different rounding. Triton's ahead-of-time compiler needs no GPU: it lowers a kernel to PTX
-and assembles it with the ``ptxas`` its wheel ships. Here every specialisation the launch code produces (the
-launches are captured from ``ampinit._masters.triton_kernels``'s own functions, not restated) is compiled for an A100
-(sm_80) and an H100 (sm_90), and its PTX is checked for what the bitwise agreement with the reference rests on:
+``test_master_kernels.py``, ``test_remainder_masters.py`` and ``test_dial_kernels.py`` check the kernels'
+arithmetic bit for bit on CPU, through Triton's interpreter. The interpreter compiles nothing, so a kernel it runs
+may still fail to build for a GPU, or build with different rounding. Triton's ahead-of-time compiler needs no GPU:
+it lowers a kernel to PTX and assembles it with the ``ptxas`` its wheel ships. Here every specialisation the launch
+code produces (the launches are captured from the public functions of ``ampinit._masters.triton_kernels`` and of
+the precision dial's ``triton_dial``, not restated) is compiled for an A100 (sm_80) and an H100 (sm_90), and its
+PTX is checked for what the bitwise agreement with the reference rests on. The rules cover the floating-point
+instructions (``float_ops``), each for a reason:
 
-- no fused multiply-add, and every fp32 add, subtract and multiply carries an explicit rounding mode (``.rn``):
-  the PTX ISA lets ``ptxas`` contract only the instructions without one into an FMA;
-- division and square root are the correctly rounded ``div.rn.f32``/``sqrt.rn.f32``, not approximations;
-- fp32 -> fp16 rounds to nearest even (``cvt.rn.f16.f32``); fp32 -> bf16 is the kernels' own integer rounding,
-  so no float conversion to bf16 appears at all.
+- ``fma``/``mad``: none; every fp32 ``add``/``sub``/``mul`` carries an explicit rounding mode (``.rn``): the PTX
+  ISA lets ``ptxas`` contract only the instructions without one into an FMA, and the reference rounds each product;
+- ``div``/``sqrt`` (and ``rcp``/``rsqrt``): the correctly rounded ``.rn`` forms, not approximations;
+- no ``.ftz`` on any of them: flushing subnormals to zero is not what torch does on CPU;
+- ``max``/``min`` on floats: the ``.NaN`` forms. The dial's 8-bit absmax is a maximum, the reference's is torch's
+  ``amax``, which returns NaN for a block that holds one (plain ``max.f32`` returns the other operand);
+- ``cvt`` fp32 -> fp16 rounds to nearest even (``.rn``); fp32 -> bf16 is the kernels' own integer rounding
+  (nearest even for the fp32 masters' half weights, stochastic for the dial's bf16 weights and moments), so no
+  float conversion to bf16 appears at all.
+
+What the dial adds beyond the fp32 arithmetic is integer and bit work: the random bits (``mix32``: ``xor``,
+``shr``, ``mul.lo``), stochastic rounding and the remainders (``add``/``shr.s32`` on the fp32 pattern read as
+int32), widening bf16 and 8-bit remainders back to fp32 (``shl``/bit casts: ``mov``), and the 8-bit code's search
+(float ``setp`` compares, ``selp``, table loads). No rounding mode exists for those: integer instructions and float
+comparisons are exact on every target, so what they give is fixed by their operand types, the same ones the
+interpreter runs with; they need no rule here and are checked bit for bit by the interpreter tests.
 
 The compiled code is not run: that needs a GPU (``scripts/gpu_check.sh``, docs/gpu.md).
 """
@@ -19,8 +32,9 @@ The compiled code is not run: that needs a GPU (``scripts/gpu_check.sh``, docs/g
 from __future__ import annotations
 
 import importlib.util
-import os
+import itertools
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -29,7 +43,8 @@ from typing import Any
 import pytest
 import torch
 
-from ampinit._masters.reference import AdamSettings, Masters, SgdSettings
+from ampinit._masters import precision
+from ampinit._masters.reference import AdamSettings, Masters, Moments, SgdSettings
 
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
 
@@ -92,28 +107,38 @@ class Recorder:
         return launch
 
 
+def _private_copy(module: ModuleType, name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, Path(str(module.__file__)))
+    assert spec is not None and spec.loader is not None
+    copy = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(copy)
+    return copy
+
+
 @pytest.fixture(scope="module")
-def compiled_module() -> ModuleType:
-    """A private copy of ``ampinit._masters.triton_kernels`` decorated for the compiler, whatever TRITON_INTERPRET says.
+def compiled_modules() -> tuple[ModuleType, ModuleType]:
+    """Private copies of ``ampinit._masters.triton_kernels`` and ``triton_dial`` decorated for the compiler, whatever
+    TRITON_INTERPRET says; the dial's copy takes its jit helpers from the kernels' copy, not from the package.
 
-    The interpreter tests reload the package's module with the interpreter on; a copy of our own leaves theirs be.
+    The interpreter tests reload the package's modules with the interpreter on; copies of our own leave theirs be.
     """
-    import ampinit._masters.triton_kernels as shared
+    import ampinit._masters.triton_dial as dial
+    import ampinit._masters.triton_kernels as kernels
 
-    previous = os.environ.pop("TRITON_INTERPRET", None)
-    try:
-        spec = importlib.util.spec_from_file_location("_ampinit_triton_master_compiled", Path(shared.__file__))
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        if previous is not None:
-            os.environ["TRITON_INTERPRET"] = previous
-    return module
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+        kernels_copy = _private_copy(kernels, "_ampinit_triton_master_compiled")
+        monkeypatch.setitem(sys.modules, kernels.__name__, kernels_copy)
+        dial_copy = _private_copy(dial, "_ampinit_triton_dial_compiled")
+    return kernels_copy, dial_copy
+
+
+SIZES = (3, 2048)
+KEYS = torch.zeros(len(SIZES), dtype=torch.int64)
 
 
 def _tensors(dtype: torch.dtype) -> list[torch.Tensor]:
-    return [torch.zeros(n, dtype=dtype) for n in (3, 2048)]
+    return [torch.zeros(n, dtype=dtype) for n in SIZES]
 
 
 def _masters(storage: str) -> Masters:
@@ -121,27 +146,47 @@ def _masters(storage: str) -> Masters:
         return Masters.fp32(_tensors(torch.float32))
     if storage == "remainder":
         return Masters.remainder(_tensors(torch.bfloat16), _tensors(torch.int16))
+    if storage == "remainder8":
+        return Masters.remainder8(_tensors(torch.bfloat16), _tensors(torch.int8), KEYS)
+    if storage == "stochastic":
+        return Masters.stochastic(_tensors(torch.bfloat16), KEYS)
     weight_dtype = {"fp32+fp16": torch.float16, "fp32+bf16": torch.bfloat16}[storage]
     return Masters.fp32(_tensors(torch.float32), _tensors(weight_dtype))
 
 
+def _moments(fmt: str, *, signed: bool) -> Moments:
+    if fmt == "fp32":
+        return Moments.fp32(_tensors(torch.float32))
+    if fmt == "bf16":
+        return Moments.bf16(_tensors(torch.bfloat16), KEYS)
+    absmax = [torch.zeros(precision.absmax_blocks(n)) for n in SIZES]
+    return Moments.eight_bit(_tensors(torch.uint8), absmax, precision.QuantMap.build(signed))
+
+
 STORAGES = ["fp32", "fp32+fp16", "fp32+bf16", "remainder"]
+DIAL_STORAGES = [*STORAGES, "remainder8", "stochastic"]
+FORMATS = ["fp32", "bf16", "8bit"]
 GRADS = [torch.float32, torch.float16, torch.bfloat16]
+STEPS = torch.zeros(len(SIZES), 2)  # the step scalars, one row per tensor
 
 
-def _launches(module: ModuleType, monkeypatch: pytest.MonkeyPatch) -> list[Launch]:
-    """Every specialisation ampinit launches, captured from the module's public functions."""
+def _record(module: ModuleType, kernels: tuple[str, ...], monkeypatch: pytest.MonkeyPatch) -> list[Launch]:
     launches: list[Launch] = []
-    for name in ("_adam_kernel", "_sgd_kernel", "_check_kernel"):
+    for name in kernels:
         monkeypatch.setattr(module, name, Recorder(getattr(module, name), launches))
+    return launches
+
+
+def _master_launches(module: ModuleType, monkeypatch: pytest.MonkeyPatch) -> list[Launch]:
+    """Every specialisation ``triton_kernels`` launches, captured from its public functions."""
+    launches = _record(module, ("_adam_kernel", "_sgd_kernel", "_check_kernel"), monkeypatch)
     flag, inv_scale = torch.zeros(1), torch.ones(1)
-    steps = torch.zeros(2, 2)
     for grad in GRADS:
         module.check_finite_(_tensors(grad), flag)
         for storage in STORAGES:
             adamw = AdamSettings(1e-3, 0.9, 0.999, 1e-8, 0.01, True, False)
             moments = _tensors(torch.float32), _tensors(torch.float32)
-            module.adam_(_tensors(grad), _masters(storage), *moments, steps, adamw, inv_scale=inv_scale, found_inf=flag)
+            module.adam_(_tensors(grad), _masters(storage), *moments, STEPS, adamw, inv_scale=inv_scale, found_inf=flag)
             sgd = SgdSettings(0.1, 0.9, 0.0, False, 1e-4, False)
             buffers = _tensors(torch.float32)
             scaling = {"inv_scale": inv_scale, "found_inf": flag}
@@ -150,7 +195,7 @@ def _launches(module: ModuleType, monkeypatch: pytest.MonkeyPatch) -> list[Launc
     for decay, decoupled in ((0.0, False), (0.01, False)):
         adam = AdamSettings(1e-3, 0.9, 0.999, 1e-8, decay, decoupled, True)
         moments = _tensors(torch.float32), _tensors(torch.float32)
-        module.adam_(_tensors(torch.bfloat16), _masters("fp32+bf16"), *moments, steps, adam)
+        module.adam_(_tensors(torch.bfloat16), _masters("fp32+bf16"), *moments, STEPS, adam)
     for momentum, nesterov, first_step, decay in ((0.9, True, True, 0.0), (0.0, False, False, 0.0)):
         sgd = SgdSettings(0.1, momentum, 0.0, nesterov, decay, True)
         buffers = _tensors(torch.float32) if momentum else []
@@ -158,14 +203,60 @@ def _launches(module: ModuleType, monkeypatch: pytest.MonkeyPatch) -> list[Launc
     return launches
 
 
-@pytest.fixture(scope="module")
-def launches(compiled_module: ModuleType) -> list[Launch]:
-    with pytest.MonkeyPatch.context() as monkeypatch:
-        captured = _launches(compiled_module, monkeypatch)
+def _dial_launches(module: ModuleType, monkeypatch: pytest.MonkeyPatch) -> list[Launch]:
+    """Every specialisation ``triton_dial`` launches, captured from its public functions."""
+    launches = _record(module, ("_adam_dial_kernel", "_sgd_dial_kernel"), monkeypatch)
+    scaling = {"inv_scale": torch.ones(1), "found_inf": torch.zeros(1)}
+    adamw = AdamSettings(1e-3, 0.9, 0.999, 1e-8, 0.01, True, False)
+    sgd = SgdSettings(0.1, 0.9, 0.0, False, 1e-4, False)
+
+    def adam_(grad: torch.dtype, storage: str, fmt: str, settings: AdamSettings, **kwargs: torch.Tensor) -> None:
+        moments = _moments(fmt, signed=True), _moments(fmt, signed=False)
+        module.adam_dial_(_tensors(grad), _masters(storage), *moments, STEPS, settings, **kwargs)
+
+    def sgd_(
+        grad: torch.dtype, storage: str, fmt: str, settings: SgdSettings, first_step: bool, **kwargs: torch.Tensor
+    ) -> None:
+        buffers = _moments(fmt, signed=True) if settings.momentum else Moments.fp32([])
+        module.sgd_dial_(_tensors(grad), _masters(storage), buffers, settings, first_step=first_step, **kwargs)
+
+    # Every storage with every moment format, as the interpreter tests run them (tests/test_dial_kernels.py).
+    for storage in DIAL_STORAGES:
+        for fmt in FORMATS:
+            adam_(torch.bfloat16, storage, fmt, adamw, **scaling)
+            sgd_(torch.bfloat16, storage, fmt, sgd, False, **scaling)
+    # The grad's dtype is read by the grad's load alone, which is triton_kernels' own: each once, on the dial's
+    # own storages.
+    for grad in (torch.float32, torch.float16):
+        adam_(grad, "remainder8", "8bit", adamw, **scaling)
+        sgd_(grad, "stochastic", "bf16", sgd, False, **scaling)
+    # The remaining constant branches, once each, unscaled and maximizing.
+    for decay, decoupled in ((0.0, False), (0.01, False)):
+        adam_(torch.bfloat16, "remainder8", "8bit", AdamSettings(1e-3, 0.9, 0.999, 1e-8, decay, decoupled, True))
+    for momentum, nesterov, first_step, decay in ((0.9, True, True, 0.0), (0.0, False, False, 0.0)):
+        sgd_(torch.bfloat16, "stochastic", "8bit", SgdSettings(0.1, momentum, 0.0, nesterov, decay, True), first_step)
+    return launches
+
+
+def _unique(launches: list[Launch]) -> list[Launch]:
     unique: dict[str, Launch] = {}
-    for launch in captured:
+    for launch in launches:
         unique.setdefault(launch.key(), launch)
     return list(unique.values())
+
+
+@pytest.fixture(scope="module")
+def launches(compiled_modules: tuple[ModuleType, ModuleType]) -> list[Launch]:
+    kernels, _ = compiled_modules
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        return _unique(_master_launches(kernels, monkeypatch))
+
+
+@pytest.fixture(scope="module")
+def dial_launches(compiled_modules: tuple[ModuleType, ModuleType]) -> list[Launch]:
+    _, dial = compiled_modules
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        return _unique(_dial_launches(dial, monkeypatch))
 
 
 def _compile(launch: Launch, capability: int) -> Any:
@@ -181,7 +272,7 @@ def _compile(launch: Launch, capability: int) -> Any:
         pytest.skip(f"triton's NVIDIA backend has no ptxas here ({error}); the GPU compile check needs it")
 
 
-FLOAT_OPS = re.compile(r"\b((?:add|sub|mul|fma|div|sqrt|rcp|rsqrt|cvt)(?:\.[a-z0-9]+)*)\b")
+FLOAT_OPS = re.compile(r"\b((?:add|sub|mul|fma|mad|div|sqrt|rcp|rsqrt|cvt|max|min)(?:\.[A-Za-z0-9]+)*)\b")
 
 
 def float_ops(ptx: str) -> set[str]:
@@ -196,17 +287,43 @@ def bitwise_violations(ops: set[str]) -> list[str]:
     for op in sorted(ops):
         parts = op.split(".")
         name, modifiers = parts[0], set(parts[1:])
-        if name == "fma":
+        if name in ("fma", "mad"):
             problems.append(f"{op}: a fused multiply-add (the reference rounds the product)")
+        elif "ftz" in modifiers:
+            problems.append(f"{op}: flushes subnormals to zero (torch keeps them)")
         elif name in ("add", "sub", "mul") and "f32" in modifiers and "rn" not in modifiers:
             problems.append(f"{op}: no explicit rounding mode, so ptxas may contract it into an FMA")
         elif name in ("div", "sqrt", "rcp", "rsqrt") and "rn" not in modifiers:
             problems.append(f"{op}: not correctly rounded")
+        elif name in ("max", "min") and "NaN" not in modifiers:
+            problems.append(f"{op}: drops a NaN operand (torch's amax and maximum return NaN)")
         elif name == "cvt" and parts[-1] == "f32" and ({"f16", "bf16"} & modifiers) and "rn" not in modifiers:
             problems.append(f"{op}: a narrowing conversion that does not round to nearest even")
         elif name == "cvt" and "bf16" in modifiers and parts[-1] == "f32":
             problems.append(f"{op}: fp32 -> bf16 is the kernels' own integer rounding, not a float conversion")
     return problems
+
+
+def _constants(launches: list[Launch], kernel: str) -> dict[str, set[Any]]:
+    """Per constexpr of ``kernel``, the values its captured launches give it."""
+    values: dict[str, set[Any]] = {}
+    for launch in launches:
+        if launch.kernel.__name__ == kernel:
+            for name, value in launch.signature()[1].items():
+                values.setdefault(name, set()).add(value)
+    return values
+
+
+def _assert_both_ways(launches: list[Launch], kernel: str) -> None:
+    """Every boolean constexpr of ``kernel`` is captured true and false (a new flag is caught untoggled), those
+    that only a momentum buffer reads among the launches that have one."""
+    momentum = [launch for launch in launches if launch.kwargs.get("HAS_MOMENTUM")]
+    for name, values in _constants(launches, kernel).items():
+        if isinstance(next(iter(values)), bool):
+            assert values == {False, True}, (kernel, name)
+            if name in ("FIRST_STEP", "NESTEROV"):
+                assert _constants(momentum, kernel)[name] == {False, True}, (kernel, name)
+    assert all(launch.kwargs["enable_fp_fusion"] is False for launch in launches if launch.kernel.__name__ == kernel)
 
 
 def test_every_kernel_and_branch_is_captured(launches: list[Launch]) -> None:
@@ -215,33 +332,77 @@ def test_every_kernel_and_branch_is_captured(launches: list[Launch]) -> None:
     storages = {launch.kwargs.get("STORAGE") for launch in launches if "STORAGE" in launch.kwargs}
     assert storages == {0, 1, 2}
     assert {launch.kwargs.get("DECAY") for launch in launches if "DECAY" in launch.kwargs} == {0, 1, 2}
-    assert all(launch.kwargs.get("enable_fp_fusion") is False for launch in launches if "STORAGE" in launch.kwargs)
+    for kernel in ("_adam_kernel", "_sgd_kernel"):
+        _assert_both_ways(launches, kernel)
+
+
+def test_every_dial_kernel_and_branch_is_captured(
+    dial_launches: list[Launch], compiled_modules: tuple[ModuleType, ModuleType]
+) -> None:
+    _, dial = compiled_modules
+    kinds = {*dial._KINDS.values(), 1}  # 1: fp32 masters with half weights, the launch's own value
+    storages = set(itertools.product(kinds, dial._FORMATS.values()))
+    assert {launch.kernel.__name__ for launch in dial_launches} == {"_adam_dial_kernel", "_sgd_dial_kernel"}
+    for kernel in ("_adam_dial_kernel", "_sgd_dial_kernel"):
+        ours = [launch for launch in dial_launches if launch.kernel.__name__ == kernel]
+        assert {(launch.kwargs["KIND"], launch.kwargs["FMT"]) for launch in ours} == storages, kernel
+        assert {str(launch.kwargs["WEIGHT_T"]) for launch in ours if launch.kwargs["KIND"] == 1} == {"fp16", "bf16"}
+        assert {str(dtype) for dtype in _constants(ours, kernel)["GRAD_T"]} == {"fp32", "fp16", "bf16"}
+        _assert_both_ways(ours, kernel)
+    assert _constants(dial_launches, "_adam_dial_kernel")["DECAY"] == {0, 1, 2}
+
+
+def _assert_compiles_with_the_references_rounding(launch: Launch, capability: int, computes: bool = True) -> set[str]:
+    kernel = _compile(launch, capability)
+    assert kernel.asm.get("cubin"), f"ptxas produced no cubin for {launch.key()}"
+    ops = float_ops(kernel.asm["ptx"])
+    if computes:
+        assert ops, "no floating-point instruction found: the PTX pattern no longer matches"
+    assert bitwise_violations(ops) == [], launch.key()
+    return ops
+
+
+CAPABILITIES = [pytest.param(c, id=f"sm_{c}") for c in TARGETS]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("capability", [pytest.param(c, id=f"sm_{c}") for c in TARGETS])
+@pytest.mark.parametrize("capability", CAPABILITIES)
 def test_kernels_compile_for_the_gpu_with_the_references_rounding(launches: list[Launch], capability: int) -> None:
     for launch in launches:
-        kernel = _compile(launch, capability)
-        assert kernel.asm.get("cubin"), f"ptxas produced no cubin for {launch.key()}"
-        ops = float_ops(kernel.asm["ptx"])
-        if launch.kernel.__name__ != "_check_kernel":  # the check compares; the optimizers compute
-            assert ops, "no floating-point instruction found: the PTX pattern no longer matches"
-        assert bitwise_violations(ops) == [], launch.key()
+        # The check compares; the optimizers compute.
+        _assert_compiles_with_the_references_rounding(launch, capability, launch.kernel.__name__ != "_check_kernel")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("capability", CAPABILITIES)
+def test_dial_kernels_compile_for_the_gpu_with_the_references_rounding(
+    dial_launches: list[Launch], capability: int
+) -> None:
+    for launch in dial_launches:
+        ops = _assert_compiles_with_the_references_rounding(launch, capability)
+        if launch.kwargs["FMT"] == 2 and launch.kwargs.get("HAS_MOMENTUM", True):
+            # The 8-bit absmax is a float maximum: seen, so the NaN rule has something to check.
+            assert any(op.startswith("max.") for op in ops), launch.key()
 
 
 def test_the_rounding_check_rejects_what_breaks_bitwise_agreement() -> None:
     """The checker itself, on instructions written out by hand (each is one way the bits could change)."""
     good = {"add.rn.f32", "mul.rn.f32", "sub.rn.f32", "div.rn.f32", "sqrt.rn.f32", "cvt.rn.f16.f32", "cvt.f32.bf16"}
-    assert bitwise_violations(good) == []
-    for bad in ("fma.rn.f32", "add.f32", "mul.ftz.f32", "div.full.f32", "sqrt.approx.f32", "cvt.rz.f16.f32"):
-        assert bitwise_violations({bad}), bad
-    assert bitwise_violations({"cvt.rn.bf16.f32"})
+    assert bitwise_violations(good | {"max.NaN.f32", "abs.f32"}) == []
+    bad = ["fma.rn.f32", "mad.rn.f32", "add.f32", "mul.ftz.f32", "mul.rn.ftz.f32", "div.full.f32", "sqrt.approx.f32"]
+    for op in [*bad, "div.rn.ftz.f32", "cvt.rz.f16.f32", "cvt.rn.bf16.f32", "max.f32", "min.f32"]:
+        assert bitwise_violations({op}), op
+    # Integer work (the random bits, stochastic rounding, the 8-bit code search) is exact: not a float op.
+    ptx = "mul.lo.s32 %r2, %r1, 2146121005;\n\tmax.s32 %r3, %r2, %r1;\n\tmad.wide.s32 %rd2, %r3, 4, %rd1;\n\t"
+    assert float_ops(ptx + "max.NaN.f32 %f2, %f1, %f0;") == {"max.NaN.f32"}
 
 
-def test_compiling_with_fp_fusion_on_is_caught(launches: list[Launch]) -> None:
-    """The check can fail: the Adam kernel built without ``enable_fp_fusion=False`` contracts into FMAs."""
-    adam = next(launch for launch in launches if launch.kernel.__name__ == "_adam_kernel")
+@pytest.mark.parametrize("kernel", ["_adam_kernel", "_adam_dial_kernel"])
+def test_compiling_with_fp_fusion_on_is_caught(
+    launches: list[Launch], dial_launches: list[Launch], kernel: str
+) -> None:
+    """The check can fail: an Adam kernel built without ``enable_fp_fusion=False`` contracts into FMAs."""
+    adam = next(launch for launch in [*launches, *dial_launches] if launch.kernel.__name__ == kernel)
     fused = Launch(adam.kernel, adam.args, {**adam.kwargs, "enable_fp_fusion": True})
     ops = float_ops(_compile(fused, 90).asm["ptx"])
     assert any(problem.startswith("fma.") for problem in bitwise_violations(ops))

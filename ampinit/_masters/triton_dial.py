@@ -143,7 +143,9 @@ def _store_master(
 # functions built when triton is imported, which the interpreter (switched on later, tests/_triton.py) cannot call.
 @triton.jit
 def _larger(a, b):
-    return tl.maximum(a, b)
+    # NaN wins, as in torch's amax (the reference's absmax): a NaN moment makes its 8-bit block's absmax NaN, not
+    # the largest other magnitude (which would store the NaN as a finite code). Integers ignore the flag.
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
