@@ -13,17 +13,20 @@ Settings (``initialize(master_weights=..., optimizer_state=...)``; the formats a
 A step that is not the exact one of today's classes (fp32 masters or 16-bit remainders, with fp32 moments) is
 amp's, in one of two ways, per param group:
 
-- where the group fits the kernels (``kernel_step.group_takes_kernels`` and ``kernels_taking``: CUDA, or CPU under
-  the tests' interpreter switch) and no fp32 master was materialised for clipping, one ``triton_dial`` launch per
-  list reads grad, master storage and moments once and writes them once, with the update math of
-  ``reference.adam_dial_``/``sgd_dial_``; the keys are computed on the device from the post-increment counts;
+- where the group fits the kernels (the fp32-master kernel step's rule: ``kernel_step.group_takes_kernels`` for
+  torch's Adam/AdamW/SGD, a ``kernel_step.KernelOptimizer``'s ``kernel_settings`` for ampinit's FusedAdam/FusedSGD,
+  and ``kernels_taking``: CUDA, or CPU under the tests' interpreter switch) and no fp32 master was materialised for
+  clipping, one ``triton_dial`` launch per list reads grad, master storage and moments once and writes them once,
+  with the update math of ``reference.adam_dial_``/``sgd_dial_``; the keys are computed on the device from the
+  post-increment counts;
 - otherwise chunk by chunk: the chunk's masters and moments are decoded into fp32 temporaries, the optimizer's own
   update runs on them (torch's functional ``adam``/``sgd``, or the optimizer's ``MasterUpdate``), then the moments
   and the masters are encoded back.
 
-Both store the same layout and draw the same bits for a step (same seed, count and stream), so a run may move
-between them; the fp32 update itself may differ in the last bit (torch's functional update against the
-reference's order of ops), so they are not bitwise equal to each other.
+Both store the same layout (the optimizer's own: torch's per-parameter ``step``, or FusedAdam's per-group
+``group["step"]``, beside amp's ``sr_step``) and draw the same bits for a step (same seed, count and stream), so a
+run may move between them (tests/test_dial_paths.py); the fp32 update itself may differ in the last bit (torch's
+functional update against the reference's order of ops), so they are not bitwise equal to each other.
 
 Stochastic rounding draws its bits from the session's seed, the tensor's step count after this step (Adam's
 ``state["step"]``; for other optimizers amp keeps ``state["sr_step"]``, int64) and the stream ``4 * t + purpose``
@@ -45,7 +48,7 @@ import warnings
 from collections.abc import Callable, Container, Iterator
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 
@@ -54,7 +57,7 @@ from ampinit._masters import kernel_step, precision
 from ampinit._masters import remainder as encoding
 from ampinit._masters.grads import OptimizerGrads
 from ampinit._masters.kernel_step import adam_state
-from ampinit._masters.reference import Masters, Moments, SgdSettings
+from ampinit._masters.reference import AdamSettings, Masters, Moments, SgdSettings
 from ampinit._masters.remainder_grads import RemainderGrads, _fp32, _in_chunks
 from ampinit._masters.update import MasterChunk, Update, dial_setting, own_update, remainder_update
 
@@ -350,22 +353,47 @@ class _DialStep(abc.ABC):
             return False
         from ampinit._masters import triton_dial
 
+        update = self._kernel_update()
         for batch, masters_of in self._kernel_batches(params):
-            if self.update == "adam":
+            if update == "adam":
                 self._adam_kernel(triton_dial, group, batch, masters_of, positions, found_inf)
             else:
                 self._sgd_kernels(triton_dial, group, batch, masters_of, positions, found_inf)
+        if update == "adam" and self.update == "own":
+            # A KernelOptimizer's Adam counts its step per group, once for all of the group's launches, as its own
+            # update_masters does on the chunked path.
+            cast(kernel_step.KernelAdamState, self.optimizer).kernel_count_step(group, found_inf)
         return True
 
     def _takes_kernels(self, group: dict[str, Any], params: list[torch.Tensor], found_inf: torch.Tensor | None) -> bool:
-        if not kernel_step.group_takes_kernels(self.update, group):
+        if self._kernel_settings(group) is None:
             return False
         if kernel_step.kernels_taking(params, found_inf, *self._kernel_storage()) is None:
             return False
         # A first momentum step skipped on the device would leave a zero buffer that the next step reads as a
         # buffer (kernel_step's fp32 path declines it too): the chunked step takes it.
         first = any("momentum_buffer" not in self.optimizer.state.get(p, {}) for p in params)
-        return not (self.update == "sgd" and group["momentum"] != 0 and found_inf is not None and first)
+        return not (self._kernel_update() == "sgd" and group["momentum"] != 0 and found_inf is not None and first)
+
+    def _kernel_update(self) -> Update | None:
+        """The update the kernels run for this optimizer: torch's (``self.update``), or the one a
+        ``kernel_step.KernelOptimizer`` (ampinit's FusedAdam/FusedSGD) names; None where they have none."""
+        return kernel_step.kernel_update(self.optimizer, self.update)
+
+    def _kernel_settings(self, group: dict[str, Any]) -> AdamSettings | SgdSettings | None:
+        """``group``'s settings in the kernels' terms, or None where it takes an option they lack: the rule of the
+        fp32-master kernel step (``kernel_step``), so a group takes the dial's kernels exactly where it would take
+        those. A ``KernelOptimizer`` maps its own options (FusedAdam's ``adam_w_mode`` and ``bias_correction``,
+        FusedSGD's dampening) and refuses the ones the kernels lack (``capturable``, ``master_weights``,
+        ``max_grad_norm``, weight decay after momentum); its chunked update then runs, as before."""
+        update = self._kernel_update()
+        if update is None:
+            return None
+        if self.update == "own":
+            return cast(kernel_step.KernelOptimizer, self.optimizer).kernel_settings(group)
+        if not kernel_step.group_takes_kernels(update, group):
+            return None
+        return AdamSettings.of(self.optimizer, group) if update == "adam" else SgdSettings.of(group)
 
     @abc.abstractmethod
     def _kernel_storage(self) -> tuple[dict[int, torch.Tensor], Container[int]]:
@@ -386,11 +414,16 @@ class _DialStep(abc.ABC):
         positions: dict[int, int],
         found_inf: torch.Tensor | None,
     ) -> None:
-        for p in params:
-            self._stored_in_dial(adam_state(self.optimizer, group, p), p, positions)
-        # The step counts advance here, on the device, so the keys below are the post-increment ones.
+        # The state exists in the optimizer's own layout after this (torch's, with the per-parameter step counts
+        # advanced on the device; a KernelOptimizer's, whose group count advances after the launches).
         _, _, scalars, settings = kernel_step.adam_inputs(self.optimizer, group, params, found_inf)
-        steps = torch.stack([self.optimizer.state[p]["step"].reshape(()) for p in params])
+        for p in params:
+            self._stored_in_dial(self.optimizer.state[p], p, positions)
+        if self.update == "adam":
+            steps = torch.stack([self.optimizer.state[p]["step"].reshape(()) for p in params])
+        else:
+            # The chunked path's count for the random bits (``_count``), so that a run may move between the two.
+            steps = self._advanced_sr_steps(params, found_inf)
         kernels.adam_dial_(
             [_grad(p) for p in params],
             masters_of(self._keys(steps, params, positions, 0)),
@@ -410,13 +443,10 @@ class _DialStep(abc.ABC):
         positions: dict[int, int],
         found_inf: torch.Tensor | None,
     ) -> None:
-        counts = [self._sr_step(self.optimizer.state[p], p) for p in params]
-        device = params[0].device
-        more = torch.ones((), dtype=torch.int64, device=device) if found_inf is None else found_inf.reshape(()) == 0
-        _torch_kernels.add_(counts, [more.to(torch.int64)] * len(counts))
-        steps = torch.stack(counts)
+        steps = self._advanced_sr_steps(params, found_inf)
         masters = masters_of(self._keys(steps, params, positions, 0))
-        settings = SgdSettings.of(group)
+        settings = self._kernel_settings(group)
+        assert isinstance(settings, SgdSettings)
         # sgd_batches gives a starting buffer fp32 zeros; stored in the dial's format before the launch reads it.
         for first_step, chosen, _ in kernel_step.sgd_batches(self.optimizer, group, params):
             some = [params[i] for i in chosen]
@@ -435,6 +465,14 @@ class _DialStep(abc.ABC):
                 first_step=first_step,
                 found_inf=found_inf,
             )
+
+    def _advanced_sr_steps(self, params: list[torch.Tensor], found_inf: torch.Tensor | None) -> torch.Tensor:
+        """amp's ``sr_step`` of each of ``params`` advanced on the device (not where ``found_inf`` is set), stacked."""
+        counts = [self._sr_step(self.optimizer.state[p], p) for p in params]
+        device = params[0].device
+        more = torch.ones((), dtype=torch.int64, device=device) if found_inf is None else found_inf.reshape(()) == 0
+        _torch_kernels.add_(counts, [more.to(torch.int64)] * len(counts))
+        return torch.stack(counts)
 
     def _stored_in_dial(self, state: dict[str, Any], param: torch.Tensor, positions: dict[int, int]) -> None:
         """Moments torch's layout just created (fp32 zeros) re-stored in the dial's format (exactly: zeros)."""
