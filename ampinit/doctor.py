@@ -25,12 +25,12 @@ from typing import Any
 import torch
 
 from ampinit._version import __version__
-from ampinit.demo.machine import NOISY_SPREAD, busy_reasons, cpu_flags, cpu_model, load_average, load_reasons
 from ampinit.demo.interleaved import train_interleaved, warm_up
+from ampinit.demo.machine import NOISY_SPREAD, busy_reasons, cpu_flags, cpu_model, load_average, load_reasons
 from ampinit.demo.progress import Clock
 from ampinit.demo.results import RunResult, _fill_speedups
-from ampinit.demo.workloads import _make_task
 from ampinit.demo.verdict import LevelOutcome, Verdict, choose_level
+from ampinit.demo.workloads import _make_task
 
 #: fp16 work at least this many times slower than fp32 counts as emulated (no fp16 arithmetic units).
 SLOW_FP16 = 2.0
