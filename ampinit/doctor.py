@@ -5,7 +5,7 @@ the CPU flags that decide bf16/fp16 speed, the autocast dtypes each device accep
 operations that can be slow where matmuls are not (a matmul and a convolution forward + backward, each against
 fp32), whether torch's fused optimizer kernels run here, and how fast the opt levels train the demo's small MLP.
 
-That last figure is the demo's own measurement (:func:`ampinit.demo.run.train_interleaved`: the levels
+That last figure is the demo's own measurement (:func:`ampinit.demo.interleaved.train_interleaved`: the levels
 interleaved in blocks, per-step times, the median after the warm-up steps, the interquartile spread), and the
 recommendation is the demo's verdict (:func:`ampinit.demo.verdict.choose_level`) on it, so that the doctor and
 ``ampinit demo`` cannot disagree by method: on a loaded machine the recommendation is tentative, and where the
@@ -25,9 +25,12 @@ from typing import Any
 import torch
 
 from ampinit._version import __version__
+from ampinit.demo.interleaved import train_interleaved, warm_up
 from ampinit.demo.machine import NOISY_SPREAD, busy_reasons, cpu_flags, cpu_model, load_average, load_reasons
-from ampinit.demo.run import Clock, RunResult, _fill_speedups, _make_task, train_interleaved, warm_up
+from ampinit.demo.progress import Clock
+from ampinit.demo.results import RunResult, _fill_speedups
 from ampinit.demo.verdict import LevelOutcome, Verdict, choose_level
+from ampinit.demo.workloads import _make_task
 
 #: fp16 work at least this many times slower than fp32 counts as emulated (no fp16 arithmetic units).
 SLOW_FP16 = 2.0

@@ -17,29 +17,17 @@ import pytest
 import torch
 
 from ampinit.demo import cli
+from ampinit.demo.config import OPT_LEVELS, DemoConfig, quick_config
+from ampinit.demo.interleaved import train_interleaved
 from ampinit.demo.machine import busy_reasons, cpu_flags, relative_spread
-from ampinit.demo.run import (
-    _LEARNING_RATES,
-    OPT_LEVELS,
-    DemoConfig,
-    DemoReport,
-    Eta,
-    RunResult,
-    TaskReport,
-    _fill_speedups,
-    _loss_axis_scale,
-    _make_task,
-    format_verdict,
-    judge,
-    make_progress,
-    quick_config,
-    run_demo,
-    train_interleaved,
-    write_outputs,
-    write_png,
-)
+from ampinit.demo.output import format_verdict, write_outputs
+from ampinit.demo.plot import _loss_axis_scale, write_png
+from ampinit.demo.progress import Eta, make_progress
+from ampinit.demo.results import DemoReport, RunResult, TaskReport, _fill_speedups
+from ampinit.demo.run import judge, run_demo
 from ampinit.demo.tasks import make_classifier
 from ampinit.demo.verdict import LevelOutcome, choose_level
+from ampinit.demo.workloads import _LEARNING_RATES, _make_task
 
 STEPS = 12  # a fixed step count: nothing here depends on how fast the machine is
 # The module's one --quick demo runs in the first test that needs it, inside that test's timeout (pytest-timeout):

@@ -18,7 +18,7 @@ import torch
 
 import ampinit.demo
 from ampinit.cli import add_doctor_parser, main
-from ampinit.demo.run import OPT_LEVELS
+from ampinit.demo.config import OPT_LEVELS
 from ampinit.doctor import DeviceReport, diagnose, format_report, recommend
 
 
@@ -152,7 +152,7 @@ def test_the_doctor_registers_on_any_subparsers(capsys: pytest.CaptureFixture[st
 
 
 def test_the_demo_imports_nothing_of_the_doctor() -> None:
-    """The doctor is built on the demo's measurement (``ampinit.demo.run``, ``verdict``); the demo, its command
+    """The doctor is built on the demo's measurement (``ampinit.demo.interleaved``, ``verdict``); the demo, its command
     line included, does not reach back up to it, at any depth (a lazy import counts)."""
     demo = Path(ampinit.demo.__file__).parent
     reached: dict[str, int] = {}

@@ -19,10 +19,9 @@ import torch
 from ampinit._masters import reference as ref
 from ampinit.optimizers import FusedAdam, FusedSGD
 from tests import _triton
+from tests._kernels_vs_reference import SIZES, assert_same, call, clone, run_both, same_bits
 
 pytest.importorskip("triton", reason="triton is not installed (pip install triton); the kernels are tested through it")
-
-SIZES = [1, 7, 1024, 1025, 3000]
 
 
 def test_interpreted_kernels_are_built_back_on_the_way_out() -> None:
@@ -43,22 +42,6 @@ def kernels(triton_interpreter: ModuleType) -> ModuleType:
     return triton_interpreter
 
 
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    assert a.dtype == b.dtype and a.shape == b.shape
-    view = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}[a.dtype]
-    return torch.equal(a.view(view), b.view(view))
-
-
-def assert_same(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
-    assert len(a) == len(b)
-    for x, y in zip(a, b):
-        assert same_bits(x, y), (x, y)
-
-
-def clone(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    return [t.clone() for t in tensors]
-
-
 def make(seed: int, weight_dtype: torch.dtype, grad_dtype: torch.dtype, scale: float) -> dict[str, list[torch.Tensor]]:
     gen = torch.Generator().manual_seed(seed)
     masters = [torch.randn(n, generator=gen) for n in SIZES]
@@ -69,22 +52,6 @@ def make(seed: int, weight_dtype: torch.dtype, grad_dtype: torch.dtype, scale: f
         "m": [torch.randn(n, generator=gen) * 0.1 for n in SIZES],
         "v": [torch.rand(n, generator=gen) * 0.01 for n in SIZES],
     }
-
-
-def call(module: ModuleType, name: str, state: dict[str, list[torch.Tensor]], *args: Any, **kwargs: Any) -> None:
-    """``module``'s ``adam_`` or ``sgd_`` on ``state``: fp32 masters written into the weights, and the moments."""
-    moments = [state[key] for key in (("m", "v") if name == "adam_" else ("m",))]
-    masters = ref.Masters.fp32(state["masters"], state["weights"])
-    getattr(module, name)(state["grads"], masters, *moments, *args, **kwargs)
-
-
-def run_both(kernels: ModuleType, name: str, state: dict[str, list[torch.Tensor]], *args: Any, **kwargs: Any) -> None:
-    """Run the reference on ``state`` and the kernel on a copy; every tensor must end up with the same bits."""
-    copy = {key: clone(value) for key, value in state.items()}
-    call(ref, name, state, *args, **kwargs)
-    call(kernels, name, copy, *args, **kwargs)
-    for key in state:
-        assert_same(copy[key], state[key])
 
 
 @pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float16])

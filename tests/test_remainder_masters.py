@@ -24,6 +24,7 @@ from ampinit import amp
 from ampinit._masters import reference as step_reference
 from ampinit._masters import remainder as encoding
 from ampinit.optimizers import FusedAdam, FusedSGD
+from tests._kernels_vs_reference import SIZES, call, run_both, same_bits
 
 # -- an independent reference of the tie rule ------------------------------------------------------------------
 HIGH_HALVES = [
@@ -89,12 +90,6 @@ def tie_away_bf16(x: torch.Tensor) -> torch.Tensor:
     result = (sign << 15) | upper
     result = torch.where(x.reshape(-1).isnan(), torch.full_like(result, 0x7FC0), result)
     return bf16_from_bits(result).reshape(x.shape)
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, b.dtype, a.shape, b.shape)
-    view = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.int16: torch.int16}[a.dtype]
-    return torch.equal(a.view(view), b.view(view))
 
 
 def all_low_halves(high: int) -> torch.Tensor:
@@ -621,9 +616,6 @@ def test_closures_are_refused() -> None:
 
 
 # -- the Triton remainder kernels, on CPU through Triton's interpreter ------------------------------------------
-SIZES = [1, 7, 1024, 1025, 3000]
-
-
 @pytest.fixture(scope="module")
 def kernels(triton_interpreter: ModuleType) -> ModuleType:
     """The shared interpreted kernels (tests/conftest.py), under the name these tests compare with the reference."""
@@ -640,23 +632,6 @@ def remainder_state(seed: int, grad_dtype: torch.dtype, scale: float) -> dict[st
         "m": [torch.randn(n, generator=gen) * 0.1 for n in SIZES],
         "v": [torch.rand(n, generator=gen) * 0.01 for n in SIZES],
     }
-
-
-def call(module: ModuleType, name: str, state: dict[str, list[torch.Tensor]], *args: Any, **kwargs: Any) -> None:
-    """``module``'s ``adam_`` or ``sgd_`` on the remainder masters of ``state``, and its moments."""
-    moments = [state[key] for key in (("m", "v") if name == "adam_" else ("m",))]
-    masters = step_reference.Masters.remainder(state["weights"], state["remainders"])
-    getattr(module, name)(state["grads"], masters, *moments, *args, **kwargs)
-
-
-def run_both(kernels: ModuleType, name: str, state: dict[str, list[torch.Tensor]], *args: Any, **kwargs: Any) -> None:
-    """The reference on ``state``, the kernel on a copy: every tensor must end with the same bits."""
-    copy_ = {key: [t.clone() for t in value] for key, value in state.items()}
-    call(step_reference, name, state, *args, **kwargs)
-    call(kernels, name, copy_, *args, **kwargs)
-    for key in state:
-        for got, want in zip(copy_[key], state[key]):
-            assert same_bits(got, want), key
 
 
 @pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32])

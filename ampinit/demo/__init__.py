@@ -14,15 +14,27 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ampinit.demo.run import DemoConfig, DemoReport, RunResult, TaskReport, quick_config, run_demo
+    from ampinit.demo.config import DemoConfig, quick_config
+    from ampinit.demo.results import DemoReport, RunResult, TaskReport
+    from ampinit.demo.run import run_demo
 
 __all__ = ["DemoConfig", "DemoReport", "RunResult", "TaskReport", "quick_config", "run_demo"]
+
+# The module each public name lives in.
+_HOMES = {
+    "DemoConfig": "config",
+    "quick_config": "config",
+    "DemoReport": "results",
+    "RunResult": "results",
+    "TaskReport": "results",
+    "run_demo": "run",
+}
 
 
 def __getattr__(name: str) -> object:
     # `ampinit --help` loads this package for the demo's parser: the demo itself (and torch) loads on first use.
     if name in __all__:
-        found = getattr(importlib.import_module("ampinit.demo.run"), name)
+        found = getattr(importlib.import_module(f"ampinit.demo.{_HOMES[name]}"), name)
         globals()[name] = found
         return found
     raise AttributeError(f"module 'ampinit.demo' has no attribute {name!r}")

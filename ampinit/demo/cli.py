@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from ampinit.demo._names import TASKS
 
 if TYPE_CHECKING:
-    from ampinit.demo.run import DemoConfig
+    from ampinit.demo.config import DemoConfig
 
 # torch is imported where a command runs, not here: `ampinit --help` builds these parsers and must answer at once.
 
@@ -31,7 +31,7 @@ _UNSET: Any = object()  # --time-budget not given: the preset's budget
 
 
 def _level_list(text: str) -> tuple[str, ...]:
-    from ampinit.demo.run import check_levels
+    from ampinit.demo.config import check_levels
 
     levels = tuple(dict.fromkeys(part.strip().upper() for part in text.replace(" ", ",").split(",") if part.strip()))
     try:
@@ -119,7 +119,7 @@ def add_demo_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def demo_config(args: argparse.Namespace) -> DemoConfig:
     """The :class:`DemoConfig` that parsed demo options describe."""
-    from ampinit.demo.run import OPT_LEVELS, DemoConfig, quick_config
+    from ampinit.demo.config import OPT_LEVELS, DemoConfig, quick_config
 
     settings: dict[str, Any] = {
         "levels": OPT_LEVELS if args.levels is None else args.levels,

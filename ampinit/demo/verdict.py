@@ -1,8 +1,8 @@
 """Which opt level the measurements recommend on this machine, read from the measured table only, so that a
 reader can check every step of the reasoning against it. The demo and the doctor both decide with
-:func:`choose_level`, on figures measured the same way (:func:`ampinit.demo.run.train_interleaved`), so they give
-one answer: on a loaded machine it is marked tentative, and a speed figure the noise check rejected is never
-the ground for a recommendation (there is none then)."""
+:func:`choose_level`, on figures measured the same way (:func:`ampinit.demo.interleaved.train_interleaved`), so
+they give one answer: on a loaded machine it is marked tentative, and a speed figure the noise check rejected is
+never the ground for a recommendation (there is none then)."""
 
 from __future__ import annotations
 
