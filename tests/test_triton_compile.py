@@ -374,7 +374,9 @@ def test_kernels_compile_for_the_gpu_with_the_references_rounding(launches: list
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("capability", CAPABILITIES)
+# The H100 (the GPU this project is checked on) only: the fp32 kernels' two targets lower these operations alike,
+# and the dial's 44 specialisations for sm_80 too would add some 40 s to a cold run of the suite.
+@pytest.mark.parametrize("capability", [pytest.param(90, id="sm_90")])
 def test_dial_kernels_compile_for_the_gpu_with_the_references_rounding(
     dial_launches: list[Launch], capability: int
 ) -> None:
