@@ -504,6 +504,25 @@ def test_fused_adam_with_its_own_masters_is_refused() -> None:
         amp.initialize(net, optimizer, opt_level="O5", master_weights="remainder")
 
 
+@pytest.mark.parametrize(
+    "options",
+    [{"master_weights": "remainder"}, {"master_weights": "stochastic"}, {"optimizer_state": "8bit"}],
+    ids=["remainder", "stochastic", "8bit"],
+)
+def test_fused_adam_clipping_per_group_is_refused_not_dropped(options: dict[str, Any]) -> None:
+    """``FusedAdam(max_grad_norm=...)`` clips a group by its whole gradient norm inside ``step()``; amp's master
+    step runs the update chunk by chunk and used to drop the clipping without a word. Refused before anything
+    changes, naming the argument and what to do instead."""
+    net, _, _ = make_net(11, ties=False)
+    with pytest.warns(FutureWarning, match="pre-2019-08 argument"):
+        optimizer = FusedAdam(net.parameters(), lr=1e-3, max_grad_norm=1.0)
+    params = list(optimizer.param_groups[0]["params"])
+    with pytest.raises(ValueError, match=re.escape("FusedAdam(max_grad_norm=1.0)") + ".*clip_grad_norm_"):
+        amp.initialize(net, optimizer, opt_level="O5", **options)
+    assert optimizer.param_groups[0]["params"] == params
+    assert all(p.dtype == torch.float32 for p in net.parameters())
+
+
 class PlainMomentum(torch.optim.Optimizer):
     """SGD with momentum, written here: its own ``step``, and the same update offered to amp through the
     master-update protocol (``ampinit._masters.update.MasterUpdate``) that FusedAdam and FusedSGD implement."""

@@ -367,11 +367,23 @@ class FusedAdam(FusedOptimizer):
 
     # -- amp's master-update protocol (ampinit._masters.update.MasterUpdate) --------------------------------
     def check_master_update(self) -> None:
-        """amp may run this update on masters it keeps, unless this optimizer keeps fp32 copies of its own."""
+        """amp may run this update on masters it keeps, unless this optimizer keeps fp32 copies of its own or
+        clips each group by its gradient norm (``max_grad_norm``): amp hands the update a group chunk by chunk,
+        so no chunk could know the whole group's norm, and the clipping would silently not happen."""
+        amp_step = (
+            "amp's own master step (master_weights='remainder', 'remainder8', 'stochastic', or an optimizer_state)"
+        )
         if self.master_weights:
             raise ValueError(
-                "master_weights='remainder' cannot be combined with FusedAdam(master_weights=True), which keeps "
-                "its own fp32 copies: create the FusedAdam without master_weights"
+                f"{amp_step} cannot be combined with FusedAdam(master_weights=True), which keeps its own fp32 "
+                "copies: create the FusedAdam without master_weights"
+            )
+        clipped = [group["max_grad_norm"] for group in self.param_groups if group.get("max_grad_norm", 0.0) > 0]
+        if clipped:
+            raise ValueError(
+                f"{amp_step} cannot apply FusedAdam(max_grad_norm={clipped[0]!r}): it updates a group in chunks "
+                "and never sees the group's whole gradient norm. Create the FusedAdam without max_grad_norm and "
+                "clip before the step: torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), max_norm)"
             )
 
     def update_masters(self, group: dict[str, Any], chunks: Iterable[MasterChunk], found_inf: Tensor | None) -> None:
