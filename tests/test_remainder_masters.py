@@ -808,6 +808,66 @@ def test_training_through_the_kernels_is_bitwise_the_reference(kernels_on_cpu: M
         session.close()
 
 
+def counted_launches(module: ModuleType, monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """How often amp launches each update kernel of ``module`` (the interpreted kernels) from now on."""
+    calls = {"adam_": 0, "sgd_": 0}
+    for name in calls:
+        launch = getattr(module, name)
+
+        def counted(*args: Any, _name: str = name, _launch: Any = launch, **kwargs: Any) -> None:
+            calls[_name] += 1
+            _launch(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, counted)
+    return calls
+
+
+def test_fused_adam_takes_the_remainder_kernels_bitwise_the_reference(
+    kernels_on_cpu: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ampinit's FusedAdam (AdamW mode) on remainder masters steps in the kernels, as torch's AdamW does, with its
+    own state layout (the group's step count). It used to take the chunked path whatever the device."""
+    calls = counted_launches(kernels_on_cpu, monkeypatch)
+    net, x, y = make_net(16, ties=False)
+    reference = PlainReference(net, lambda p: ReferenceAdamW(p, lr=1e-2, weight_decay=0.05))
+    net, optimizer, session = remainder_session(net, FusedAdam(net.parameters(), lr=1e-2, weight_decay=0.05))
+    try:
+        for step in range(3):
+            assert same_bits(amp_step(net, optimizer, x, y), reference.step(x, y)), step
+        for got, want in zip(masters_of(session, net), reference.masters):
+            assert same_bits(got, want.detach())
+        assert calls["adam_"] >= 3
+        assert int(optimizer.param_groups[0]["step"]) == 3  # counted once per step, not once per launch
+    finally:
+        session.close()
+
+
+def test_fused_sgd_takes_the_remainder_kernels_as_torchs_sgd_does(
+    kernels_on_cpu: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """FusedSGD with torch's SGD rule (momentum, Nesterov, decay before momentum) on remainder masters: the same
+    kernel steps as torch's SGD with the same settings, bit for bit, buffers in torch's layout."""
+    calls = counted_launches(kernels_on_cpu, monkeypatch)
+    runs = []
+    for make in (
+        lambda p: FusedSGD(p, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3),
+        lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3),
+    ):
+        net, x, y = make_net(17, ties=False)
+        net, optimizer, session = remainder_session(net, make(net.parameters()))
+        try:
+            losses = [amp_step(net, optimizer, x, y) for _ in range(3)]
+            runs.append((losses, masters_of(session, net), optimizer))
+        finally:
+            session.close()
+        if not runs[1:]:
+            assert calls["sgd_"] >= 3, "FusedSGD did not take the kernels"
+    (fused_losses, fused_masters, fused_opt), (torch_losses, torch_masters, torch_opt) = runs
+    assert all(same_bits(a, b) for a, b in zip(fused_losses, torch_losses))
+    assert all(same_bits(a, b) for a, b in zip(fused_masters, torch_masters))
+    assert_optimizer_states_equal(fused_opt, torch_opt)
+
+
 def test_master_params_are_fp32_masters_with_the_unscaled_grads_widened() -> None:
     net, x, y = make_net(15, ties=False)
     optimizer = torch.optim.SGD(net.parameters(), lr=0.05)

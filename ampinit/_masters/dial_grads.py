@@ -359,10 +359,9 @@ class _DialStep(abc.ABC):
                 self._adam_kernel(triton_dial, group, batch, masters_of, positions, found_inf)
             else:
                 self._sgd_kernels(triton_dial, group, batch, masters_of, positions, found_inf)
-        if update == "adam" and self.update == "own":
-            # A KernelOptimizer's Adam counts its step per group, once for all of the group's launches, as its own
-            # update_masters does on the chunked path.
-            cast(kernel_step.KernelAdamState, self.optimizer).kernel_count_step(group, found_inf)
+        # A KernelOptimizer's Adam counts its step per group, once for all of the group's launches, as its own
+        # update_masters does on the chunked path.
+        kernel_step.count_group_step(self.optimizer, self.update, group, found_inf)
         return True
 
     def _takes_kernels(self, group: dict[str, Any], params: list[torch.Tensor], found_inf: torch.Tensor | None) -> bool:

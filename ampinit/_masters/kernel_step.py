@@ -99,10 +99,25 @@ def kernel_update(opt: torch.optim.Optimizer, update: Update | None) -> Update |
 
 def _takes_kernels(opt: torch.optim.Optimizer, update: Update | None) -> bool:
     """Whether every group of ``opt`` fits the kernels (the group rule of torch's optimizers, or the optimizer's)."""
+    return all(takes_group(opt, update, group) for group in opt.param_groups)
+
+
+def takes_group(opt: torch.optim.Optimizer, update: Update | None, group: dict[str, Any]) -> bool:
+    """Whether ``group`` of ``opt`` fits the kernels: a :class:`KernelOptimizer`'s own settings, else the group rule
+    of torch's optimizers (``update``: ``update_of(opt)``)."""
     own = _kernel_optimizer(opt)
     if own is not None:
-        return all(own.kernel_settings(group) is not None for group in opt.param_groups)
-    return all(group_takes_kernels(update, group) for group in opt.param_groups)
+        return own.kernel_settings(group) is not None
+    return group_takes_kernels(update, group)
+
+
+def count_group_step(
+    opt: torch.optim.Optimizer, update: Update | None, group: dict[str, Any], found_inf: torch.Tensor | None
+) -> None:
+    """After all the launches of ``group``'s step: a :class:`KernelOptimizer`'s Adam counts the group's step once
+    (torch's per-parameter counts advanced in ``adam_inputs``, before the launches that read them)."""
+    if kernel_update(opt, update) == "adam" and _kernel_optimizer(opt) is not None:
+        cast(KernelAdamState, opt).kernel_count_step(group, found_inf)
 
 
 def group_takes_kernels(update: Update | None, group: dict[str, Any]) -> bool:
@@ -240,8 +255,8 @@ def step_fp32_masters(
                 [grads[i] for i in chosen],
                 inv_scale if scaled else None,
             )
-        if update == "adam" and params and _kernel_optimizer(opt) is not None:
-            cast(KernelAdamState, opt).kernel_count_step(group, found_inf)
+        if params:
+            count_group_step(opt, update, group, found_inf)
     return True
 
 

@@ -319,8 +319,10 @@ class RemainderGrads(OptimizerGrads):
 
     # -- the kernels ----------------------------------------------------------------------------------------
     def _kernels_step(self, group: dict[str, Any], params: list[torch.Tensor], found_inf: torch.Tensor | None) -> bool:
-        """Step ``group`` with the Triton kernels if it qualifies (``kernel_step``'s rule)."""
-        if not kernel_step.group_takes_kernels(self.update, group):
+        """Step ``group`` with the Triton kernels if it qualifies (``kernel_step``'s rule: torch's Adam/AdamW/SGD,
+        or ampinit's FusedAdam/FusedSGD through their ``kernel_settings``, with their state layout)."""
+        update = kernel_step.kernel_update(self.optimizer, self.update)
+        if update is None or not kernel_step.takes_group(self.optimizer, update, group):
             return False
         kernels = kernel_step.kernels_taking(params, found_inf, {}, self._remainders)
         if kernels is None:
@@ -330,7 +332,8 @@ class RemainderGrads(OptimizerGrads):
         for batch in (with_remainder, direct):
             if batch:
                 masters = self._masters(batch)
-                kernel_step.run_kernels(self.update, kernels, self.optimizer, group, batch, masters, found_inf)
+                kernel_step.run_kernels(update, kernels, self.optimizer, group, batch, masters, found_inf)
+        kernel_step.count_group_step(self.optimizer, update, group, found_inf)
         return True
 
     def _masters(self, params: list[torch.Tensor]) -> Masters:
