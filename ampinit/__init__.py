@@ -21,6 +21,7 @@ _MODULES = (
     "ampinit._opt_levels",
     "ampinit._scaler",
     "ampinit._session",
+    "ampinit._stuck",
     "ampinit._types",
 )
 
@@ -50,6 +51,7 @@ if TYPE_CHECKING:
     from ampinit._opt_levels import Properties
     from ampinit._scaler import LossScaleAtMinimumError
     from ampinit._session import AmpSession, AmpStats
+    from ampinit._stuck import StuckReport
     from ampinit._types import OptLevel
 
 __all__ = [
@@ -59,6 +61,7 @@ __all__ = [
     "LossScaleAtMinimumError",
     "OptLevel",
     "Properties",
+    "StuckReport",
     "__version__",
     "current_session",
     "deinitialize",

@@ -33,6 +33,7 @@ def test_public_surface_is_pinned() -> None:
             "LossScaleAtMinimumError",
             "OptLevel",
             "Properties",
+            "StuckReport",
             "__version__",
             "current_session",
             "deinitialize",
