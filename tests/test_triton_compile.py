@@ -141,6 +141,11 @@ def _tensors(dtype: torch.dtype) -> list[torch.Tensor]:
     return [torch.zeros(n, dtype=dtype) for n in SIZES]
 
 
+def _misaligned(dtype: torch.dtype) -> list[torch.Tensor]:
+    """Contiguous tensors starting one element past a 16-byte boundary (views into a flat buffer can)."""
+    return [torch.zeros(n + 1, dtype=dtype)[1:] for n in SIZES]
+
+
 def _masters(storage: str) -> Masters:
     if storage == "fp32":
         return Masters.fp32(_tensors(torch.float32))
@@ -200,6 +205,18 @@ def _master_launches(module: ModuleType, monkeypatch: pytest.MonkeyPatch) -> lis
         sgd = SgdSettings(0.1, momentum, 0.0, nesterov, decay, True)
         buffers = _tensors(torch.float32) if momentum else []
         module.sgd_(_tensors(torch.bfloat16), _masters("fp32+bf16"), buffers, sgd, first_step=first_step)
+    # Tensors off a 16-byte boundary: the launches that must not claim alignment.
+    adamw = AdamSettings(1e-3, 0.9, 0.999, 1e-8, 0.01, True, False)
+    moments = _tensors(torch.float32), _tensors(torch.float32)
+    module.adam_(_misaligned(torch.bfloat16), _masters("fp32+bf16"), *moments, STEPS, adamw)
+    weights = Masters.fp32(_misaligned(torch.float32), _tensors(torch.bfloat16))
+    module.sgd_(
+        _tensors(torch.bfloat16),
+        weights,
+        _tensors(torch.float32),
+        SgdSettings(0.1, 0.9, 0.0, False, 0.0, False),
+        first_step=False,
+    )
     return launches
 
 
@@ -371,6 +388,25 @@ def test_kernels_compile_for_the_gpu_with_the_references_rounding(launches: list
     for launch in launches:
         # The check compares; the optimizers compute.
         _assert_compiles_with_the_references_rounding(launch, capability, launch.kernel.__name__ != "_check_kernel")
+
+
+VECTOR_ACCESS = re.compile(r"\b(?:ld|st)\.global(?:\.[a-z0-9]+)*\.v[248]\.")
+
+
+@pytest.mark.slow
+def test_whole_blocks_of_aligned_tensors_move_16_bytes_per_access(launches: list[Launch]) -> None:
+    """An update launch over tensors that all start on 16 bytes reads and writes whole blocks with vector accesses
+    (as torch's fused optimizers do; one element per access wastes most of an instruction's reach); one over a
+    tensor off that boundary has none, since a vector access there faults. Before, no launch had any."""
+    updates = [launch for launch in launches if launch.kernel.__name__ != "_check_kernel"]
+    assert {launch.kwargs["ALIGNED"] for launch in updates} == {False, True}
+    for launch in updates:
+        ptx = _compile(launch, 90).asm["ptx"]
+        vectors = VECTOR_ACCESS.findall(ptx)
+        if launch.kwargs["ALIGNED"]:
+            assert any(v.startswith("ld") for v in vectors) and any(v.startswith("st") for v in vectors), launch.key()
+        else:
+            assert vectors == [], launch.key()
 
 
 @pytest.mark.slow

@@ -208,7 +208,7 @@ def _adam_dial_kernel(
 ):  # fmt: skip
     # Lists: grads, the master's two, exp_avg's two (values, absmax), exp_avg_sq's two.
     t, offs, mask = _block(ptrs, numels, block_tensor, block_start, flag_ptr, HAS_FLAG, BLOCK)
-    g = _load_grad(ptrs, t, offs, mask, inv_scale_ptr, GRAD_T, HAS_SCALE, MAXIMIZE)
+    g = _load_grad(ptrs, t, offs, mask, inv_scale_ptr, GRAD_T, HAS_SCALE, MAXIMIZE, True, False)
     p = _load_master(ptrs, n_tensors, 1, t, offs, mask, KIND)
     if DECAY == 1:
         g = g + p * weight_decay
@@ -236,7 +236,7 @@ def _sgd_dial_kernel(
 ):  # fmt: skip
     # Lists: grads, the master's two, the momentum buffer's two (values, absmax).
     t, offs, mask = _block(ptrs, numels, block_tensor, block_start, flag_ptr, HAS_FLAG, BLOCK)
-    g = _load_grad(ptrs, t, offs, mask, inv_scale_ptr, GRAD_T, HAS_SCALE, MAXIMIZE)
+    g = _load_grad(ptrs, t, offs, mask, inv_scale_ptr, GRAD_T, HAS_SCALE, MAXIMIZE, True, False)
     p = _load_master(ptrs, n_tensors, 1, t, offs, mask, KIND)
     if HAS_DECAY:
         g = g + p * weight_decay

@@ -10,12 +10,16 @@ takes exactly the arguments of the reference function of the same name and gives
   multiply-add), division and square root correctly rounded (``div_rn``, ``sqrt_rn``);
 - fp32 -> bf16 rounds to nearest-even with integer ops of our own: Triton's interpreter truncates that cast,
   and writing it out keeps one code path for the GPU and for the interpreter that tests it on CPU;
-- the overflow flag masks every load and store, so a flagged step reads and writes nothing, without a host sync.
+- the overflow flag masks every load and store, so a flagged step reads and writes nothing, without a host sync;
+- a whole block (every block but a tensor's last) loads and stores without a mask, and where every tensor of the
+  launch starts on a 16-byte boundary (``ALIGNED``, checked on the host when the tables are built: a view into a
+  flat buffer may not) the pointers say so: the compiler then moves 16 bytes per thread and instruction, as torch's
+  fused optimizers do, instead of one element (the PTX is checked in tests/test_triton_compile.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -53,6 +57,46 @@ def _to_weight(x, WEIGHT_IS_BF16: tl.constexpr, WEIGHT_T: tl.constexpr):
 
 
 @triton.jit
+def _span(numels, block_tensor, block_start, flag_ptr, HAS_FLAG: tl.constexpr, BLOCK: tl.constexpr):
+    """This program's tensor ``t``, the start of its block (a multiple of ``BLOCK``) and the tensor's length (0
+    where a raised overflow flag masks everything out)."""
+    pid = tl.program_id(0)
+    t = tl.load(block_tensor + pid)
+    start = tl.multiple_of(tl.load(block_start + pid), BLOCK)
+    limit = tl.load(numels + t)
+    if HAS_FLAG:
+        limit = tl.where(tl.load(flag_ptr) == 0, limit, 0)
+    return t, start, limit
+
+
+@triton.jit
+def _ld(ptr, mask, MASKED: tl.constexpr):
+    """A load of a tensor's last, partial block (``MASKED``), or of a whole one, without a mask to vectorise."""
+    if MASKED:
+        return tl.load(ptr, mask=mask, other=0)
+    else:
+        return tl.load(ptr)
+
+
+@triton.jit
+def _st(ptr, value, mask, MASKED: tl.constexpr):
+    """The store of :func:`_ld`'s block."""
+    if MASKED:
+        tl.store(ptr, value, mask=mask)
+    else:
+        tl.store(ptr, value)
+
+
+@triton.jit
+def _tensor_ptr(table, index, T: tl.constexpr, ALIGNED: tl.constexpr):
+    """Entry ``index`` of a pointer ``table``, as a pointer to ``T``; ``ALIGNED``: known to start on 16 bytes."""
+    ptr = tl.load(table + index).to(tl.pointer_type(T))
+    if ALIGNED:
+        ptr = tl.multiple_of(ptr, 16)
+    return ptr
+
+
+@triton.jit
 def _block(ptrs, numels, block_tensor, block_start, flag_ptr, HAS_FLAG: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     t = tl.load(block_tensor + pid)
@@ -74,11 +118,12 @@ def _check_kernel(ptrs, numels, block_tensor, block_start, flag_ptr, GRAD_T: tl.
 
 @triton.jit
 def _load_grad(
-    grad_ptrs, t, offs, mask, inv_scale_ptr, GRAD_T: tl.constexpr, HAS_SCALE: tl.constexpr, MAXIMIZE: tl.constexpr
-):
-    """The fp32, unscaled (and for ``maximize`` negated) grad of tensor ``t`` (its pointer in ``grad_ptrs``)."""
-    g_ptr = tl.load(grad_ptrs + t).to(tl.pointer_type(GRAD_T))
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    grad_ptrs, t, offs, mask, inv_scale_ptr, GRAD_T: tl.constexpr, HAS_SCALE: tl.constexpr, MAXIMIZE: tl.constexpr,
+    MASKED: tl.constexpr, ALIGNED: tl.constexpr,
+):  # fmt: skip
+    """The fp32, unscaled (and for ``maximize`` negated) grad of tensor ``t`` (its pointer in ``grad_ptrs``); the
+    precision dial's kernels load every block masked, with no alignment claimed."""
+    g = _ld(_tensor_ptr(grad_ptrs, t, GRAD_T, ALIGNED) + offs, mask, MASKED).to(tl.float32)
     if HAS_SCALE:
         g = g * tl.load(inv_scale_ptr)
     if MAXIMIZE:
@@ -89,20 +134,20 @@ def _load_grad(
 @triton.jit
 def _adam_update(
     g, p, m_ptr, v_ptr, offs, mask, t, step_scalars, beta1, one_minus_beta1, beta2, one_minus_beta2, eps,
-    weight_decay, decay_factor, DECAY: tl.constexpr,
+    weight_decay, decay_factor, DECAY: tl.constexpr, MASKED: tl.constexpr,
 ):  # fmt: skip
     """Adam/AdamW on fp32 master values ``p`` (``ampinit._masters.reference.adam_``): stores m and v, returns p."""
     if DECAY == 1:
         g = g + p * weight_decay
     if DECAY == 2:
         p = p * decay_factor
-    m = tl.load(m_ptr + offs, mask=mask, other=0.0) * beta1 + g * one_minus_beta1
-    v = tl.load(v_ptr + offs, mask=mask, other=0.0) * beta2 + (g * g) * one_minus_beta2
+    m = _ld(m_ptr + offs, mask, MASKED) * beta1 + g * one_minus_beta1
+    v = _ld(v_ptr + offs, mask, MASKED) * beta2 + (g * g) * one_minus_beta2
     step_size = tl.load(step_scalars + 2 * t)
     bias_correction2_sqrt = tl.load(step_scalars + 2 * t + 1)
     denom = tl.math.div_rn(tl.math.sqrt_rn(v), bias_correction2_sqrt) + eps
-    tl.store(m_ptr + offs, m, mask=mask)
-    tl.store(v_ptr + offs, v, mask=mask)
+    _st(m_ptr + offs, m, mask, MASKED)
+    _st(v_ptr + offs, v, mask, MASKED)
     return p - tl.math.div_rn(step_size * m, denom)
 
 
@@ -110,18 +155,19 @@ def _adam_update(
 def _sgd_update(
     g, p, ptrs, buf_list, n_tensors, t, offs, mask, lr, momentum, one_minus_dampening, weight_decay,
     HAS_DECAY: tl.constexpr, HAS_MOMENTUM: tl.constexpr, FIRST_STEP: tl.constexpr, NESTEROV: tl.constexpr,
+    MASKED: tl.constexpr, ALIGNED: tl.constexpr,
 ):  # fmt: skip
     """SGD on fp32 master values ``p`` (``ampinit._masters.reference.sgd_``); the momentum buffers are list
     ``buf_list`` of ``ptrs``. Stores the buffer, returns p."""
     if HAS_DECAY:
         g = g + p * weight_decay
     if HAS_MOMENTUM:
-        b_ptr = tl.load(ptrs + buf_list * n_tensors + t).to(tl.pointer_type(tl.float32))
+        b_ptr = _tensor_ptr(ptrs, buf_list * n_tensors + t, tl.float32, ALIGNED)
         if FIRST_STEP:  # noqa: SIM108  (branches on constexprs are compiled away; keep them as statements)
             buf = g
         else:
-            buf = tl.load(b_ptr + offs, mask=mask, other=0.0) * momentum + g * one_minus_dampening
-        tl.store(b_ptr + offs, buf, mask=mask)
+            buf = _ld(b_ptr + offs, mask, MASKED) * momentum + g * one_minus_dampening
+        _st(b_ptr + offs, buf, mask, MASKED)
         if NESTEROV:  # noqa: SIM108
             g = g + buf * momentum
         else:
@@ -154,36 +200,36 @@ def _split_master(p):
 
 
 @triton.jit
-def _load_master(ptrs, n_tensors, first_list, t, offs, mask, STORAGE: tl.constexpr):
+def _load_master(
+    ptrs, n_tensors, first_list, t, offs, mask, STORAGE: tl.constexpr, MASKED: tl.constexpr, ALIGNED: tl.constexpr
+):
     """The fp32 masters of tensor ``t``, from lists ``first_list`` (and the next) of ``ptrs``."""
     if STORAGE == 2:
-        w_ptr = tl.load(ptrs + first_list * n_tensors + t).to(tl.pointer_type(tl.int16))
-        r_ptr = tl.load(ptrs + (first_list + 1) * n_tensors + t).to(tl.pointer_type(tl.int16))
-        p = _join_master(tl.load(w_ptr + offs, mask=mask, other=0), tl.load(r_ptr + offs, mask=mask, other=0))
+        w_ptr = _tensor_ptr(ptrs, first_list * n_tensors + t, tl.int16, ALIGNED)
+        r_ptr = _tensor_ptr(ptrs, (first_list + 1) * n_tensors + t, tl.int16, ALIGNED)
+        p = _join_master(_ld(w_ptr + offs, mask, MASKED), _ld(r_ptr + offs, mask, MASKED))
     else:
-        p_ptr = tl.load(ptrs + first_list * n_tensors + t).to(tl.pointer_type(tl.float32))
-        p = tl.load(p_ptr + offs, mask=mask, other=0.0)
+        p = _ld(_tensor_ptr(ptrs, first_list * n_tensors + t, tl.float32, ALIGNED) + offs, mask, MASKED)
     return p
 
 
 @triton.jit
 def _store_master(
     p, ptrs, n_tensors, first_list, t, offs, mask, STORAGE: tl.constexpr, WEIGHT_T: tl.constexpr,
-    WEIGHT_IS_BF16: tl.constexpr,
+    WEIGHT_IS_BF16: tl.constexpr, MASKED: tl.constexpr, ALIGNED: tl.constexpr,
 ):  # fmt: skip
     """Store the updated masters ``p`` where :func:`_load_master` read them (and the half weights, if written)."""
     if STORAGE == 2:
-        w_ptr = tl.load(ptrs + first_list * n_tensors + t).to(tl.pointer_type(tl.int16))
-        r_ptr = tl.load(ptrs + (first_list + 1) * n_tensors + t).to(tl.pointer_type(tl.int16))
+        w_ptr = _tensor_ptr(ptrs, first_list * n_tensors + t, tl.int16, ALIGNED)
+        r_ptr = _tensor_ptr(ptrs, (first_list + 1) * n_tensors + t, tl.int16, ALIGNED)
         weight_bits, remainder = _split_master(p)
-        tl.store(w_ptr + offs, weight_bits, mask=mask)
-        tl.store(r_ptr + offs, remainder, mask=mask)
+        _st(w_ptr + offs, weight_bits, mask, MASKED)
+        _st(r_ptr + offs, remainder, mask, MASKED)
     else:
-        p_ptr = tl.load(ptrs + first_list * n_tensors + t).to(tl.pointer_type(tl.float32))
-        tl.store(p_ptr + offs, p, mask=mask)
+        _st(_tensor_ptr(ptrs, first_list * n_tensors + t, tl.float32, ALIGNED) + offs, p, mask, MASKED)
         if STORAGE == 1:
-            w_ptr = tl.load(ptrs + (first_list + 1) * n_tensors + t).to(tl.pointer_type(WEIGHT_T))
-            tl.store(w_ptr + offs, _to_weight(p, WEIGHT_IS_BF16, WEIGHT_T), mask=mask)
+            w_ptr = _tensor_ptr(ptrs, (first_list + 1) * n_tensors + t, WEIGHT_T, ALIGNED)
+            _st(w_ptr + offs, _to_weight(p, WEIGHT_IS_BF16, WEIGHT_T), mask, MASKED)
 
 
 @triton.jit
@@ -193,19 +239,43 @@ def _adam_kernel(
     GRAD_T: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_FLAG: tl.constexpr, MAXIMIZE: tl.constexpr,
     STORAGE: tl.constexpr, WEIGHT_T: tl.constexpr, WEIGHT_IS_BF16: tl.constexpr,
     DECAY: tl.constexpr,  # 0: none, 1: L2 (Adam), 2: decoupled (AdamW)
-    BLOCK: tl.constexpr,
+    ALIGNED: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    t, start, limit = _span(numels, block_tensor, block_start, flag_ptr, HAS_FLAG, BLOCK)
+    if start + BLOCK <= limit:
+        _adam_block(
+            grad_ptrs, ptrs, n_tensors, inv_scale_ptr, step_scalars, beta1, one_minus_beta1, beta2,
+            one_minus_beta2, eps, weight_decay, decay_factor, t, start, limit, GRAD_T, HAS_SCALE, MAXIMIZE, STORAGE,
+            WEIGHT_T, WEIGHT_IS_BF16, DECAY, False, ALIGNED, BLOCK,
+        )  # fmt: skip
+    else:
+        _adam_block(
+            grad_ptrs, ptrs, n_tensors, inv_scale_ptr, step_scalars, beta1, one_minus_beta1, beta2,
+            one_minus_beta2, eps, weight_decay, decay_factor, t, start, limit, GRAD_T, HAS_SCALE, MAXIMIZE, STORAGE,
+            WEIGHT_T, WEIGHT_IS_BF16, DECAY, True, ALIGNED, BLOCK,
+        )  # fmt: skip
+
+
+@triton.jit
+def _adam_block(
+    grad_ptrs, ptrs, n_tensors, inv_scale_ptr, step_scalars, beta1, one_minus_beta1, beta2, one_minus_beta2, eps,
+    weight_decay, decay_factor, t, start, limit,
+    GRAD_T: tl.constexpr, HAS_SCALE: tl.constexpr, MAXIMIZE: tl.constexpr, STORAGE: tl.constexpr,
+    WEIGHT_T: tl.constexpr, WEIGHT_IS_BF16: tl.constexpr, DECAY: tl.constexpr, MASKED: tl.constexpr,
+    ALIGNED: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     # Lists of ptrs: exp_avgs, exp_avg_sqs, then the masters' two (STORAGE).
-    t, offs, mask = _block(ptrs, numels, block_tensor, block_start, flag_ptr, HAS_FLAG, BLOCK)
-    m_ptr = tl.load(ptrs + t).to(tl.pointer_type(tl.float32))
-    v_ptr = tl.load(ptrs + n_tensors + t).to(tl.pointer_type(tl.float32))
-    g = _load_grad(grad_ptrs, t, offs, mask, inv_scale_ptr, GRAD_T, HAS_SCALE, MAXIMIZE)
-    p = _load_master(ptrs, n_tensors, 2, t, offs, mask, STORAGE)
+    offs = start + tl.arange(0, BLOCK)
+    mask = offs < limit
+    m_ptr = _tensor_ptr(ptrs, t, tl.float32, ALIGNED)
+    v_ptr = _tensor_ptr(ptrs, n_tensors + t, tl.float32, ALIGNED)
+    g = _load_grad(grad_ptrs, t, offs, mask, inv_scale_ptr, GRAD_T, HAS_SCALE, MAXIMIZE, MASKED, ALIGNED)
+    p = _load_master(ptrs, n_tensors, 2, t, offs, mask, STORAGE, MASKED, ALIGNED)
     p = _adam_update(
         g, p, m_ptr, v_ptr, offs, mask, t, step_scalars, beta1, one_minus_beta1, beta2, one_minus_beta2, eps,
-        weight_decay, decay_factor, DECAY,
+        weight_decay, decay_factor, DECAY, MASKED,
     )  # fmt: skip
-    _store_master(p, ptrs, n_tensors, 2, t, offs, mask, STORAGE, WEIGHT_T, WEIGHT_IS_BF16)
+    _store_master(p, ptrs, n_tensors, 2, t, offs, mask, STORAGE, WEIGHT_T, WEIGHT_IS_BF16, MASKED, ALIGNED)
 
 
 @triton.jit
@@ -215,17 +285,41 @@ def _sgd_kernel(
     GRAD_T: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_FLAG: tl.constexpr, MAXIMIZE: tl.constexpr,
     STORAGE: tl.constexpr, WEIGHT_T: tl.constexpr, WEIGHT_IS_BF16: tl.constexpr,
     HAS_DECAY: tl.constexpr, HAS_MOMENTUM: tl.constexpr, FIRST_STEP: tl.constexpr, NESTEROV: tl.constexpr,
+    ALIGNED: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    t, start, limit = _span(numels, block_tensor, block_start, flag_ptr, HAS_FLAG, BLOCK)
+    if start + BLOCK <= limit:
+        _sgd_block(
+            grad_ptrs, ptrs, n_tensors, inv_scale_ptr, lr, momentum, one_minus_dampening, weight_decay, t, start,
+            limit, GRAD_T, HAS_SCALE, MAXIMIZE, STORAGE, WEIGHT_T, WEIGHT_IS_BF16, HAS_DECAY, HAS_MOMENTUM,
+            FIRST_STEP, NESTEROV, False, ALIGNED, BLOCK,
+        )  # fmt: skip
+    else:
+        _sgd_block(
+            grad_ptrs, ptrs, n_tensors, inv_scale_ptr, lr, momentum, one_minus_dampening, weight_decay, t, start,
+            limit, GRAD_T, HAS_SCALE, MAXIMIZE, STORAGE, WEIGHT_T, WEIGHT_IS_BF16, HAS_DECAY, HAS_MOMENTUM,
+            FIRST_STEP, NESTEROV, True, ALIGNED, BLOCK,
+        )  # fmt: skip
+
+
+@triton.jit
+def _sgd_block(
+    grad_ptrs, ptrs, n_tensors, inv_scale_ptr, lr, momentum, one_minus_dampening, weight_decay, t, start, limit,
+    GRAD_T: tl.constexpr, HAS_SCALE: tl.constexpr, MAXIMIZE: tl.constexpr, STORAGE: tl.constexpr,
+    WEIGHT_T: tl.constexpr, WEIGHT_IS_BF16: tl.constexpr, HAS_DECAY: tl.constexpr, HAS_MOMENTUM: tl.constexpr,
+    FIRST_STEP: tl.constexpr, NESTEROV: tl.constexpr, MASKED: tl.constexpr, ALIGNED: tl.constexpr,
     BLOCK: tl.constexpr,
 ):  # fmt: skip
     # Lists of ptrs: momentum buffers, then the masters' two (STORAGE).
-    t, offs, mask = _block(ptrs, numels, block_tensor, block_start, flag_ptr, HAS_FLAG, BLOCK)
-    g = _load_grad(grad_ptrs, t, offs, mask, inv_scale_ptr, GRAD_T, HAS_SCALE, MAXIMIZE)
-    p = _load_master(ptrs, n_tensors, 1, t, offs, mask, STORAGE)
+    offs = start + tl.arange(0, BLOCK)
+    mask = offs < limit
+    g = _load_grad(grad_ptrs, t, offs, mask, inv_scale_ptr, GRAD_T, HAS_SCALE, MAXIMIZE, MASKED, ALIGNED)
+    p = _load_master(ptrs, n_tensors, 1, t, offs, mask, STORAGE, MASKED, ALIGNED)
     p = _sgd_update(
         g, p, ptrs, 0, n_tensors, t, offs, mask, lr, momentum, one_minus_dampening, weight_decay,
-        HAS_DECAY, HAS_MOMENTUM, FIRST_STEP, NESTEROV,
+        HAS_DECAY, HAS_MOMENTUM, FIRST_STEP, NESTEROV, MASKED, ALIGNED,
     )  # fmt: skip
-    _store_master(p, ptrs, n_tensors, 1, t, offs, mask, STORAGE, WEIGHT_T, WEIGHT_IS_BF16)
+    _store_master(p, ptrs, n_tensors, 1, t, offs, mask, STORAGE, WEIGHT_T, WEIGHT_IS_BF16, MASKED, ALIGNED)
 
 
 # -- launching ------------------------------------------------------------------------------------------------
@@ -238,6 +332,7 @@ class _Tables(NamedTuple):
     block_start: torch.Tensor  # int64, per block
     n_blocks: int
     sizes: tuple[int, ...]  # numels, on the host
+    aligned: bool  # every tensor starts on a 16-byte boundary (the kernels' ALIGNED)
 
 
 #: Tables by the storage of the tensors they point at: ``(device, the first list's sizes, each list's dtype and data
@@ -270,20 +365,24 @@ def _tables(device: torch.device, *lists: Sequence[torch.Tensor]) -> _Tables:
     return cached
 
 
-#: The grads' pointer tables, by the same kind of key (the grads' sizes must be those of the other lists).
-_grad_tables_by_storage: dict[tuple[Any, ...], torch.Tensor] = {}
+#: The grads' pointer tables and whether they are aligned, by the same kind of key (the grads' sizes must be those
+#: of the other lists).
+_grad_tables_by_storage: dict[tuple[Any, ...], tuple[torch.Tensor, bool]] = {}
 
 
-def _grad_table(device: torch.device, grads: Sequence[torch.Tensor], sizes: tuple[int, ...]) -> torch.Tensor:
-    """The grads' pointers, from the cache when these grads were launched on before; ``sizes`` (the other lists')
-    are what each grad must hold."""
+def _grad_table(
+    device: torch.device, grads: Sequence[torch.Tensor], sizes: tuple[int, ...]
+) -> tuple[torch.Tensor, bool]:
+    """The grads' pointers and whether every grad starts on 16 bytes, from the cache when these grads were launched
+    on before; ``sizes`` (the other lists') are what each grad must hold."""
     key = _storage_key(device, [grads])
     cached = _grad_tables_by_storage.get(key)
     if cached is None:
         _check_lists(device, [grads])
         if tuple(g.numel() for g in grads) != sizes:
             raise ValueError("the fused master step needs a grad of its master's size for every master")
-        cached = _to_device(torch.tensor([g.data_ptr() for g in grads], dtype=torch.int64), device)
+        table = _to_device(torch.tensor([g.data_ptr() for g in grads], dtype=torch.int64), device)
+        cached = table, _aligned(grads)
         if len(_grad_tables_by_storage) >= _MAX_CACHED:
             _grad_tables_by_storage.clear()
         _grad_tables_by_storage[key] = cached
@@ -312,7 +411,14 @@ def _build_tables(device: torch.device, lists: Sequence[Sequence[torch.Tensor]])
         torch.tensor([b[1] for b in blocks], dtype=torch.int64),
     )
     pointers, sizes, block_tensor, block_start = (_to_device(t, device) for t in host)
-    return _Tables(pointers, sizes, block_tensor, block_start, len(blocks), tuple(numels))
+    aligned = _aligned(t for tensors in lists for t in tensors)
+    return _Tables(pointers, sizes, block_tensor, block_start, len(blocks), tuple(numels), aligned)
+
+
+def _aligned(tensors: Iterable[torch.Tensor]) -> bool:
+    """Whether every one of ``tensors`` starts on a 16-byte boundary: torch's allocators place every tensor they
+    allocate on one; a view into a flat buffer, a slice, may start anywhere."""
+    return all(t.data_ptr() % 16 == 0 for t in tensors)
 
 
 def _to_device(table: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -377,9 +483,10 @@ def _launch(
     device = grads[0].device
     first, second, storage = _storage(masters)
     tables = _tables(device, *lists, first, second)
+    grad_table, grads_aligned = _grad_table(device, grads, tables.sizes)
     unread = grads[0]  # passed for an absent scale or flag: the kernel never reads it
     kernel[(tables.n_blocks,)](
-        _grad_table(device, grads, tables.sizes),
+        grad_table,
         tables.pointers,
         tables.numels,
         tables.block_tensor,
@@ -392,6 +499,7 @@ def _launch(
         HAS_SCALE=inv_scale is not None,
         HAS_FLAG=found_inf is not None,
         MAXIMIZE=maximize,
+        ALIGNED=tables.aligned and grads_aligned,
         BLOCK=_BLOCK,
         enable_fp_fusion=False,
         **storage,
