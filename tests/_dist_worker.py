@@ -7,8 +7,9 @@ same training in one process on the global batch. The ``seeded`` scenarios seed 
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -172,6 +173,23 @@ FSDP_LEVELS = {"O1": torch.float16, "O4": torch.bfloat16}
 FSDP_STEPS = 8
 
 
+@contextlib.contextmanager
+def kernel_path(on: bool) -> Iterator[None]:
+    """With ``on``, the optimizer step takes its CUDA path on CPU tensors: amp's Triton kernels, interpreted."""
+    if not on:
+        yield
+        return
+    from ampinit._masters import kernel_step
+    from tests import _triton
+
+    with _triton.interpreted_kernels():
+        kernel_step.TRITON_ON_CPU = True
+        try:
+            yield
+        finally:
+            kernel_step.TRITON_ON_CPU = False
+
+
 def fsdp2(rank: int, world: int, out: Path) -> None:
     try:
         from torch.distributed.fsdp import fully_shard
@@ -179,7 +197,10 @@ def fsdp2(rank: int, world: int, out: Path) -> None:
         from torch.distributed._composable.fsdp import fully_shard  # type: ignore[no-redef]
 
     x, y = shard(rank, world)
-    for level in FSDP_LEVELS:
+    # O4 a second time on the step's CUDA path (amp's Triton kernels, interpreted): its skip is decided on the
+    # device and SGD cannot take the flag, so the kernels would stand in, but not for DTensor shards, whose
+    # data_ptr() is 0 (tests/test_distributed.py::test_fsdp2_shards_are_left_to_the_optimizer_on_the_kernel_path).
+    for name, level in (*((level, level) for level in FSDP_LEVELS), ("O4_kernel_path", "O4")):
         torch.manual_seed(0)
         model = Net()
         fully_shard(model.fc1)
@@ -187,10 +208,11 @@ def fsdp2(rank: int, world: int, out: Path) -> None:
         fully_shard(model)
         opt = sgd(model)
         overrides = {"loss_scale": ampinit.DynamicLossScale(init_scale=INIT_SCALE)} if level == "O1" else {}
-        amp.initialize(model, opt, opt_level=level, verbosity=0, **overrides)
-        losses = [train_step(model, opt, x, y) for _ in range(FSDP_STEPS)]
+        with kernel_path(name != level):
+            amp.initialize(model, opt, opt_level=level, verbosity=0, **overrides)
+            losses = [train_step(model, opt, x, y) for _ in range(FSDP_STEPS)]
         full = [p.full_tensor().detach().clone() for p in model.parameters()]
-        torch.save({"losses": losses, "params": full, "amp": amp.state_dict()}, out / f"fsdp_{level}.{rank}.pt")
+        torch.save({"losses": losses, "params": full, "amp": amp.state_dict()}, out / f"fsdp_{name}.{rank}.pt")
         amp.deinitialize()
     torch.manual_seed(0)
     model = Net()

@@ -112,6 +112,16 @@ def test_fsdp2_matches_plain_autocast_on_one_process(results: Path, level: str) 
     torch.testing.assert_close(global_losses, reference["losses"], rtol=eps, atol=0)
 
 
+def test_fsdp2_shards_are_left_to_the_optimizer_on_the_kernel_path(results: Path) -> None:
+    """O4 on the step's CUDA path (amp's Triton kernels, interpreted on CPU): the kernels stand in for optimizers that
+    cannot take the device flag, but read raw data pointers, and a DTensor shard's is 0. They leave the shards to
+    the optimizer's own step, which trains exactly as on the CPU path."""
+    for kernel_path, plain in zip(load(results, "fsdp_O4_kernel_path"), load(results, "fsdp_O4")):
+        assert kernel_path["losses"] == plain["losses"]
+        for a, b in zip(kernel_path["params"], plain["params"]):
+            assert torch.equal(a, b)
+
+
 def test_fsdp2_refuses_weight_casting_levels(results: Path) -> None:
     for rank in load(results, "fsdp_O2"):
         assert "cannot work with parameters sharded by FSDP2" in rank["refused"]

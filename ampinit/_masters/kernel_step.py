@@ -160,6 +160,11 @@ def kernels_taking(
         master_dtype = torch.bfloat16 if id(param) in remainders else torch.float32
         if not (
             grad is not None
+            # Plain tensors only: the kernels take raw data pointers, and a tensor subclass may have none (an
+            # FSDP2 / tensor-parallel DTensor's data_ptr() is 0) or lay its data out otherwise.
+            and type(param) in _PLAIN
+            and type(grad) is torch.Tensor
+            and (weight is None or type(weight) in _PLAIN)
             and param.dtype == master_dtype
             and param.device == device
             and param.is_contiguous()
@@ -171,6 +176,9 @@ def kernels_taking(
         ):
             return None
     return kernels
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def takes_device_flag(opt: torch.optim.Optimizer, update: Update | None) -> bool:
