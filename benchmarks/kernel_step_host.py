@@ -6,7 +6,10 @@ optimizer state, the pointer and block tables, the launch arguments. Here the ke
 tensors (``kernel_step.TRITON_ON_CPU``) and the launch itself does nothing, so a sample is exactly that host work.
 The baseline is ``torch.optim.AdamW(fused=True)`` on fp32 copies of the same tensors, whose tiny tensors make its
 sample mostly host work too (its C++ loop over the tensors). Tensors are small (``--numel``) so that arithmetic
-does not hide the per-tensor cost; the tensor count varies (50, 150, 450) to show how each grows.
+does not hide the per-tensor cost; the tensor count varies (50, 150, 450) to show how each grows. Two more rows:
+O4 with torch's foreach AdamW, whose step the kernels take at a static scale (docs/opt-levels.md, "The kernel step
+without masters"), beside the torch foreach step it replaces (ratios against the fused baseline, as every row; on
+CPU the foreach row includes its arithmetic, a dozen passes, so it overstates the host time it costs on a GPU).
 
 Each sample times ``optimizer.step()`` alone; the grads it needs are put in place before it, outside the timing
 (for amp, a ``scale_loss`` whose backward hands every half parameter a fixed half grad). Variants are interleaved
@@ -55,12 +58,14 @@ def kernel_path_without_launches() -> Iterator[None]:
 
 
 class AmpStep:
-    """An O2/O5 session over ``tensors`` half parameters; :meth:`prepare` leaves their master grads in place."""
+    """An O2/O5 session over ``tensors`` half parameters (O4: fp32 ones); :meth:`prepare` leaves their grads in
+    place. ``foreach``: torch's foreach AdamW (the default on CUDA), else its fused one."""
 
-    def __init__(self, level: str, tensors: int, numel: int) -> None:
+    def __init__(self, level: str, tensors: int, numel: int, foreach: bool = False) -> None:
         gen = torch.Generator().manual_seed(0)
         self.params = nn.ParameterList([nn.Parameter(torch.randn(numel, generator=gen) * 0.02) for _ in range(tensors)])
-        self.opt = torch.optim.AdamW(self.params.parameters(), lr=1e-3, fused=True)
+        flags = {"foreach": True} if foreach else {"fused": True}
+        self.opt = torch.optim.AdamW(self.params.parameters(), lr=1e-3, **flags)
         amp.initialize(self.params, self.opt, opt_level=level, verbosity=0, loss_scale=1.0)  # type: ignore[arg-type]
         self.session = amp.current_session()
         half = self.params[0].dtype
@@ -83,14 +88,14 @@ class AmpStep:
 
 
 class PlainStep:
-    """``torch.optim.AdamW(fused=True)`` on fp32 tensors of the same sizes, grads fixed."""
+    """``torch.optim.AdamW(fused=True)`` (or ``foreach=True``) on fp32 tensors of the same sizes, grads fixed."""
 
-    def __init__(self, tensors: int, numel: int) -> None:
+    def __init__(self, tensors: int, numel: int, foreach: bool = False) -> None:
         gen = torch.Generator().manual_seed(0)
         self.params = [(torch.randn(numel, generator=gen) * 0.02).requires_grad_() for _ in range(tensors)]
         for p in self.params:
             p.grad = torch.randn(numel, generator=gen) * 0.01
-        self.opt = torch.optim.AdamW(self.params, lr=1e-3, fused=True)
+        self.opt = torch.optim.AdamW(self.params, lr=1e-3, **({"foreach": True} if foreach else {"fused": True}))
 
     def prepare(self) -> None:
         pass
@@ -102,7 +107,7 @@ class PlainStep:
         pass
 
 
-def takes_kernel_path(level: str, numel: int) -> bool:
+def takes_kernel_path(level: str, numel: int, foreach: bool = False) -> bool:
     """Whether a step of an :class:`AmpStep` at ``level`` runs ``kernel_step.run_kernels``."""
     calls: list[object] = []
     run_kernels = kernel_step.run_kernels
@@ -111,7 +116,7 @@ def takes_kernel_path(level: str, numel: int) -> bool:
         calls.append(args)
         run_kernels(*args, **kwargs)
 
-    probe = AmpStep(level, 2, numel)
+    probe = AmpStep(level, 2, numel, foreach)
     kernel_step.run_kernels = spy
     try:
         probe.prepare()
@@ -138,6 +143,10 @@ def measure(tensors: int, numel: int, rounds: int, steps: int) -> dict[str, dict
         "torch fused AdamW": PlainStep(tensors, numel),
         "O2 kernel step": AmpStep("O2", tensors, numel),
         "O5 kernel step": AmpStep("O5", tensors, numel),
+        # At O4 the kernels stand in for a foreach optimizer, whose skip would otherwise be read on the host: the
+        # host time it would have cost is torch's foreach step (plus that read).
+        "torch foreach AdamW": PlainStep(tensors, numel, foreach=True),
+        "O4 foreach kernel step": AmpStep("O4", tensors, numel, foreach=True),
     }
     try:
         names = list(variants)
@@ -170,15 +179,15 @@ def main(argv: list[str] | None = None) -> int:
     counts = [int(n) for n in args.tensors.split(",")]
     torch.set_num_threads(1)  # host work is single-threaded; threads on tiny tensors only wait for each other
     with kernel_path_without_launches():
-        for level in ("O2", "O5"):
-            if not takes_kernel_path(level, args.numel):
+        for level, foreach in (("O2", False), ("O5", False), ("O4", True)):
+            if not takes_kernel_path(level, args.numel, foreach):
                 raise SystemExit(f"the {level} step did not take the kernel path: the measure would be of another")
         print(f"torch {torch.__version__}, {args.numel} elements per tensor, {args.rounds} rounds x {args.steps} steps")
-        print(f"{'tensors':>8} {'variant':<20} {'us/step':>9} {'x torch':>8} {'us/tensor':>10}")
+        print(f"{'tensors':>8} {'variant':<24} {'us/step':>9} {'x torch':>8} {'us/tensor':>10}")
         results = {n: measure(n, args.numel, args.rounds, args.steps) for n in counts}
     for n, rows in results.items():
         for name, row in rows.items():
-            print(f"{n:>8} {name:<20} {row['us']:>9.1f} {row['ratio']:>8.2f} {row['us'] / n:>10.2f}")
+            print(f"{n:>8} {name:<24} {row['us']:>9.1f} {row['ratio']:>8.2f} {row['us'] / n:>10.2f}")
     if 150 in results:
         for name in ("O2 kernel step", "O5 kernel step"):
             ratio = results[150][name]["ratio"]

@@ -162,9 +162,9 @@ def kernels_taking(
             grad is not None
             # Plain tensors only: the kernels take raw data pointers, and a tensor subclass may have none (an
             # FSDP2 / tensor-parallel DTensor's data_ptr() is 0) or lay its data out otherwise.
-            and type(param) in _PLAIN
-            and type(grad) is torch.Tensor
-            and (weight is None or type(weight) in _PLAIN)
+            and param.__class__ in _PLAIN  # (an attribute, not a type() call: this loop runs per tensor per step)
+            and grad.__class__ is torch.Tensor
+            and (weight is None or weight.__class__ in _PLAIN)
             and param.dtype == master_dtype
             and param.device == device
             and param.is_contiguous()

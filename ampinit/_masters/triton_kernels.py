@@ -19,7 +19,9 @@ takes exactly the arguments of the reference function of the same name and gives
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import functools
+import operator
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -381,8 +383,8 @@ def _grad_table(
         _check_lists(device, [grads])
         if tuple(g.numel() for g in grads) != sizes:
             raise ValueError("the fused master step needs a grad of its master's size for every master")
-        table = _to_device(torch.tensor([g.data_ptr() for g in grads], dtype=torch.int64), device)
-        cached = table, _aligned(grads)
+        addresses = [g.data_ptr() for g in grads]
+        cached = _to_device(torch.tensor(addresses, dtype=torch.int64), device), _aligned(addresses)
         if len(_grad_tables_by_storage) >= _MAX_CACHED:
             _grad_tables_by_storage.clear()
         _grad_tables_by_storage[key] = cached
@@ -404,21 +406,23 @@ def _build_tables(device: torch.device, lists: Sequence[Sequence[torch.Tensor]])
     _check_lists(device, lists)
     numels = [t.numel() for t in lists[0]]
     blocks = [(t, start) for t, n in enumerate(numels) for start in range(0, n, _BLOCK)]
+    addresses = [t.data_ptr() for tensors in lists for t in tensors]
     host = (
-        torch.tensor([t.data_ptr() for tensors in lists for t in tensors], dtype=torch.int64),
+        torch.tensor(addresses, dtype=torch.int64),
         torch.tensor(numels, dtype=torch.int64),
         torch.tensor([b[0] for b in blocks], dtype=torch.int32),
         torch.tensor([b[1] for b in blocks], dtype=torch.int64),
     )
     pointers, sizes, block_tensor, block_start = (_to_device(t, device) for t in host)
-    aligned = _aligned(t for tensors in lists for t in tensors)
+    aligned = _aligned(addresses)
     return _Tables(pointers, sizes, block_tensor, block_start, len(blocks), tuple(numels), aligned)
 
 
-def _aligned(tensors: Iterable[torch.Tensor]) -> bool:
-    """Whether every one of ``tensors`` starts on a 16-byte boundary: torch's allocators place every tensor they
-    allocate on one; a view into a flat buffer, a slice, may start anywhere."""
-    return all(t.data_ptr() % 16 == 0 for t in tensors)
+def _aligned(addresses: list[int]) -> bool:
+    """Whether every one of the tensors at ``addresses`` starts on a 16-byte boundary: torch's allocators place every
+    tensor they allocate on one; a view into a flat buffer, a slice, may start anywhere. (One OR over the
+    addresses: the grads' table is rebuilt whenever they move, so this runs in steps, and adds no call per tensor.)"""
+    return functools.reduce(operator.or_, addresses, 0) % 16 == 0
 
 
 def _to_device(table: torch.Tensor, device: torch.device) -> torch.Tensor:
