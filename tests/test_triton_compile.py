@@ -26,6 +26,10 @@ int32), widening bf16 and 8-bit remainders back to fp32 (``shl``/bit casts: ``mo
 comparisons are exact on every target, so what they give is fixed by their operand types, the same ones the
 interpreter runs with; they need no rule here and are checked bit for bit by the interpreter tests.
 
+Whole blocks of tensors that all start on 16 bytes must move in vector loads and stores, and a launch over a tensor
+off that boundary must have none (a vector access there faults); for the dial the vector bytes are counted against
+the bytes of the lists each launch was given.
+
 The compiled code is not run: that needs a GPU (``scripts/gpu_check.sh``, docs/gpu.md).
 """
 
