@@ -26,6 +26,10 @@ int32), widening bf16 and 8-bit remainders back to fp32 (``shl``/bit casts: ``mo
 comparisons are exact on every target, so what they give is fixed by their operand types, the same ones the
 interpreter runs with; they need no rule here and are checked bit for bit by the interpreter tests.
 
+Whole blocks of tensors that all start on 16 bytes must move in vector loads and stores, and a launch over a tensor
+off that boundary must have none (a vector access there faults); for the dial the vector bytes are counted against
+the bytes of the lists each launch was given.
+
 The compiled code is not run: that needs a GPU (``scripts/gpu_check.sh``, docs/gpu.md).
 """
 
@@ -65,6 +69,8 @@ class Launch:
     kernel: Any
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
+    #: A dial launch's bytes per element read and written in its data lists, from the tensors it was given.
+    moves: tuple[int, int] | None = None
 
     def signature(self) -> tuple[dict[str, str], dict[str, Any]]:
         """Triton's (signature, constexprs) for this launch's arguments, typed as the runtime types them."""
@@ -227,15 +233,33 @@ def _dial_launches(module: ModuleType, monkeypatch: pytest.MonkeyPatch) -> list[
     adamw = AdamSettings(1e-3, 0.9, 0.999, 1e-8, 0.01, True, False)
     sgd = SgdSettings(0.1, 0.9, 0.0, False, 1e-4, False)
 
-    def adam_(grad: torch.dtype, storage: str, fmt: str, settings: AdamSettings, **kwargs: torch.Tensor) -> None:
-        moments = _moments(fmt, signed=True), _moments(fmt, signed=False)
-        module.adam_dial_(_tensors(grad), _masters(storage), *moments, STEPS, settings, **kwargs)
+    def adam_(
+        grad: torch.dtype,
+        storage: str,
+        fmt: str,
+        settings: AdamSettings,
+        grads: list[torch.Tensor] | None = None,
+        **kwargs: torch.Tensor,
+    ) -> None:
+        grads = _tensors(grad) if grads is None else grads
+        masters, moments = _masters(storage), [_moments(fmt, signed=True), _moments(fmt, signed=False)]
+        module.adam_dial_(grads, masters, *moments, STEPS, settings, **kwargs)
+        launches[-1].moves = _moves(grads, masters, moments, moments)
 
     def sgd_(
-        grad: torch.dtype, storage: str, fmt: str, settings: SgdSettings, first_step: bool, **kwargs: torch.Tensor
+        grad: torch.dtype,
+        storage: str,
+        fmt: str,
+        settings: SgdSettings,
+        first_step: bool,
+        buffers: Moments | None = None,
+        **kwargs: torch.Tensor,
     ) -> None:
-        buffers = _moments(fmt, signed=True) if settings.momentum else Moments.fp32([])
-        module.sgd_dial_(_tensors(grad), _masters(storage), buffers, settings, first_step=first_step, **kwargs)
+        if buffers is None:
+            buffers = _moments(fmt, signed=True) if settings.momentum else Moments.fp32([])
+        grads, masters = _tensors(grad), _masters(storage)
+        module.sgd_dial_(grads, masters, buffers, settings, first_step=first_step, **kwargs)
+        launches[-1].moves = _moves(grads, masters, [] if first_step else [buffers], [buffers])
 
     # Every storage with every moment format, as the interpreter tests run them (tests/test_dial_kernels.py).
     for storage in DIAL_STORAGES:
@@ -252,7 +276,29 @@ def _dial_launches(module: ModuleType, monkeypatch: pytest.MonkeyPatch) -> list[
         adam_(torch.bfloat16, "remainder8", "8bit", AdamSettings(1e-3, 0.9, 0.999, 1e-8, decay, decoupled, True))
     for momentum, nesterov, first_step, decay in ((0.9, True, True, 0.0), (0.0, False, False, 0.0)):
         sgd_(torch.bfloat16, "stochastic", "8bit", SgdSettings(0.1, momentum, 0.0, nesterov, decay, True), first_step)
+    # Lists off a 16-byte boundary, the launches that must not claim it: the grads; the 8-bit codes, one byte off.
+    adam_(torch.bfloat16, "remainder8", "8bit", adamw, _misaligned(torch.bfloat16), **scaling)
+    absmax = [torch.zeros(precision.absmax_blocks(n)) for n in SIZES]
+    codes = Moments.eight_bit(_misaligned(torch.uint8), absmax, precision.QuantMap.build(True))
+    sgd_(torch.bfloat16, "stochastic", "8bit", sgd, False, codes, **scaling)
     return launches
+
+
+def _element_size(tensors: list[torch.Tensor]) -> int:
+    return tensors[0].element_size() if tensors else 0
+
+
+def _moves(grads: list[torch.Tensor], masters: Masters, read: list[Moments], written: list[Moments]) -> tuple[int, int]:
+    """Bytes per element a dial launch reads and writes in its data lists: the grad, the master's storage (fp32
+    masters: read alone, written with the half weights) and the values of the moments ``read`` and ``written``
+    (the 8-bit absmax, one fp32 per 256 elements, is not a data list)."""
+    if masters.kind == "fp32":
+        master_read = _element_size(masters.masters)
+        master_written = master_read + _element_size(masters.weights)
+    else:
+        master_read = master_written = _element_size(masters.weights) + _element_size(masters.remainders)
+    read_bytes = _element_size(grads) + master_read + sum(_element_size(m.values) for m in read)
+    return read_bytes, master_written + sum(_element_size(m.values) for m in written)
 
 
 def _unique(launches: list[Launch]) -> list[Launch]:
@@ -407,6 +453,77 @@ def test_whole_blocks_of_aligned_tensors_move_16_bytes_per_access(launches: list
             assert any(v.startswith("ld") for v in vectors) and any(v.startswith("st") for v in vectors), launch.key()
         else:
             assert vectors == [], launch.key()
+
+
+VECTOR_BYTES = re.compile(r"\b(ld|st)\.global(?:\.[A-Za-z0-9_:]+)*?\.v([248])\.[a-z]+(\d+)\b")
+
+
+def vector_bytes(ptx: str) -> dict[str, int]:
+    """The bytes one thread moves in the vector loads (``ld``) and stores (``st``) of ``ptx``."""
+    moved = {"ld": 0, "st": 0}
+    for op, lanes, bits in VECTOR_BYTES.findall(ptx):
+        moved[op] += int(lanes) * int(bits) // 8
+    return moved
+
+
+@pytest.mark.slow
+def test_whole_blocks_of_aligned_dial_lists_move_in_vector_accesses(dial_launches: list[Launch]) -> None:
+    """A dial launch whose lists all start on 16 bytes moves every byte of a whole block's grads, master storage
+    and moment values in vector accesses: per thread, its elements times the bytes per element of the lists the
+    launch was given (16 bytes an access for 4- and 2-byte lists, 8 for the 1-byte codes and remainders, of which
+    a thread holds 8). One over a list off that boundary has none (a vector access there faults). Before, no dial
+    launch had any."""
+    assert {launch.kwargs["ALIGNED"] for launch in dial_launches} == {False, True}
+    for launch in dial_launches:
+        kernel = _compile(launch, 90)
+        moved = vector_bytes(kernel.asm["ptx"])
+        if launch.kwargs["ALIGNED"]:
+            assert launch.moves is not None
+            per_thread = launch.kwargs["BLOCK"] // (32 * kernel.metadata.num_warps)
+            read, written = launch.moves
+            assert moved == {"ld": per_thread * read, "st": per_thread * written}, launch.key()
+        else:
+            assert moved == {"ld": 0, "st": 0}, launch.key()
+
+
+def test_vector_bytes_reads_the_access_widths() -> None:
+    ptx = [
+        "@%p1 ld.global.v4.b32 { %r1, %r2, %r3, %r4 }, [ %rd1 + 0 ];",
+        "ld.global.v2.b32 { %r5, %r6 }, [ %rd2 + 0 ];",
+        "ld.global.b32 %r7, [ %rd3 + 0 ];",
+        "st.global.L1::evict_first.v4.b16 [ %rd4 + 0 ], { %rs1, %rs2, %rs3, %rs4 };",
+        "ld.global.b64 %rd5, [ %rd6 + 0 ];",
+    ]
+    assert vector_bytes("\n\t".join(ptx)) == {"ld": 16 + 8, "st": 8}
+
+
+DIAL_LISTS = ["grads", "weights", "remainders", "exp_avg", "exp_avg absmax", "exp_avg_sq", "exp_avg_sq absmax"]
+
+
+@pytest.mark.parametrize("off_boundary", [None, *DIAL_LISTS])
+def test_a_dial_launch_claims_alignment_only_when_every_list_has_it(
+    compiled_modules: tuple[ModuleType, ModuleType], off_boundary: str | None
+) -> None:
+    """``ALIGNED`` (16-byte vector accesses) is claimed only when every list of the launch starts on 16 bytes: each
+    list of an AdamW launch over 24-bit masters and 8-bit moments, one element off that boundary, withdraws it."""
+    _, dial = compiled_modules
+
+    def made(name: str, sizes: tuple[int, ...], dtype: torch.dtype) -> list[torch.Tensor]:
+        return [
+            torch.zeros(n + 1, dtype=dtype)[1:] if name == off_boundary else torch.zeros(n, dtype=dtype) for n in sizes
+        ]
+
+    def moment(name: str, signed: bool) -> Moments:
+        absmax = made(f"{name} absmax", tuple(precision.absmax_blocks(n) for n in SIZES), torch.float32)
+        return Moments.eight_bit(made(name, SIZES, torch.uint8), absmax, precision.QuantMap.build(signed))
+
+    masters = Masters.remainder8(made("weights", SIZES, torch.bfloat16), made("remainders", SIZES, torch.int8), KEYS)
+    adamw = AdamSettings(1e-3, 0.9, 0.999, 1e-8, 0.01, True, False)
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        launches = _record(dial, ("_adam_dial_kernel",), monkeypatch)
+        grads = made("grads", SIZES, torch.bfloat16)
+        dial.adam_dial_(grads, masters, moment("exp_avg", True), moment("exp_avg_sq", False), STEPS, adamw)
+    assert [launch.kwargs["ALIGNED"] for launch in launches] == [off_boundary is None]
 
 
 @pytest.mark.slow

@@ -11,7 +11,12 @@ encodes what it stores:
 - stochastic rounding on the signed fp32 bits, as the reference: bf16 weights, bf16 moments, 8-bit remainders;
 - 8-bit moments: each QBLOCK's absmax by a row maximum of the ``[BLOCK // QBLOCK, QBLOCK]`` view, the quotient
   correctly rounded (``div_rn``), the code by 8 halvings over the 256 decision points of the map (the last one
-  ``+inf``), decoding by a gather from the 256-entry map.
+  ``+inf``), decoding by a gather from the 256-entry map;
+- as in ``triton_kernels``, a whole block (every block but a tensor's last) loads and stores without a mask, and
+  where every tensor of every list of the launch starts on 16 bytes (``ALIGNED``, from the launch tables) the
+  pointers say so, so that the compiler moves each thread's run of elements in vector accesses: 16 bytes for fp32
+  and 16-bit lists, 8 for the 1-byte codes and remainders (a thread holds 8 elements of a block). A tensor's last,
+  partial block stays masked, its partial 8-bit block's absmax taken over the elements it holds.
 
 Bytes each launch reads and writes per parameter element (from the kernels' loads and stores; a bf16 model, bf16
 grads; the 8-bit absmax adds 4 bytes per 256 elements each way, the key tables and maps a few bytes per program):
@@ -43,7 +48,17 @@ import triton.language as tl
 
 from ampinit._masters.precision import QBLOCK, QuantMap
 from ampinit._masters.reference import AdamSettings, Masters, Moments, SgdSettings
-from ampinit._masters.triton_kernels import _BLOCK, _TL_DTYPES, _block, _load_grad, _tables, _to_weight
+from ampinit._masters.triton_kernels import (
+    _BLOCK,
+    _TL_DTYPES,
+    _ld,
+    _load_grad,
+    _span,
+    _st,
+    _tables,
+    _tensor_ptr,
+    _to_weight,
+)
 from ampinit._types import TensorList
 
 # The launch tables cut tensors into _BLOCK elements: a multiple of QBLOCK, so a program's 8-bit blocks are its own.
@@ -88,22 +103,24 @@ def _stochastic_bf16(x, bits):
 
 
 @triton.jit
-def _list_ptr(ptrs, n_tensors, which, t, T: tl.constexpr):
-    return tl.load(ptrs + which * n_tensors + t).to(tl.pointer_type(T))
+def _list_ptr(ptrs, n_tensors, which, t, T: tl.constexpr, ALIGNED: tl.constexpr):
+    return _tensor_ptr(ptrs, which * n_tensors + t, T, ALIGNED)
 
 
 @triton.jit
-def _load_master(ptrs, n_tensors, first, t, offs, mask, KIND: tl.constexpr):
+def _load_master(
+    ptrs, n_tensors, first, t, offs, mask, KIND: tl.constexpr, MASKED: tl.constexpr, ALIGNED: tl.constexpr
+):
     """The fp32 master of tensor ``t`` from lists ``first`` and ``first + 1`` (``Masters.master``)."""
     if KIND <= 1:
-        p = tl.load(_list_ptr(ptrs, n_tensors, first, t, tl.float32) + offs, mask=mask, other=0.0)
+        p = _ld(_list_ptr(ptrs, n_tensors, first, t, tl.float32, ALIGNED) + offs, mask, MASKED)
     else:
-        w = tl.load(_list_ptr(ptrs, n_tensors, first, t, tl.int16) + offs, mask=mask, other=0)
+        w = _ld(_list_ptr(ptrs, n_tensors, first, t, tl.int16, ALIGNED) + offs, mask, MASKED)
         if KIND == 2:
-            r = tl.load(_list_ptr(ptrs, n_tensors, first + 1, t, tl.int16) + offs, mask=mask, other=0)
+            r = _ld(_list_ptr(ptrs, n_tensors, first + 1, t, tl.int16, ALIGNED) + offs, mask, MASKED)
             p = (w.to(tl.int32) * 65536 + r.to(tl.int32)).to(tl.float32, bitcast=True)
         elif KIND == 3:
-            r = tl.load(_list_ptr(ptrs, n_tensors, first + 1, t, tl.int8) + offs, mask=mask, other=0)
+            r = _ld(_list_ptr(ptrs, n_tensors, first + 1, t, tl.int8, ALIGNED) + offs, mask, MASKED)
             p = ((w.to(tl.int32) * 256 + r.to(tl.int32)) * 256).to(tl.float32, bitcast=True)
         else:
             p = _widen(w)
@@ -113,76 +130,78 @@ def _load_master(ptrs, n_tensors, first, t, offs, mask, KIND: tl.constexpr):
 @triton.jit
 def _store_master(
     p, ptrs, n_tensors, first, t, offs, mask, keys, KIND: tl.constexpr, WEIGHT_T: tl.constexpr,
-    WEIGHT_IS_BF16: tl.constexpr,
+    WEIGHT_IS_BF16: tl.constexpr, MASKED: tl.constexpr, ALIGNED: tl.constexpr,
 ):  # fmt: skip
     """Store the updated master ``p`` where :func:`_load_master` read it (``Masters.store``)."""
     if KIND <= 1:
-        tl.store(_list_ptr(ptrs, n_tensors, first, t, tl.float32) + offs, p, mask=mask)
+        _st(_list_ptr(ptrs, n_tensors, first, t, tl.float32, ALIGNED) + offs, p, mask, MASKED)
         if KIND == 1:
-            w_ptr = _list_ptr(ptrs, n_tensors, first + 1, t, WEIGHT_T)
-            tl.store(w_ptr + offs, _to_weight(p, WEIGHT_IS_BF16, WEIGHT_T), mask=mask)
+            w_ptr = _list_ptr(ptrs, n_tensors, first + 1, t, WEIGHT_T, ALIGNED)
+            _st(w_ptr + offs, _to_weight(p, WEIGHT_IS_BF16, WEIGHT_T), mask, MASKED)
     else:
-        w_ptr = _list_ptr(ptrs, n_tensors, first, t, tl.int16)
+        w_ptr = _list_ptr(ptrs, n_tensors, first, t, tl.int16, ALIGNED)
         if KIND == 4:
-            tl.store(w_ptr + offs, _stochastic_bf16(p, _bits(keys, t, offs)), mask=mask)
+            _st(w_ptr + offs, _stochastic_bf16(p, _bits(keys, t, offs)), mask, MASKED)
         else:
             b = _signed_bits(p)
             if KIND == 3:
                 b = (b + (_bits(keys, t, offs) & 0xFF).to(tl.int32)) >> 8  # 24 bits, stochastically rounded
                 w = (b + 0x80) >> 8
-                r_ptr = _list_ptr(ptrs, n_tensors, first + 1, t, tl.int8)
-                tl.store(r_ptr + offs, (b - w * 256).to(tl.int8), mask=mask)
+                r_ptr = _list_ptr(ptrs, n_tensors, first + 1, t, tl.int8, ALIGNED)
+                _st(r_ptr + offs, (b - w * 256).to(tl.int8), mask, MASKED)
             else:
                 w = (b + 0x8000) >> 16
-                r_ptr = _list_ptr(ptrs, n_tensors, first + 1, t, tl.int16)
-                tl.store(r_ptr + offs, (b - w * 65536).to(tl.int16), mask=mask)
-            tl.store(w_ptr + offs, w.to(tl.int16), mask=mask)
+                r_ptr = _list_ptr(ptrs, n_tensors, first + 1, t, tl.int16, ALIGNED)
+                _st(r_ptr + offs, (b - w * 65536).to(tl.int16), mask, MASKED)
+            _st(w_ptr + offs, w.to(tl.int16), mask, MASKED)
 
 
-# Reductions through tl.reduce with combiners of our own: triton.language's tl.max, tl.min (and tl.zeros) are jit
+# The absmax through tl.reduce with a combiner of our own: triton.language's tl.max (and tl.zeros) are jit
 # functions built when triton is imported, which the interpreter (switched on later, tests/_triton.py) cannot call.
 @triton.jit
 def _larger(a, b):
     # NaN wins, as in torch's amax (the reference's absmax): a NaN moment makes its 8-bit block's absmax NaN, not
-    # the largest other magnitude (which would store the NaN as a finite code). Integers ignore the flag.
+    # the largest other magnitude (which would store the NaN as a finite code).
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
-def _smaller(a, b):
-    return tl.minimum(a, b)
-
-
-@triton.jit
-def _load_moment(ptrs, n_tensors, first, t, offs, mask, qmap, FMT: tl.constexpr, QBLOCK: tl.constexpr):
+def _load_moment(
+    ptrs, n_tensors, first, t, offs, mask, qmap, FMT: tl.constexpr, MASKED: tl.constexpr, ALIGNED: tl.constexpr,
+    QBLOCK: tl.constexpr,
+):  # fmt: skip
     """Moment values (fp32) of tensor ``t`` from lists ``first`` (values) and ``first + 1`` (8-bit absmax)."""
     if FMT == 0:
-        m = tl.load(_list_ptr(ptrs, n_tensors, first, t, tl.float32) + offs, mask=mask, other=0.0)
+        m = _ld(_list_ptr(ptrs, n_tensors, first, t, tl.float32, ALIGNED) + offs, mask, MASKED)
     elif FMT == 1:
-        m = _widen(tl.load(_list_ptr(ptrs, n_tensors, first, t, tl.int16) + offs, mask=mask, other=0))
+        m = _widen(_ld(_list_ptr(ptrs, n_tensors, first, t, tl.int16, ALIGNED) + offs, mask, MASKED))
     else:
-        codes = tl.load(_list_ptr(ptrs, n_tensors, first, t, tl.uint8) + offs, mask=mask, other=0)
-        absmax = tl.load(_list_ptr(ptrs, n_tensors, first + 1, t, tl.float32) + offs // QBLOCK, mask=mask, other=0.0)
-        m = tl.load(qmap + codes.to(tl.int32)) * absmax
+        codes = _ld(_list_ptr(ptrs, n_tensors, first, t, tl.uint8, ALIGNED) + offs, mask, MASKED)
+        absmax_ptr = _list_ptr(ptrs, n_tensors, first + 1, t, tl.float32, ALIGNED)
+        m = tl.load(qmap + codes.to(tl.int32)) * _ld(absmax_ptr + offs // QBLOCK, mask, MASKED)
     return m
 
 
 @triton.jit
 def _store_moment(
-    m, ptrs, n_tensors, first, t, offs, mask, keys, qmap, FMT: tl.constexpr, BLOCK: tl.constexpr,
-    QBLOCK: tl.constexpr,
+    m, ptrs, n_tensors, first, t, start, limit, offs, mask, keys, qmap, FMT: tl.constexpr, MASKED: tl.constexpr,
+    ALIGNED: tl.constexpr, BLOCK: tl.constexpr, QBLOCK: tl.constexpr,
 ):  # fmt: skip
     """Store fp32 moment values ``m`` encoded in format ``FMT`` (``Moments.store``); ``qmap`` is the map, its 256
     decision points follow it."""
     if FMT == 0:
-        tl.store(_list_ptr(ptrs, n_tensors, first, t, tl.float32) + offs, m, mask=mask)
+        _st(_list_ptr(ptrs, n_tensors, first, t, tl.float32, ALIGNED) + offs, m, mask, MASKED)
     elif FMT == 1:
         bf16 = _stochastic_bf16(m, _bits(keys, t, offs))
-        tl.store(_list_ptr(ptrs, n_tensors, first, t, tl.int16) + offs, bf16, mask=mask)
+        _st(_list_ptr(ptrs, n_tensors, first, t, tl.int16, ALIGNED) + offs, bf16, mask, MASKED)
     else:
         rows: tl.constexpr = BLOCK // QBLOCK
-        magnitude = tl.reshape(tl.where(mask, tl.abs(m), 0.0), (rows, QBLOCK))
-        absmax_rows = tl.reduce(magnitude, 1, _larger)
+        magnitude = tl.abs(m)
+        if MASKED:
+            # Past the tensor's end m is not 0 for every scale (0 * an infinite inverse scale is NaN): it must not
+            # enter the absmax of the tensor's last 8-bit block.
+            magnitude = tl.where(mask, magnitude, 0.0)
+        absmax_rows = tl.reduce(tl.reshape(magnitude, (rows, QBLOCK)), 1, _larger)
         absmax = tl.reshape(tl.broadcast_to(absmax_rows[:, None], (rows, QBLOCK)), (BLOCK,))
         y = tl.where(absmax == 0, 0.0, tl.math.div_rn(m, tl.where(absmax == 0, 1.0, absmax)))
         # The code: how many decision points lie strictly below y, by halving over the 256 (the last is +inf).
@@ -190,10 +209,10 @@ def _store_moment(
         for i in tl.static_range(8):
             probe = code + (128 >> i)
             code = tl.where(tl.load(qmap + 256 + probe - 1) < y, probe, code)
-        tl.store(_list_ptr(ptrs, n_tensors, first, t, tl.uint8) + offs, code.to(tl.uint8), mask=mask)
-        row_mask = tl.reduce(tl.reshape(mask.to(tl.int32), (rows, QBLOCK)), 1, _larger) > 0
-        row = tl.reduce(tl.reshape(offs, (rows, QBLOCK)), 1, _smaller) // QBLOCK
-        tl.store(_list_ptr(ptrs, n_tensors, first + 1, t, tl.float32) + row, absmax_rows, mask=row_mask)
+        _st(_list_ptr(ptrs, n_tensors, first, t, tl.uint8, ALIGNED) + offs, code.to(tl.uint8), mask, MASKED)
+        row = start // QBLOCK + tl.arange(0, rows)  # the block starts on a multiple of QBLOCK
+        absmax_ptr = _list_ptr(ptrs, n_tensors, first + 1, t, tl.float32, ALIGNED)
+        _st(absmax_ptr + row, absmax_rows, row * QBLOCK < limit, MASKED)  # the rows holding an element
 
 
 @triton.jit
@@ -204,25 +223,55 @@ def _adam_dial_kernel(
     GRAD_T: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_FLAG: tl.constexpr, MAXIMIZE: tl.constexpr,
     KIND: tl.constexpr, WEIGHT_T: tl.constexpr, WEIGHT_IS_BF16: tl.constexpr, FMT: tl.constexpr,
     DECAY: tl.constexpr,  # 0: none, 1: L2 (Adam), 2: decoupled (AdamW)
-    BLOCK: tl.constexpr, QBLOCK: tl.constexpr,
+    ALIGNED: tl.constexpr, BLOCK: tl.constexpr, QBLOCK: tl.constexpr,
+):  # fmt: skip
+    t, start, limit = _span(numels, block_tensor, block_start, flag_ptr, HAS_FLAG, BLOCK)
+    if start + BLOCK <= limit:
+        _adam_dial_block(
+            ptrs, n_tensors, inv_scale_ptr, step_scalars, master_keys, m_keys, v_keys, m_map, v_map, beta1,
+            one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, decay_factor, t, start, limit, GRAD_T,
+            HAS_SCALE, MAXIMIZE, KIND, WEIGHT_T, WEIGHT_IS_BF16, FMT, DECAY, False, ALIGNED, BLOCK, QBLOCK,
+        )  # fmt: skip
+    else:
+        _adam_dial_block(
+            ptrs, n_tensors, inv_scale_ptr, step_scalars, master_keys, m_keys, v_keys, m_map, v_map, beta1,
+            one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, decay_factor, t, start, limit, GRAD_T,
+            HAS_SCALE, MAXIMIZE, KIND, WEIGHT_T, WEIGHT_IS_BF16, FMT, DECAY, True, ALIGNED, BLOCK, QBLOCK,
+        )  # fmt: skip
+
+
+@triton.jit
+def _adam_dial_block(
+    ptrs, n_tensors, inv_scale_ptr, step_scalars, master_keys, m_keys, v_keys, m_map, v_map,
+    beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, decay_factor, t, start, limit,
+    GRAD_T: tl.constexpr, HAS_SCALE: tl.constexpr, MAXIMIZE: tl.constexpr, KIND: tl.constexpr,
+    WEIGHT_T: tl.constexpr, WEIGHT_IS_BF16: tl.constexpr, FMT: tl.constexpr, DECAY: tl.constexpr,
+    MASKED: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr, QBLOCK: tl.constexpr,
 ):  # fmt: skip
     # Lists: grads, the master's two, exp_avg's two (values, absmax), exp_avg_sq's two.
-    t, offs, mask = _block(ptrs, numels, block_tensor, block_start, flag_ptr, HAS_FLAG, BLOCK)
-    g = _load_grad(ptrs, t, offs, mask, inv_scale_ptr, GRAD_T, HAS_SCALE, MAXIMIZE, True, False)
-    p = _load_master(ptrs, n_tensors, 1, t, offs, mask, KIND)
+    offs = start + tl.arange(0, BLOCK)
+    mask = offs < limit
+    g = _load_grad(ptrs, t, offs, mask, inv_scale_ptr, GRAD_T, HAS_SCALE, MAXIMIZE, MASKED, ALIGNED)
+    p = _load_master(ptrs, n_tensors, 1, t, offs, mask, KIND, MASKED, ALIGNED)
     if DECAY == 1:
         g = g + p * weight_decay
     if DECAY == 2:
         p = p * decay_factor
-    m = _load_moment(ptrs, n_tensors, 3, t, offs, mask, m_map, FMT, QBLOCK) * beta1 + g * one_minus_beta1
-    v = _load_moment(ptrs, n_tensors, 5, t, offs, mask, v_map, FMT, QBLOCK) * beta2 + (g * g) * one_minus_beta2
-    _store_moment(m, ptrs, n_tensors, 3, t, offs, mask, m_keys, m_map, FMT, BLOCK, QBLOCK)
-    _store_moment(v, ptrs, n_tensors, 5, t, offs, mask, v_keys, v_map, FMT, BLOCK, QBLOCK)
+    m = _load_moment(ptrs, n_tensors, 3, t, offs, mask, m_map, FMT, MASKED, ALIGNED, QBLOCK)
+    m = m * beta1 + g * one_minus_beta1
+    v = _load_moment(ptrs, n_tensors, 5, t, offs, mask, v_map, FMT, MASKED, ALIGNED, QBLOCK)
+    v = v * beta2 + (g * g) * one_minus_beta2
+    _store_moment(
+        m, ptrs, n_tensors, 3, t, start, limit, offs, mask, m_keys, m_map, FMT, MASKED, ALIGNED, BLOCK, QBLOCK
+    )
+    _store_moment(
+        v, ptrs, n_tensors, 5, t, start, limit, offs, mask, v_keys, v_map, FMT, MASKED, ALIGNED, BLOCK, QBLOCK
+    )
     step_size = tl.load(step_scalars + 2 * t)
     bias_correction2_sqrt = tl.load(step_scalars + 2 * t + 1)
     denom = tl.math.div_rn(tl.math.sqrt_rn(v), bias_correction2_sqrt) + eps
     p = p - tl.math.div_rn(step_size * m, denom)
-    _store_master(p, ptrs, n_tensors, 1, t, offs, mask, master_keys, KIND, WEIGHT_T, WEIGHT_IS_BF16)
+    _store_master(p, ptrs, n_tensors, 1, t, offs, mask, master_keys, KIND, WEIGHT_T, WEIGHT_IS_BF16, MASKED, ALIGNED)
 
 
 @triton.jit
@@ -232,27 +281,55 @@ def _sgd_dial_kernel(
     GRAD_T: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_FLAG: tl.constexpr, MAXIMIZE: tl.constexpr,
     KIND: tl.constexpr, WEIGHT_T: tl.constexpr, WEIGHT_IS_BF16: tl.constexpr, FMT: tl.constexpr,
     HAS_DECAY: tl.constexpr, HAS_MOMENTUM: tl.constexpr, FIRST_STEP: tl.constexpr, NESTEROV: tl.constexpr,
-    BLOCK: tl.constexpr, QBLOCK: tl.constexpr,
+    ALIGNED: tl.constexpr, BLOCK: tl.constexpr, QBLOCK: tl.constexpr,
+):  # fmt: skip
+    t, start, limit = _span(numels, block_tensor, block_start, flag_ptr, HAS_FLAG, BLOCK)
+    if start + BLOCK <= limit:
+        _sgd_dial_block(
+            ptrs, n_tensors, inv_scale_ptr, master_keys, buf_keys, buf_map, lr, momentum, one_minus_dampening,
+            weight_decay, t, start, limit, GRAD_T, HAS_SCALE, MAXIMIZE, KIND, WEIGHT_T, WEIGHT_IS_BF16, FMT,
+            HAS_DECAY, HAS_MOMENTUM, FIRST_STEP, NESTEROV, False, ALIGNED, BLOCK, QBLOCK,
+        )  # fmt: skip
+    else:
+        _sgd_dial_block(
+            ptrs, n_tensors, inv_scale_ptr, master_keys, buf_keys, buf_map, lr, momentum, one_minus_dampening,
+            weight_decay, t, start, limit, GRAD_T, HAS_SCALE, MAXIMIZE, KIND, WEIGHT_T, WEIGHT_IS_BF16, FMT,
+            HAS_DECAY, HAS_MOMENTUM, FIRST_STEP, NESTEROV, True, ALIGNED, BLOCK, QBLOCK,
+        )  # fmt: skip
+
+
+@triton.jit
+def _sgd_dial_block(
+    ptrs, n_tensors, inv_scale_ptr, master_keys, buf_keys, buf_map, lr, momentum, one_minus_dampening,
+    weight_decay, t, start, limit,
+    GRAD_T: tl.constexpr, HAS_SCALE: tl.constexpr, MAXIMIZE: tl.constexpr, KIND: tl.constexpr,
+    WEIGHT_T: tl.constexpr, WEIGHT_IS_BF16: tl.constexpr, FMT: tl.constexpr, HAS_DECAY: tl.constexpr,
+    HAS_MOMENTUM: tl.constexpr, FIRST_STEP: tl.constexpr, NESTEROV: tl.constexpr, MASKED: tl.constexpr,
+    ALIGNED: tl.constexpr, BLOCK: tl.constexpr, QBLOCK: tl.constexpr,
 ):  # fmt: skip
     # Lists: grads, the master's two, the momentum buffer's two (values, absmax).
-    t, offs, mask = _block(ptrs, numels, block_tensor, block_start, flag_ptr, HAS_FLAG, BLOCK)
-    g = _load_grad(ptrs, t, offs, mask, inv_scale_ptr, GRAD_T, HAS_SCALE, MAXIMIZE, True, False)
-    p = _load_master(ptrs, n_tensors, 1, t, offs, mask, KIND)
+    offs = start + tl.arange(0, BLOCK)
+    mask = offs < limit
+    g = _load_grad(ptrs, t, offs, mask, inv_scale_ptr, GRAD_T, HAS_SCALE, MAXIMIZE, MASKED, ALIGNED)
+    p = _load_master(ptrs, n_tensors, 1, t, offs, mask, KIND, MASKED, ALIGNED)
     if HAS_DECAY:
         g = g + p * weight_decay
     if HAS_MOMENTUM:
         if FIRST_STEP:
             buf = g
         else:
-            old = _load_moment(ptrs, n_tensors, 3, t, offs, mask, buf_map, FMT, QBLOCK)
+            old = _load_moment(ptrs, n_tensors, 3, t, offs, mask, buf_map, FMT, MASKED, ALIGNED, QBLOCK)
             buf = old * momentum + g * one_minus_dampening
-        _store_moment(buf, ptrs, n_tensors, 3, t, offs, mask, buf_keys, buf_map, FMT, BLOCK, QBLOCK)
+        _store_moment(
+            buf, ptrs, n_tensors, 3, t, start, limit, offs, mask, buf_keys, buf_map, FMT, MASKED, ALIGNED, BLOCK,
+            QBLOCK,
+        )  # fmt: skip
         if NESTEROV:  # noqa: SIM108
             g = g + buf * momentum
         else:
             g = buf
     p = p - g * lr  # as triton_kernels._sgd_update: bitwise torch's p + (-lr)*g
-    _store_master(p, ptrs, n_tensors, 1, t, offs, mask, master_keys, KIND, WEIGHT_T, WEIGHT_IS_BF16)
+    _store_master(p, ptrs, n_tensors, 1, t, offs, mask, master_keys, KIND, WEIGHT_T, WEIGHT_IS_BF16, MASKED, ALIGNED)
 
 
 # -- launching ------------------------------------------------------------------------------------------------
@@ -339,7 +416,7 @@ def adam_dial_(
         unread if inv_scale is None else inv_scale, unread if found_inf is None else found_inf,
         step_scalars.contiguous(), master_keys, m_keys, v_keys, m_map, v_map,
         s.beta1, 1 - s.beta1, s.beta2, 1 - s.beta2, s.eps, s.weight_decay, 1 - s.lr * s.weight_decay,
-        FMT=fmt, DECAY=0 if s.weight_decay == 0 else (2 if s.decoupled else 1),
+        FMT=fmt, DECAY=0 if s.weight_decay == 0 else (2 if s.decoupled else 1), ALIGNED=tables.aligned,
         **constants, **_common(grads, inv_scale, found_inf, s.maximize),
     )  # fmt: skip
 
@@ -367,6 +444,6 @@ def sgd_dial_(
         tables.pointers, tables.numels, tables.block_tensor, tables.block_start, len(grads),
         unread if inv_scale is None else inv_scale, unread if found_inf is None else found_inf,
         master_keys, buf_keys, buf_map, s.lr, s.momentum, 1 - s.dampening, s.weight_decay,
-        FMT=_format(momentum_buffers), FIRST_STEP=first_step,
+        FMT=_format(momentum_buffers), FIRST_STEP=first_step, ALIGNED=tables.aligned,
         **flags, **constants, **_common(grads, inv_scale, found_inf, s.maximize),
     )  # fmt: skip

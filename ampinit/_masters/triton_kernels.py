@@ -123,8 +123,7 @@ def _load_grad(
     grad_ptrs, t, offs, mask, inv_scale_ptr, GRAD_T: tl.constexpr, HAS_SCALE: tl.constexpr, MAXIMIZE: tl.constexpr,
     MASKED: tl.constexpr, ALIGNED: tl.constexpr,
 ):  # fmt: skip
-    """The fp32, unscaled (and for ``maximize`` negated) grad of tensor ``t`` (its pointer in ``grad_ptrs``); the
-    precision dial's kernels load every block masked, with no alignment claimed."""
+    """The fp32, unscaled (and for ``maximize`` negated) grad of tensor ``t`` (its pointer in ``grad_ptrs``)."""
     g = _ld(_tensor_ptr(grad_ptrs, t, GRAD_T, ALIGNED) + offs, mask, MASKED).to(tl.float32)
     if HAS_SCALE:
         g = g * tl.load(inv_scale_ptr)
