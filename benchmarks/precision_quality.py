@@ -301,7 +301,7 @@ def markdown(rows: dict[str, dict[str, Any]]) -> str:
 def seeds_markdown(rows: dict[str, dict[str, Any]]) -> str:
     seeds = max(row["seeds"] for row in rows.values())
     lines = [
-        f"| setting | seeds | x {REFERENCE}, mean | standard error | min - max | one-sided {CONFIDENCE:.0%} interval "
+        f"| setting | seeds | x {REFERENCE}, mean | standard error | min - max | one-sided {CONFIDENCE:.0%} bounds "
         "| target | verdict |",
         "|---|---|---|---|---|---|---|---|",
     ]
