@@ -8,7 +8,15 @@ generator per setting); the held-out loss is the mean over a fixed set of held-o
 the last step. Settings that the installed ampinit refuses (an option it does not have yet) become rows with the
 error, and the run goes on.
 
+With ``--seeds N`` every seed draws its own initial weights and batch order (seed 0 is the single-seed run), every
+setting trains from that seed's weights, and a setting's figure is the mean over seeds of its loss ratio to the same
+seed's fp32-masters loss. Its spread is the standard error of that mean: the bounds are on a setting's expected
+quality, and a standard error shrinks as seeds are added while a min-max range only widens. The verdict is "met" when
+the one-sided 95% Student-t upper bound of the mean is within the target, "not met" when the lower bound is above
+it, and "not resolved" otherwise. The JSON is rewritten after every seed, so a run stopped early keeps its seeds.
+
     PYTHONPATH=. nice -n 10 python benchmarks/precision_quality.py               # 2,000 steps per setting
+    PYTHONPATH=. python benchmarks/precision_quality.py --seeds 5 --only "O5 fp32 masters,O5 remainder + 8bit"
     PYTHONPATH=. python benchmarks/precision_quality.py --quick                  # smoke run, seconds
 """
 
@@ -38,6 +46,8 @@ from benchmarks.gpu_train_step import GPT, GPTShape, lm_loss
 DEFAULT_JSON = Path("benchmarks/results/precision_quality.json")
 REFERENCE = "O5 fp32 masters"
 HELD_OUT_EVERY = 10  # file i (sorted) is held out when i % 10 == 9
+BATCH_ORDER_SEED = 1234  # seed s draws its batches from a generator seeded with BATCH_ORDER_SEED + s
+CONFIDENCE = 0.95  # one-sided, for the multi-seed verdicts
 
 
 # -- data --------------------------------------------------------------------------------------------------------
@@ -121,8 +131,11 @@ def lr_factor(config: Config) -> Callable[[int], float]:
     return factor
 
 
-def train(setting: Setting, initial: nn.Module, data: tuple[torch.Tensor, torch.Tensor], config: Config) -> float:
-    """Train a copy of ``initial`` for ``config.steps`` steps; return its mean held-out loss."""
+def train(
+    setting: Setting, initial: nn.Module, data: tuple[torch.Tensor, torch.Tensor], config: Config, seed: int = 0
+) -> float:
+    """Train a copy of ``initial`` for ``config.steps`` steps on seed ``seed``'s batch order; return its mean
+    held-out loss."""
     train_data, held_out = data
     model = copy.deepcopy(initial)
     opt = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=0.1)
@@ -133,7 +146,7 @@ def train(setting: Setting, initial: nn.Module, data: tuple[torch.Tensor, torch.
     try:
         schedule = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(config))
         context, batch = config.shape.context, config.shape.batch
-        gen = torch.Generator().manual_seed(1234)
+        gen = torch.Generator().manual_seed(BATCH_ORDER_SEED + seed)
         for _ in range(config.steps):
             starts = torch.randint(0, len(train_data) - context - 1, (batch,), generator=gen)
             x, y = windows(train_data, starts, context)
@@ -168,15 +181,17 @@ def held_out_loss(model: nn.Module, held_out: torch.Tensor, config: Config, auto
 
 
 # -- report ------------------------------------------------------------------------------------------------------
-def run(settings: Sequence[Setting], config: Config) -> dict[str, dict[str, Any]]:
+def run(settings: Sequence[Setting], config: Config, seed: int = 0) -> dict[str, dict[str, Any]]:
+    """One seed: every setting trains from the same initial weights (``torch.manual_seed(seed)``, which the
+    stochastic settings also take as their rounding seed) on the same batches."""
     data = corpus(config.max_files)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     initial = char_decoder(config.shape)
     rows: dict[str, dict[str, Any]] = {}
     for setting in settings:
         started = time.perf_counter()
         try:
-            loss = train(setting, initial, data, config)
+            loss = train(setting, initial, data, config, seed)
         except (TypeError, ValueError) as error:  # an option this ampinit does not have (yet)
             rows[setting.name] = {"error": f"{type(error).__name__}: {error}", "target": setting.target}
         else:
@@ -189,6 +204,76 @@ def run(settings: Sequence[Setting], config: Config) -> dict[str, dict[str, Any]
             if row["target"] is not None:
                 row["met"] = row["ratio"] <= row["target"]
     return rows
+
+
+def t_quantile(p: float, df: int) -> float:
+    """The ``p`` quantile (p in (0.5, 1)) of Student's t with ``df`` degrees of freedom. With t = sqrt(df) tan(a),
+    P(0 < T < t) is proportional to the integral of cos(a)^(df - 1) from 0 to a, a smooth integrand that Simpson's
+    rule integrates closely; the angle is found by bisection."""
+    if not 0.5 < p < 1:
+        raise ValueError(f"p must be in (0.5, 1), got {p!r}")
+    if df < 1:
+        raise ValueError(f"df must be >= 1, got {df!r}")
+
+    def integral(angle: float, intervals: int = 2000) -> float:
+        h = angle / intervals
+        ends = 1.0 + math.cos(angle) ** (df - 1)
+        odd = sum(math.cos((2 * i - 1) * h) ** (df - 1) for i in range(1, intervals // 2 + 1))
+        even = sum(math.cos(2 * i * h) ** (df - 1) for i in range(1, intervals // 2))
+        return h / 3 * (ends + 4 * odd + 2 * even)
+
+    wanted = (2 * p - 1) * integral(math.pi / 2)
+    low, high = 0.0, math.pi / 2
+    for _ in range(60):
+        middle = (low + high) / 2
+        low, high = (middle, high) if integral(middle) < wanted else (low, middle)
+    return math.sqrt(df) * math.tan((low + high) / 2)
+
+
+def aggregate(per_seed: Sequence[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Per setting, over the seeds run so far: the mean of its per-seed ratios to that seed's reference loss, their
+    standard error and range, a one-sided ``CONFIDENCE`` interval of the mean, and the verdict against the target.
+    A setting that failed on any seed keeps that seed's error."""
+    rows: dict[str, dict[str, Any]] = {}
+    for name, first in per_seed[0].items():
+        seeds = [rows_of_seed[name] for rows_of_seed in per_seed]
+        failed = next((row for row in seeds if "error" in row), None)
+        if failed is not None:
+            rows[name] = {"error": failed["error"], "target": first["target"], "seeds": len(seeds)}
+            continue
+        losses = [row["loss"] for row in seeds]
+        row: dict[str, Any] = {
+            "seeds": len(seeds),
+            "losses": losses,
+            "loss": sum(losses) / len(losses),
+            "seconds": sum(row["seconds"] for row in seeds),
+            "target": first["target"],
+        }
+        if all("ratio" in row for row in seeds):
+            ratios = [row["ratio"] for row in seeds]
+            mean = sum(ratios) / len(ratios)
+            row.update(ratios=ratios, ratio=mean, min=min(ratios), max=max(ratios))
+            if len(ratios) > 1:
+                variance = sum((r - mean) ** 2 for r in ratios) / (len(ratios) - 1)
+                row["stderr"] = math.sqrt(variance / len(ratios))
+                half = t_quantile(CONFIDENCE, len(ratios) - 1) * row["stderr"]
+                row["interval"] = [mean - half, mean + half]
+            if row["target"] is not None:
+                row["verdict"] = judge(row.get("interval"), row["target"])
+        rows[name] = row
+    return rows
+
+
+def judge(interval: Sequence[float] | None, target: float) -> str:
+    """Met only when the whole one-sided interval is within the target, not met only when it is all above it."""
+    if interval is None:
+        return "not resolved"
+    low, high = interval
+    if high <= target:
+        return "met"
+    if low > target:
+        return "not met"
+    return "not resolved"
 
 
 def verdict(row: dict[str, Any]) -> str:
@@ -210,6 +295,33 @@ def markdown(rows: dict[str, dict[str, Any]]) -> str:
             continue
         ratio = f"{row['ratio']:.4f}" if "ratio" in row else ""
         lines.append(f"| {name} | {row['loss']:.4f} | {ratio} | {verdict(row)} | {row['seconds']:.0f} |")
+    return "\n".join(lines)
+
+
+def seeds_markdown(rows: dict[str, dict[str, Any]]) -> str:
+    seeds = max(row["seeds"] for row in rows.values())
+    lines = [
+        f"| setting | seeds | x {REFERENCE}, mean | standard error | min - max | one-sided {CONFIDENCE:.0%} bounds "
+        "| target | verdict |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, row in rows.items():
+        target = "" if row["target"] is None else f"<= {row['target']:.3f}"
+        if "error" in row:
+            lines.append(f"| {name} | {row['seeds']} | error: {row['error']} | | | | {target} | not measured |")
+            continue
+        if "ratio" not in row:
+            lines.append(f"| {name} | {row['seeds']} | (no reference row) | | | | {target} | |")
+            continue
+        stderr = f"{row['stderr']:.4f}" if "stderr" in row else ""
+        interval = f"{row['interval'][0]:.4f} - {row['interval'][1]:.4f}" if "interval" in row else ""
+        judged = row.get("verdict", "")
+        if judged == "not resolved":
+            judged = f"not resolved at {seeds} seed{'s' if seeds > 1 else ''}"
+        lines.append(
+            f"| {name} | {row['seeds']} | {row['ratio']:.4f} | {stderr} | {row['min']:.4f} - {row['max']:.4f} "
+            f"| {interval} | {target} | {judged} |"
+        )
     return "\n".join(lines)
 
 
@@ -247,11 +359,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--threads", type=int, default=1, help="torch threads (default 1: on a shared machine 2 threads ran 15x slower)"
     )
+    parser.add_argument(
+        "--seeds", type=int, default=1, help="seeds 0..N-1, each its own initial weights and batch order (default 1)"
+    )
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help=f"results (default {DEFAULT_JSON})")
     args = parser.parse_args(argv)
     if args.steps is None:
         args.steps = 4 if args.quick else 2000
-    for name in ("steps", "threads"):
+    for name in ("steps", "threads", "seeds"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
     return args
@@ -269,22 +384,41 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         if unknown:
             raise SystemExit(f"--only names unknown settings {sorted(unknown)}; known: {[s.name for s in SETTINGS]}")
         settings = [s for s in SETTINGS if not only or s.name in only]
+        if args.seeds > 1 and REFERENCE not in {s.name for s in settings}:
+            raise SystemExit(f"--seeds {args.seeds} reports ratios to {REFERENCE!r}: add it to --only")
         env = machine()
         print(f"{env['cpu']}, torch {env['torch']}, ampinit {env['ampinit']}, {env['threads']} threads; {config}")
         started = time.perf_counter()
-        rows = run(settings, config)
-        table = markdown(rows)
-        print(table)
-        report = {
+        header = {
             "benchmark": "precision_quality",
             "machine": env,
             "config": {**vars(config), "shape": vars(config.shape)},
-            "rows": rows,
-            "markdown": table,
-            "wall_seconds": time.perf_counter() - started,
         }
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        if args.seeds == 1:
+            rows = run(settings, config)
+            table = markdown(rows)
+            print(table)
+            report = {**header, "rows": rows, "markdown": table, "wall_seconds": time.perf_counter() - started}
+            args.json.write_text(json.dumps(report, indent=2) + "\n")
+        else:
+            per_seed: list[dict[str, dict[str, Any]]] = []
+            for seed in range(args.seeds):
+                print(f"seed {seed}:", flush=True)
+                per_seed.append(run(settings, config, seed))
+                rows = aggregate(per_seed)
+                table = seeds_markdown(rows)
+                print(table, flush=True)
+                report = {
+                    **header,
+                    "seeds": args.seeds,
+                    "seeds_done": len(per_seed),
+                    "rows": rows,
+                    "per_seed": per_seed,
+                    "markdown": table,
+                    "wall_seconds": time.perf_counter() - started,
+                }
+                args.json.write_text(json.dumps(report, indent=2) + "\n")
         print(f"wall time {report['wall_seconds']:.0f} s; results written to {args.json}")
         return report
 

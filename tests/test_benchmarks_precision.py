@@ -8,6 +8,7 @@ import json
 import math
 import sysconfig
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -40,6 +41,85 @@ def test_the_quality_smoke_run_gives_every_setting_a_row(tmp_path: Path) -> None
 def test_the_quality_run_refuses_an_unknown_setting(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="unknown settings"):
         precision_quality.main(["--quick", "--only", "O6", "--json", str(tmp_path / "q.json")])
+
+
+# Student's t, one-sided 95% quantiles, from a printed table (NIST/SEMATECH e-Handbook, 1.3.6.7.2).
+T_TABLE_95 = {1: 6.314, 2: 2.920, 4: 2.132, 9: 1.833, 30: 1.697}
+
+
+@pytest.mark.parametrize("df", sorted(T_TABLE_95))
+def test_the_t_quantile_matches_the_printed_table(df: int) -> None:
+    assert precision_quality.t_quantile(0.95, df) == pytest.approx(T_TABLE_95[df], abs=6e-4)
+
+
+def seed_rows(ratios: dict[str, float], targets: dict[str, float | None]) -> dict[str, dict[str, Any]]:
+    """One seed's rows as ``run`` gives them: a reference loss of 2.0 and each setting's loss at its ratio."""
+    return {
+        name: {"loss": 2.0 * ratio, "seconds": 1.0, "target": targets[name], "ratio": ratio}
+        for name, ratio in ratios.items()
+    }
+
+
+def test_the_seeds_aggregate_to_a_mean_ratio_a_standard_error_and_a_one_sided_verdict() -> None:
+    # Three seeds whose ratios are 1.000, 1.002 and 1.004: mean 1.002, sample standard deviation 0.002, standard
+    # error 0.002 / sqrt(3) = 0.0011547, t(0.95, 2) = 2.920, so the one-sided 95% bounds are 1.002 -+ 0.0033717.
+    targets = {"reference": None, "loose": 1.01, "tight": 1.003, "missed": 0.998, "broken": 1.01}
+    per_seed = []
+    for ratio in (1.000, 1.002, 1.004):
+        rows = seed_rows({"reference": 1.0, "loose": ratio, "tight": ratio, "missed": ratio, "broken": 1.0}, targets)
+        per_seed.append(rows)
+    per_seed[1]["broken"] = {"error": "ValueError: no such option", "target": 1.01}
+    rows = precision_quality.aggregate(per_seed)
+
+    tight = rows["tight"]
+    assert tight["seeds"] == 3 and tight["ratios"] == [1.000, 1.002, 1.004]
+    assert tight["ratio"] == pytest.approx(1.002, abs=1e-12)
+    assert tight["stderr"] == pytest.approx(0.0011547, abs=1e-7)
+    assert (tight["min"], tight["max"]) == (1.000, 1.004)
+    assert tight["interval"] == pytest.approx([0.9986283, 1.0053717], abs=2e-6)
+    assert tight["loss"] == pytest.approx(2.004) and tight["seconds"] == 3.0
+    assert [rows[name]["verdict"] for name in ("loose", "tight", "missed")] == ["met", "not resolved", "not met"]
+    assert (
+        rows["reference"]["ratio"] == 1.0 and rows["reference"]["stderr"] == 0.0 and "verdict" not in rows["reference"]
+    )
+    assert rows["broken"] == {"error": "ValueError: no such option", "target": 1.01, "seeds": 3}
+    table = precision_quality.seeds_markdown(rows)
+    assert (
+        "| tight | 3 | 1.0020 | 0.0012 | 1.0000 - 1.0040 | 0.9986 - 1.0054 | <= 1.003 | not resolved at 3 seeds |"
+        in table
+    )
+
+
+def test_one_seed_is_not_a_verdict() -> None:
+    rows = precision_quality.aggregate(
+        [seed_rows({"reference": 1.0, "lossy": 1.0001}, {"reference": None, "lossy": 1.01})]
+    )
+    assert rows["lossy"]["verdict"] == "not resolved" and "stderr" not in rows["lossy"]
+
+
+def test_seed_zero_of_a_multi_seed_run_is_the_single_seed_run(tmp_path: Path) -> None:
+    names = [precision_quality.REFERENCE, "O5 remainder + 8bit"]
+    common = ["--quick", "--steps", "2", "--only", ",".join(names)]
+    single = precision_quality.main([*common, "--json", str(tmp_path / "one.json")])
+    several = precision_quality.main([*common, "--seeds", "2", "--json", str(tmp_path / "two.json")])
+    seed_zero, seed_one = several["per_seed"]
+    assert {n: r["loss"] for n, r in seed_zero.items()} == {n: r["loss"] for n, r in single["rows"].items()}
+    # seed 1 draws other weights and batches: its reference ends elsewhere
+    assert seed_one[precision_quality.REFERENCE]["loss"] != seed_zero[precision_quality.REFERENCE]["loss"]
+    lossy = several["rows"]["O5 remainder + 8bit"]
+    ratios = [
+        seed["O5 remainder + 8bit"]["loss"] / seed[precision_quality.REFERENCE]["loss"] for seed in several["per_seed"]
+    ]
+    assert lossy["ratios"] == pytest.approx(ratios) and lossy["ratio"] == pytest.approx(sum(ratios) / 2)
+    saved = json.loads((tmp_path / "two.json").read_text())
+    assert saved["seeds"] == saved["seeds_done"] == 2 and saved["rows"].keys() == several["rows"].keys()
+
+
+def test_several_seeds_need_the_reference_row(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="add it to --only"):
+        precision_quality.main(
+            ["--quick", "--seeds", "2", "--only", "O5 remainder", "--json", str(tmp_path / "q.json")]
+        )
 
 
 def test_the_corpus_holds_out_every_tenth_file() -> None:
