@@ -42,3 +42,12 @@ def scale_loss_block(
         scaled.backward()
         if inf:
             plant_inf_in_fc1(model)
+
+
+def overflowing_iteration(
+    model: SmallNet, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, overflow: bool
+) -> None:
+    """One iteration, with an overflow planted in its backward when ``overflow``."""
+    opt.zero_grad()
+    scale_loss_block(model, opt, x, y, inf=overflow, defer=False)
+    opt.step()

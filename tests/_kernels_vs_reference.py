@@ -8,6 +8,7 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
+import pytest
 import torch
 
 from ampinit._masters import reference
@@ -60,3 +61,17 @@ def run_both(kernels: ModuleType, name: str, state: State, *args: Any, **kwargs:
     call(kernels, name, copy, *args, **kwargs)
     for key in state:
         assert_same(copy[key], state[key], key)
+
+
+def count_launches(module: ModuleType, monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """How often amp launches each update kernel of ``module`` (the interpreted kernels) from now on."""
+    calls = {"adam_": 0, "sgd_": 0}
+    for name in calls:
+        launch = getattr(module, name)
+
+        def counted(*args: Any, _name: str = name, _launch: Any = launch, **kwargs: Any) -> None:
+            calls[_name] += 1
+            _launch(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, counted)
+    return calls

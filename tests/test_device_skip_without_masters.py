@@ -17,11 +17,11 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
 
 from ampinit import amp
 from ampinit._types import OptLevel
-from tests._amp_loop import plant_inf_in_fc1
+from tests._amp_loop import overflowing_iteration
+from tests._kernels_vs_reference import count_launches
 from tests.conftest import SmallNet, make_problem
 
 STEPS = 6
@@ -49,32 +49,12 @@ def train(
     skipped, after = [], []
     try:
         for step in range(STEPS):
-            opt.zero_grad()
-            loss = nn.functional.mse_loss(model(x).float(), y)
-            with amp.scale_loss(loss, opt) as scaled:
-                scaled.backward()
-                if step == OVERFLOWING_STEP:
-                    plant_inf_in_fc1(model)
-            opt.step()
+            overflowing_iteration(model, opt, x, y, overflow=step == OVERFLOWING_STEP)
             skipped.append(amp.step_was_skipped(opt))
             after.append([p.detach().clone() for p in model.parameters()])
     finally:
         amp.deinitialize()
     return model, opt, skipped, after
-
-
-def count_calls(monkeypatch: pytest.MonkeyPatch, module: ModuleType) -> dict[str, int]:
-    """Count the kernel launches amp makes through ``module`` (the interpreted kernels)."""
-    calls = {"adam_": 0, "sgd_": 0}
-    for name in calls:
-        original = getattr(module, name)
-
-        def counted(*args: Any, _name: str = name, _original: Any = original, **kwargs: Any) -> None:
-            calls[_name] += 1
-            _original(*args, **kwargs)
-
-        monkeypatch.setattr(module, name, counted)
-    return calls
 
 
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
@@ -89,7 +69,7 @@ def test_the_kernels_train_as_the_optimizers_own_step(
     """The same training, the kernels standing in against torch's own step (the flag then read on the host): the
     same steps skipped, the parameters within the last bits of the arithmetic, and the optimizer state in torch's
     layout with the same values (a checkpoint moves between the two)."""
-    calls = count_calls(monkeypatch, kernels_on_cpu)
+    calls = count_launches(kernels_on_cpu, monkeypatch)
     _, opt, skipped, after = train(level, options, OPTIMIZERS[optimizer])
     assert sum(calls.values()) > 0, "the kernels never took a step"
     monkeypatch.setattr("ampinit._masters.kernel_step.TRITON_ON_CPU", False)
@@ -132,7 +112,7 @@ def test_the_optimizers_own_step_runs_where_it_needs_no_stand_in(
 ) -> None:
     """A fused optimizer takes the flag into its own kernel, and a skip decided on the host (a dynamic scale)
     needs no flag: in both the user's optimizer runs as written, and amp's kernels are never called."""
-    calls = count_calls(monkeypatch, kernels_on_cpu)
+    calls = count_launches(kernels_on_cpu, monkeypatch)
     _, _, skipped, _ = train(
         level, options, lambda params: torch.optim.AdamW(params, lr=1e-2, **({"fused": True} if fused else {}))
     )

@@ -32,21 +32,8 @@ from ampinit._masters import reference as ref
 from ampinit._masters.precision import QuantMap
 from ampinit._masters.reference import AdamSettings, Masters, Moments, SgdSettings
 from ampinit.optimizers import FusedAdam, FusedSGD
-from tests.test_dial_kernel_step import SEED, amp_step, keys, make_net
+from tests.test_dial_kernel_step import SEED, SETTINGS, amp_step, keys, make_net
 from tests.test_precision_dial import masters_of, same_bits, session
-
-SETTINGS: list[tuple[Any, str]] = [
-    (True, "bf16"),
-    (True, "8bit"),
-    ("remainder", "bf16"),
-    ("remainder", "8bit"),
-    ("remainder8", "fp32"),
-    ("remainder8", "bf16"),
-    ("remainder8", "8bit"),
-    ("stochastic", "fp32"),
-    ("stochastic", "bf16"),
-    ("stochastic", "8bit"),
-]
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from torch import nn
 from ampinit import amp
 from ampinit._types import OptLevel
 from tests import _triton
-from tests._amp_loop import plant_inf_in_fc1
+from tests._amp_loop import overflowing_iteration, plant_inf_in_fc1
 from tests._device import HostSyncCounter, on_device, requires_cuda
 from tests.conftest import SmallNet, make_problem
 
@@ -116,13 +116,7 @@ def syncs_per_step(
     try:
         for step in range(steps + 1):
             with HostSyncCounter(cpu_as_device=cpu_as_device) as counter:
-                opt.zero_grad()
-                loss = nn.functional.mse_loss(model(x).float(), y)
-                with amp.scale_loss(loss, opt) as scaled:
-                    scaled.backward()
-                    if step == OVERFLOWING_STEP:
-                        plant_inf_in_fc1(model)
-                opt.step()
+                overflowing_iteration(model, opt, x, y, overflow=step == OVERFLOWING_STEP)
             if step > 0:
                 counts.append(counter.syncs)
         stats = amp.stats()

@@ -24,7 +24,7 @@ from ampinit import amp
 from ampinit._masters import reference as step_reference
 from ampinit._masters import remainder as encoding
 from ampinit.optimizers import FusedAdam, FusedSGD
-from tests._kernels_vs_reference import SIZES, call, run_both, same_bits
+from tests._kernels_vs_reference import SIZES, call, count_launches, run_both, same_bits
 
 # -- an independent reference of the tie rule ------------------------------------------------------------------
 HIGH_HALVES = [
@@ -808,26 +808,12 @@ def test_training_through_the_kernels_is_bitwise_the_reference(kernels_on_cpu: M
         session.close()
 
 
-def counted_launches(module: ModuleType, monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
-    """How often amp launches each update kernel of ``module`` (the interpreted kernels) from now on."""
-    calls = {"adam_": 0, "sgd_": 0}
-    for name in calls:
-        launch = getattr(module, name)
-
-        def counted(*args: Any, _name: str = name, _launch: Any = launch, **kwargs: Any) -> None:
-            calls[_name] += 1
-            _launch(*args, **kwargs)
-
-        monkeypatch.setattr(module, name, counted)
-    return calls
-
-
 def test_fused_adam_takes_the_remainder_kernels_bitwise_the_reference(
     kernels_on_cpu: ModuleType, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """ampinit's FusedAdam (AdamW mode) on remainder masters steps in the kernels, as torch's AdamW does, with its
     own state layout (the group's step count). It used to take the chunked path whatever the device."""
-    calls = counted_launches(kernels_on_cpu, monkeypatch)
+    calls = count_launches(kernels_on_cpu, monkeypatch)
     net, x, y = make_net(16, ties=False)
     reference = PlainReference(net, lambda p: ReferenceAdamW(p, lr=1e-2, weight_decay=0.05))
     net, optimizer, session = remainder_session(net, FusedAdam(net.parameters(), lr=1e-2, weight_decay=0.05))
@@ -847,7 +833,7 @@ def test_fused_sgd_takes_the_remainder_kernels_as_torchs_sgd_does(
 ) -> None:
     """FusedSGD with torch's SGD rule (momentum, Nesterov, decay before momentum) on remainder masters: the same
     kernel steps as torch's SGD with the same settings, bit for bit, buffers in torch's layout."""
-    calls = counted_launches(kernels_on_cpu, monkeypatch)
+    calls = count_launches(kernels_on_cpu, monkeypatch)
     runs = []
     for make in (
         lambda p: FusedSGD(p, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3),
