@@ -167,3 +167,75 @@ def test_closing_between_exit_and_step_hands_back_todays_grads(
         amp.deinitialize()
         grads[kernels] = _bits([p.grad for p in model.parameters()])
     assert_same(grads[True], grads[False])
+
+
+def _counting_plans(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count the full checks of a plan (``kernels_taking``, the per-tensor part of planning) from now on."""
+    calls: list[int] = []
+    check = kernel_step.kernels_taking
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return check(*args, **kwargs)
+
+    monkeypatch.setattr(kernel_step, "kernels_taking", counted)
+    return calls
+
+
+@pytest.mark.parametrize("level", ["O2", "O5"])
+def test_the_step_takes_back_the_plan_made_at_the_exit(
+    kernels_on_cpu: ModuleType, monkeypatch: pytest.MonkeyPatch, level: str
+) -> None:
+    """The exit plans the kernel step to know it may leave the master grads in the half grads; the step takes that
+    plan back instead of checking every tensor again (before, it planned twice: 0.6 ms of Python per step at 150
+    tensors on this project's CPU)."""
+
+    def body(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor | None]:
+        _backward(model, opt, level, 0)
+        plans = _counting_plans(monkeypatch)
+        opt.step()
+        assert plans == []
+        return list(model.parameters())
+
+    run(monkeypatch, True, level, body)
+
+
+@pytest.mark.parametrize("replacement", ["doubled", "non-contiguous"])
+def test_a_grad_replaced_after_the_exit_is_planned_again(
+    kernels_on_cpu: ModuleType, monkeypatch: pytest.MonkeyPatch, replacement: str
+) -> None:
+    """A weight grad replaced between the exit and the step is what the step reads: the plan made at the exit no
+    longer holds and the step plans again, reading the new grad (doubled: the same bits as doubling it inside the
+    block), or leaving the step to the optimizer when the new grad is beyond the kernels (a transposed view; the
+    weights then match the step with the kernels off)."""
+
+    def replace(model: nn.Module) -> None:
+        weight = model[0].weight
+        grad = weight.grad.detach() * 2
+        if replacement == "non-contiguous":
+            grad = grad.t().contiguous().t()
+        weight.grad = grad
+
+    def after_exit(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor | None]:
+        _backward(model, opt, "O5", 0)
+        replace(model)
+        plans = _counting_plans(monkeypatch)
+        opt.step()
+        assert plans, "the step took a plan that no longer held"
+        return list(model.parameters())
+
+    def inside_block(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor | None]:
+        x = torch.randn(8, 8, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+        with amp.scale_loss(model(x).float().pow(2).mean(), opt) as scaled:
+            scaled.backward()
+            replace(model)
+        opt.step()
+        return list(model.parameters())
+
+    if replacement == "doubled":
+        assert_same(run(monkeypatch, True, "O5", after_exit), run(monkeypatch, True, "O5", inside_block))
+    else:
+        ours = run(monkeypatch, True, "O5", after_exit)
+        for a, b in zip(ours, run(monkeypatch, False, "O5", inside_block)):
+            assert a is not None and b is not None
+            torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -48,6 +48,7 @@ class PendingGrads(NamedTuple):
 
     inv_scale: torch.Tensor | None  # 1/scale when the exit ran (a copy: the scale may change before the step)
     before_widening: bool  # the exit would have unscaled the half grads in place before widening them
+    plan: kernel_step.Plan  # the kernel step planned at the exit (the step takes it back if it still holds)
 
 
 class OptimizerGrads:
@@ -257,10 +258,11 @@ class OptimizerGrads:
         direct = [p.grad for p in self.direct_params() if p.grad is not None]
         kinds = {(g.dtype, g.device.type) for g in (*copy_src, *acc_src)}
         before_widening = all(scaler.unscales_before_widening(dtype, device_type) for dtype, device_type in kinds)
-        if fresh and not added and self._step_reads_half_grads():
+        plan = self._half_grads_plan() if fresh and not added else None
+        if plan is not None:
             scaler.check_(copy_src)
             scaler.unscale_(direct)
-            self._pending = PendingGrads(None if scaler.unit else scaler.inv_scale.clone(), before_widening)
+            self._pending = PendingGrads(None if scaler.unit else scaler.inv_scale.clone(), before_widening, plan)
             self._merge_stash()
             return
         for _, master in fresh:
@@ -288,12 +290,12 @@ class OptimizerGrads:
                 scaler.unscale_unchecked_(acc_dst)
         self._merge_stash()
 
-    def _step_reads_half_grads(self) -> bool:
-        """Whether the next step will be this class's kernel step reading the half grads (a subclass with a step of
-        its own reads the master grads)."""
+    def _half_grads_plan(self) -> kernel_step.Plan | None:
+        """The plan of the next step if it will be this class's kernel step reading the half grads, else None (a
+        subclass with a step of its own reads the master grads)."""
         if type(self).step_in_amp_kernels is not OptimizerGrads.step_in_amp_kernels:
-            return False
-        return kernel_step.takes_half_grads(self.optimizer, self.update, self._model_of)
+            return None
+        return kernel_step.half_grads_plan(self.optimizer, self.update, self._model_of)
 
     def skips_on_device(self) -> bool:
         """Whether the next step is meant for this class's kernel step, which takes a device overflow flag (so the
@@ -380,9 +382,9 @@ class OptimizerGrads:
                 return False
             return kernel_step.step_fp32_masters(self.optimizer, self.update, {}, original, found_inf)
         pending = self._pending
-        inv_scale = None if pending is None else pending.inv_scale
+        inv_scale, plan = (None, None) if pending is None else (pending.inv_scale, pending.plan)
         taken = kernel_step.step_fp32_masters(
-            self.optimizer, self.update, self._model_of, original, found_inf, pending is not None, inv_scale
+            self.optimizer, self.update, self._model_of, original, found_inf, pending is not None, inv_scale, plan
         )
         if not taken:
             self.materialize_master_grads()

@@ -207,16 +207,25 @@ def _plain_step(opt: torch.optim.Optimizer, original: Callable[..., Any]) -> boo
     return getattr(original, "__func__", None) is type(opt).step
 
 
-def takes_half_grads(opt: torch.optim.Optimizer, update: Update | None, model_of: Mapping[int, torch.Tensor]) -> bool:
-    """Whether ``opt``'s next step, as it stands after a backward, will take the kernels reading the half grads of
-    the model weights (``model_of``: id(master) -> weight) with ``1/scale``: then no fp32 master grad is needed.
+#: What a kernel step launches on: the kernels, and per param group the group, its parameters with a grad and those
+#: grads (a master's: its weight's half grad, with ``half_grads``).
+Plan = tuple[ModuleType, list[tuple[dict[str, Any], list[torch.Tensor], list[torch.Tensor]]]]
+
+
+def half_grads_plan(
+    opt: torch.optim.Optimizer, update: Update | None, model_of: Mapping[int, torch.Tensor]
+) -> Plan | None:
+    """The plan of ``opt``'s next step, as it stands after a backward, if that step will take the kernels reading
+    the half grads of the model weights (``model_of``: id(master) -> weight) with ``1/scale``: then no fp32 master
+    grad is needed. None otherwise.
 
     A prediction for ``scale_loss``'s exit: a step that turns out otherwise (a wrapped ``step``, a hook added
-    since) makes the master grads first (``OptimizerGrads.materialize_master_grads``).
+    since) makes the master grads first (``OptimizerGrads.materialize_master_grads``). The step takes the plan back
+    (``step_fp32_masters(planned=...)``) where the same grads still stand, rather than checking every tensor again.
     """
     if not takes_device_flag(opt, update):
-        return False
-    return _plan(opt, kernel_update(opt, update), model_of, None, half_grads=True) is not None
+        return None
+    return _plan(opt, kernel_update(opt, update), model_of, None, half_grads=True)
 
 
 def step_fp32_masters(
@@ -227,18 +236,21 @@ def step_fp32_masters(
     found_inf: torch.Tensor | None,
     half_grads: bool = False,
     inv_scale: torch.Tensor | None = None,
+    planned: Plan | None = None,
 ) -> bool:
     """Take ``opt``'s step through the kernels, writing the half weights; False (nothing done) if it can't.
 
     ``update`` is ``update_of(opt)``; ``model_of`` maps id(master) -> half model parameter. ``found_inf`` is the
     device flag of a step that skips by itself (sync-free mode), or None for a step decided on the host.
     ``half_grads``: the masters' grads are their weights' half grads, still to be multiplied by ``inv_scale``
-    (None: by nothing); the grads of parameters without a weight are their own, unscaled.
+    (None: by nothing); the grads of parameters without a weight are their own, unscaled. ``planned``: the plan
+    :func:`half_grads_plan` made at the backward's end, taken if it still holds (:func:`_plan_holds`).
     """
     update = kernel_update(opt, update)
     if not _takes_kernels(opt, update) or not _plain_step(opt, original):
         return False
-    planned = _plan(opt, update, model_of, found_inf, half_grads)
+    if planned is None or not _plan_holds(planned, opt, update, model_of, found_inf):
+        planned = _plan(opt, update, model_of, found_inf, half_grads)
     if planned is None:
         return False
     kernels, plan = planned
@@ -274,7 +286,7 @@ def _plan(
     model_of: Mapping[int, torch.Tensor],
     found_inf: torch.Tensor | None,
     half_grads: bool,
-) -> tuple[ModuleType, list[tuple[dict[str, Any], list[torch.Tensor], list[torch.Tensor]]]] | None:
+) -> Plan | None:
     """The kernels and each group's parameters with a grad and those grads (a master's is its weight's with
     ``half_grads``), or None when any of them is beyond the kernels."""
     plan = []
@@ -298,6 +310,41 @@ def _plan(
         ):
             return None  # a first step that may be skipped on the device: torch's path handles it
     return kernels, plan
+
+
+def _plan_holds(
+    planned: Plan, opt: torch.optim.Optimizer, update: Update | None, model_of: Mapping[int, torch.Tensor],
+    found_inf: torch.Tensor | None,
+) -> bool:  # fmt: skip
+    """Whether ``planned`` (made by :func:`half_grads_plan` since the last step) is still the step's: the same groups,
+    the same parameters with the same grad tensors, the flag on their device, and no first momentum step that may be
+    skipped. Every tensor's other properties were checked when it was planned: only identities are compared here,
+    about a third of the Python of planning again (the plan's checks are the kernel step's largest per-tensor cost).
+    """
+    _, plan = planned
+    groups = opt.param_groups
+    if len(plan) != len(groups):
+        return False
+    for (group, params, grads), current in zip(plan, groups):
+        if group is not current:
+            return False
+        taken = 0
+        for param in current["params"]:
+            weight = model_of.get(id(param))
+            grad = param.grad if weight is None else weight.grad
+            if grad is None:
+                continue
+            if taken == len(params) or params[taken] is not param or grads[taken] is not grad:
+                return False
+            taken += 1
+        if taken != len(params):
+            return False
+        if params and found_inf is not None and found_inf.device != params[0].device:
+            return False
+        first_momentum = update == "sgd" and found_inf is not None and current["momentum"] != 0
+        if first_momentum and any("momentum_buffer" not in opt.state.get(p, {}) for p in params):
+            return False
+    return True
 
 
 def run_kernels(
