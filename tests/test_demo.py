@@ -487,3 +487,21 @@ def test_bars_move_after_every_level_and_the_budget_is_never_overrun() -> None:
     assert etas[0].deadline is not None and clock.now <= etas[0].deadline
     # The bar moved after each level's block of 2 steps (1 step of the whole run each), not once per round.
     assert bar.done == [1.0, 2.0, 3.0, 4.0] and bar.closed
+
+
+def test_every_public_name_of_the_demo_package_is_the_object_its_module_defines() -> None:
+    """``ampinit.demo`` loads its names lazily from the module each lives in: each of ``__all__`` must resolve,
+    to the object that module defines (a name added to one list and not the other fails here)."""
+    import ampinit.demo as package
+
+    expected = {
+        "DemoConfig": DemoConfig,
+        "quick_config": quick_config,
+        "DemoReport": DemoReport,
+        "RunResult": RunResult,
+        "TaskReport": TaskReport,
+        "run_demo": run_demo,
+    }
+    assert sorted(package.__all__) == sorted(expected)
+    for name, obj in expected.items():
+        assert getattr(package, name) is obj, name
