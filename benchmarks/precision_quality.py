@@ -18,6 +18,10 @@ it, and "not resolved" otherwise. The JSON is rewritten after every seed, so a r
     PYTHONPATH=. nice -n 10 python benchmarks/precision_quality.py               # 2,000 steps per setting
     PYTHONPATH=. python benchmarks/precision_quality.py --seeds 5 --only "O5 fp32 masters,O5 remainder + 8bit"
     PYTHONPATH=. python benchmarks/precision_quality.py --quick                  # smoke run, seconds
+
+Seeds may be run apart (``--first-seed 5 --seeds 5`` for seeds 5-9, on another machine or day) and put together
+without training (``--combine a.json b.json --json all.json``): the ratios are per seed, so runs of the same
+settings and configuration combine whatever machine ran them.
 """
 
 from __future__ import annotations
@@ -362,6 +366,21 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--seeds", type=int, default=1, help="seeds 0..N-1, each its own initial weights and batch order (default 1)"
     )
+    parser.add_argument(
+        "--first-seed",
+        type=int,
+        default=0,
+        help="the first seed of the run (default 0): runs of other seeds, on other machines or days, are combined "
+        "with --combine",
+    )
+    parser.add_argument(
+        "--combine",
+        type=Path,
+        nargs="+",
+        default=None,
+        help="train nothing: aggregate the seeds of these multi-seed JSON files (same settings and configuration, "
+        "no seed twice) into --json",
+    )
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help=f"results (default {DEFAULT_JSON})")
     args = parser.parse_args(argv)
     if args.steps is None:
@@ -369,11 +388,61 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     for name in ("steps", "threads", "seeds"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.first_seed < 0:
+        parser.error(f"--first-seed must be >= 0, got {args.first_seed}")
     return args
+
+
+def combine(reports: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One multi-seed report from several (their seeds together); ``SystemExit`` naming what differs when they are
+    not runs of the same settings and configuration, or when a seed appears twice."""
+    if not reports:
+        raise SystemExit("--combine needs at least one file")
+    first = reports[0]
+    seeds: list[int] = []
+    per_seed: list[dict[str, dict[str, Any]]] = []
+    for index, report in enumerate(reports):
+        if "per_seed" not in report:
+            raise SystemExit(
+                f"--combine file {index + 1} is not a multi-seed report (run it with --seeds or --first-seed)"
+            )
+        if report["config"] != first["config"]:
+            raise SystemExit(
+                f"--combine file {index + 1} has another configuration: {report['config']} != {first['config']}"
+            )
+        if report["per_seed"][0].keys() != first["per_seed"][0].keys():
+            raise SystemExit(f"--combine file {index + 1} ran other settings: {sorted(report['per_seed'][0])}")
+        numbers = report.get("seed_numbers", list(range(len(report["per_seed"]))))
+        repeated = sorted(set(numbers) & set(seeds))
+        if repeated:
+            raise SystemExit(f"--combine: seeds {repeated} appear in more than one file")
+        seeds += numbers
+        per_seed += report["per_seed"]
+    rows = aggregate(per_seed)
+    table = seeds_markdown(rows)
+    return {
+        "benchmark": "precision_quality",
+        "machines": [report["machine"] for report in reports],
+        "config": first["config"],
+        "seeds": len(seeds),
+        "seeds_done": len(seeds),
+        "seed_numbers": seeds,
+        "rows": rows,
+        "per_seed": per_seed,
+        "markdown": table,
+        "wall_seconds": sum(report["wall_seconds"] for report in reports),
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
+    if args.combine is not None:
+        report = combine([json.loads(path.read_text()) for path in args.combine])
+        print(report["markdown"])
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"{report['seeds']} seeds from {len(args.combine)} files; results written to {args.json}")
+        return report
     with threads(args.threads):
         if args.quick:
             config = Config(Shape(layers=1, d_model=32, heads=2, context=16, batch=4), args.steps, 3e-3, 2, 8, 20)
@@ -384,8 +453,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         if unknown:
             raise SystemExit(f"--only names unknown settings {sorted(unknown)}; known: {[s.name for s in SETTINGS]}")
         settings = [s for s in SETTINGS if not only or s.name in only]
-        if args.seeds > 1 and REFERENCE not in {s.name for s in settings}:
-            raise SystemExit(f"--seeds {args.seeds} reports ratios to {REFERENCE!r}: add it to --only")
+        several = args.seeds > 1 or args.first_seed > 0
+        if several and REFERENCE not in {s.name for s in settings}:
+            raise SystemExit(f"a multi-seed run reports ratios to {REFERENCE!r}: add it to --only")
         env = machine()
         print(f"{env['cpu']}, torch {env['torch']}, ampinit {env['ampinit']}, {env['threads']} threads; {config}")
         started = time.perf_counter()
@@ -395,7 +465,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             "config": {**vars(config), "shape": vars(config.shape)},
         }
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        if args.seeds == 1:
+        if not several:
             rows = run(settings, config)
             table = markdown(rows)
             print(table)
@@ -403,7 +473,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             args.json.write_text(json.dumps(report, indent=2) + "\n")
         else:
             per_seed: list[dict[str, dict[str, Any]]] = []
-            for seed in range(args.seeds):
+            numbers = list(range(args.first_seed, args.first_seed + args.seeds))
+            for seed in numbers:
                 print(f"seed {seed}:", flush=True)
                 per_seed.append(run(settings, config, seed))
                 rows = aggregate(per_seed)
@@ -413,6 +484,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                     **header,
                     "seeds": args.seeds,
                     "seeds_done": len(per_seed),
+                    "seed_numbers": numbers[: len(per_seed)],
                     "rows": rows,
                     "per_seed": per_seed,
                     "markdown": table,

@@ -157,3 +157,35 @@ def test_the_stuck_report_benchmark_smoke_run_measures(tmp_path: Path) -> None:
     result = stuck_report.main(["--quick", "--rounds", "1", "--json", str(tmp_path / "s.json")])
     assert result["measurements_seen"] and all(len(v) == 1 for v in result["cpu_ms_per_step"].values())
     assert result["estimate"] > 0 and set(result["ratio"]) == {"reporting", "every step"}
+
+
+def test_seeds_run_apart_combine_into_the_run_of_all_of_them(tmp_path: Path) -> None:
+    """``--first-seed 1`` trains seed 1 as a run of seeds 0-1 does, and ``--combine`` of seed 0's part and that run
+    reports what the run of both seeds reports; a seed twice, or another configuration, is refused by name."""
+    names = [precision_quality.REFERENCE, "O5 remainder + 8bit"]
+    common = ["--quick", "--steps", "2", "--only", ",".join(names)]
+    both = precision_quality.main([*common, "--seeds", "2", "--json", str(tmp_path / "both.json")])
+    second = precision_quality.main([*common, "--first-seed", "1", "--json", str(tmp_path / "b.json")])
+    assert second["seed_numbers"] == [1]
+    assert {n: r["loss"] for n, r in second["per_seed"][0].items()} == {
+        n: r["loss"] for n, r in both["per_seed"][1].items()
+    }
+    zero = {**both, "per_seed": both["per_seed"][:1], "seed_numbers": [0], "seeds": 1, "seeds_done": 1}
+    (tmp_path / "zero.json").write_text(json.dumps(zero))
+    combined = precision_quality.main(
+        ["--combine", str(tmp_path / "zero.json"), str(tmp_path / "b.json"), "--json", str(tmp_path / "c.json")]
+    )
+    assert combined["seed_numbers"] == [0, 1]
+    for name in names:
+        assert combined["rows"][name]["losses"] == pytest.approx(both["rows"][name]["losses"])
+    lossy = "O5 remainder + 8bit"
+    assert combined["rows"][lossy]["ratio"] == pytest.approx(both["rows"][lossy]["ratio"])
+    assert combined["rows"][lossy]["verdict"] == both["rows"][lossy]["verdict"]
+    twice = ["--combine", str(tmp_path / "b.json"), str(tmp_path / "b.json"), "--json", str(tmp_path / "d.json")]
+    with pytest.raises(SystemExit, match=r"seeds \[1\] appear in more than one file"):
+        precision_quality.main(twice)
+    other = {**second, "config": {**second["config"], "steps": 3}, "seed_numbers": [7]}
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    mixed = ["--combine", str(tmp_path / "b.json"), str(tmp_path / "other.json"), "--json", str(tmp_path / "e.json")]
+    with pytest.raises(SystemExit, match="another configuration"):
+        precision_quality.main(mixed)
