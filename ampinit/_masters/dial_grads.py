@@ -58,7 +58,7 @@ from ampinit._masters import remainder as encoding
 from ampinit._masters.grads import OptimizerGrads
 from ampinit._masters.kernel_step import adam_state
 from ampinit._masters.reference import AdamSettings, Masters, Moments, SgdSettings
-from ampinit._masters.remainder_grads import RemainderGrads, _fp32, _in_chunks
+from ampinit._masters.remainder_grads import RemainderGrads, _fp32, _in_chunks, loaded_states
 from ampinit._masters.update import MasterChunk, Update, dial_setting, own_update, remainder_update
 
 MasterFormat = Literal["fp32", "remainder", "remainder8", "stochastic"]
@@ -231,11 +231,8 @@ class StateStore:
         seed = loaded.get(DIAL_KEY, {}).get("seed")
         if isinstance(seed, int):
             self.seed = seed
-        saved_ids = [i for group in loaded["param_groups"] for i in group["params"]]
-        params = [p for group in optimizer.param_groups for p in group["params"]]
         rounded: set[str] = set()
-        for position, (saved_id, param) in enumerate(zip(saved_ids, params)):
-            saved = loaded["state"].get(saved_id)
+        for position, param, saved in loaded_states(loaded, optimizer):
             if saved is not None:
                 rounded |= self._load_entry(optimizer.state[param], saved, param, position)
         if rounded:

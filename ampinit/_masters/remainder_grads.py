@@ -209,12 +209,10 @@ class RemainderGrads(OptimizerGrads):
         loaded, self._loading = self._loading, None
         if loaded is None:
             return
-        saved_ids = [i for group in loaded["param_groups"] for i in group["params"]]
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        for saved_id, param in zip(saved_ids, params):
-            if id(param) not in self._remainders:
+        for _, param, saved in loaded_states(loaded, optimizer):
+            if id(param) not in self._remainders or saved is None:
                 continue
-            for key, value in loaded["state"].get(saved_id, {}).items():
+            for key, value in saved.items():
                 if key != "step" and isinstance(value, torch.Tensor) and value.is_floating_point():
                     optimizer.state[param][key] = value.to(device=param.device, dtype=torch.float32, copy=True)
 
@@ -342,6 +340,17 @@ class RemainderGrads(OptimizerGrads):
         if params and id(params[0]) in self._remainders:
             return Masters.remainder(tensors, [self._remainders[id(p)][1] for p in params])
         return Masters.fp32(tensors)
+
+
+def loaded_states(
+    loaded: dict[str, Any], optimizer: torch.optim.Optimizer
+) -> Iterator[tuple[int, torch.Tensor, dict[str, Any] | None]]:
+    """A loaded optimizer ``state_dict``'s per-parameter state beside the optimizer's parameters, paired by position
+    as torch's ``load_state_dict`` pairs them: ``(position, parameter, saved state or None)``."""
+    saved_ids = [i for group in loaded["param_groups"] for i in group["params"]]
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for position, (saved_id, param) in enumerate(zip(saved_ids, params)):
+        yield position, param, loaded["state"].get(saved_id)
 
 
 @dataclass
