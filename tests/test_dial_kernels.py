@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Iterator
-from dataclasses import dataclass
 from types import ModuleType
 
 import pytest
@@ -16,6 +15,7 @@ import torch
 from ampinit._masters import precision, remainder
 from ampinit._masters import reference as ref
 from tests import _triton
+from tests._dial_storages import Storages
 
 SIZES = (1300, 300, 5)  # two kernel blocks, the second partial; partial 8-bit blocks
 SEED = 77
@@ -41,30 +41,8 @@ def dial() -> Iterator[ModuleType]:
         importlib.reload(module)
 
 
-@dataclass
-class State:
+class State(Storages):
     """One list's storages: the tensors both implementations update, and how to view them."""
-
-    kind: str
-    fmt: str
-    masters: list[torch.Tensor]
-    weights: list[torch.Tensor]
-    remainders: list[torch.Tensor]
-    moments: list[list[torch.Tensor]]
-    absmax: list[list[torch.Tensor]]
-
-    def tensors(self) -> list[torch.Tensor]:
-        nested = [x for xs in [*self.moments, *self.absmax] for x in xs]
-        return [*self.masters, *self.weights, *self.remainders, *nested]
-
-    def clone(self) -> State:
-        def copy(xs: list[torch.Tensor]) -> list[torch.Tensor]:
-            return [x.clone() for x in xs]
-
-        moments, absmax = [copy(m) for m in self.moments], [copy(a) for a in self.absmax]
-        return State(
-            self.kind, self.fmt, copy(self.masters), copy(self.weights), copy(self.remainders), moments, absmax
-        )
 
     def view(self, step: int) -> tuple[ref.Masters, list[ref.Moments]]:
         keys = [

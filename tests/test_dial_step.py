@@ -21,6 +21,7 @@ import torch
 
 from ampinit._masters import precision, remainder
 from ampinit._masters import reference as ref
+from tests._dial_storages import Storages
 
 M32 = 0xFFFFFFFF
 SIZES = (260, 6)  # a whole 8-bit block and a partial one; a tensor smaller than a block
@@ -183,30 +184,8 @@ def expected_step(
 
 
 # -- the storages under test -------------------------------------------------------------------------------------
-@dataclass
-class Stored:
-    """One list's storages as a session would keep them."""
-
-    kind: str
-    fmt: str
-    weights: list[torch.Tensor]
-    masters: list[torch.Tensor]
-    remainders: list[torch.Tensor]
-    moments: list[list[torch.Tensor]]
-    absmax: list[list[torch.Tensor]]
-
-    def tensors(self) -> list[torch.Tensor]:
-        nested = [*self.moments, *self.absmax]
-        return [*self.weights, *self.masters, *self.remainders, *(x for xs in nested for x in xs)]
-
-    def clone(self) -> Stored:
-        def copy(xs: list[torch.Tensor]) -> list[torch.Tensor]:
-            return [x.clone() for x in xs]
-
-        return Stored(
-            self.kind, self.fmt, copy(self.weights), copy(self.masters), copy(self.remainders),
-            [copy(m) for m in self.moments], [copy(a) for a in self.absmax],
-        )  # fmt: skip
+#: One list's storages as a session would keep them.
+Stored = Storages
 
 
 def start(optim: Optim, kind: str, fmt: str) -> tuple[Stored, list[Expected]]:
@@ -242,7 +221,7 @@ def start(optim: Optim, kind: str, fmt: str) -> tuple[Stored, list[Expected]]:
             zero_code = Codes(slot == 0).nearest(0.0)
             for c in codes:
                 c.fill_(zero_code)
-    return Stored(kind, fmt, weights, masters, remainders, moments, absmax), state
+    return Stored(kind, fmt, masters, weights, remainders, moments, absmax), state
 
 
 def ref_masters(

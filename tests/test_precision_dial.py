@@ -105,24 +105,25 @@ def masters_of(sess: Any, net: nn.Module) -> list[torch.Tensor]:
     return [m if (m := sess.master_for(p)) is not None else p.detach().float() for p in net.parameters()]
 
 
-class RoundingReference:
-    """fp32 masters and the same torch optimizer; after each step its moments are replaced by what the dial
-    stores (SR to bf16 with the spec's bits, or the nearest 8-bit code), and the bf16 model is the masters rounded
-    to nearest-even (fp32 masters) or ties away from zero (16-bit remainders)."""
+class MasterReference:
+    """fp32 masters stepped by a torch optimizer of their own, and a bf16 copy of the model that holds the masters
+    rounded: ties away from zero (as 16-bit remainders round) or to nearest-even (fp32 masters)."""
 
-    def __init__(
-        self, net: nn.Module, make: Callable[[Any], torch.optim.Optimizer], state: str, seed: int, ties_away: bool
-    ) -> None:
+    def __init__(self, net: nn.Module, make: Callable[[Any], torch.optim.Optimizer], ties_away: bool) -> None:
         self.net = copy.deepcopy(net).bfloat16()
         self.masters = [p.detach().clone().float().requires_grad_() for p in net.parameters()]
         self.opt = make(self.masters)
-        self.state, self.seed, self.steps = state, seed, 0
         self.round: Callable[[torch.Tensor], torch.Tensor] = tie_away_bf16 if ties_away else torch.Tensor.bfloat16
+        self.write()
+
+    def write(self) -> None:
+        """The masters, rounded, into the bf16 model."""
         with torch.no_grad():
             for master, p in zip(self.masters, self.net.parameters()):
                 p.copy_(self.round(master))
 
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+    def backward(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """The bf16 model's grads of the mean squared error, widened into the masters' grads."""
         params = list(self.net.parameters())
         for p in params:
             p.grad = None
@@ -130,6 +131,20 @@ class RoundingReference:
         for master, p in zip(self.masters, params):
             assert p.grad is not None
             master.grad = p.grad.float()
+
+
+class RoundingReference(MasterReference):
+    """:class:`MasterReference` with the same torch optimizer as the dial's; after each step its moments are
+    replaced by what the dial stores (SR to bf16 with the spec's bits, or the nearest 8-bit code)."""
+
+    def __init__(
+        self, net: nn.Module, make: Callable[[Any], torch.optim.Optimizer], state: str, seed: int, ties_away: bool
+    ) -> None:
+        super().__init__(net, make, ties_away)
+        self.state, self.seed, self.steps = state, seed, 0
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.backward(x, y)
         self.opt.step()
         self.steps += 1
         for t, master in enumerate(self.masters):
@@ -143,9 +158,7 @@ class RoundingReference:
                     entry[key] = sr_bf16(value, bits_for(self.seed, step, 4 * t + purpose, value.numel())).float()
                 else:
                     entry[key] = quantize_nearest(value, signed=key != "exp_avg_sq")
-        with torch.no_grad():
-            for master, p in zip(self.masters, params):
-                p.copy_(self.round(master))
+        self.write()
 
 
 @pytest.mark.parametrize("state", ["bf16", "8bit"])
@@ -407,35 +420,19 @@ def clip_sgd(params: Any) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.5, momentum=0.9)
 
 
-class ClipReference:
-    """fp32 masters, their torch SGD and a bf16 copy of the model: the bf16 grads widened, clipped in fp32 to
-    ``max_norm`` with ``clip_grad_norm_``, stepped, and the masters rounded into the copy (ties away from zero, as
-    16-bit remainders round, or to nearest-even)."""
+class ClipReference(MasterReference):
+    """:class:`MasterReference` with torch SGD, the widened grads clipped in fp32 to ``max_norm`` with
+    ``clip_grad_norm_`` before each step."""
 
     def __init__(self, net: nn.Module, max_norm: float, ties_away: bool) -> None:
-        self.net = copy.deepcopy(net).bfloat16()
-        self.masters = [p.detach().clone().float().requires_grad_() for p in net.parameters()]
-        self.opt = clip_sgd(self.masters)
+        super().__init__(net, clip_sgd, ties_away)
         self.max_norm = max_norm
-        self.round: Callable[[torch.Tensor], torch.Tensor] = tie_away_bf16 if ties_away else torch.Tensor.bfloat16
-        self._write()
-
-    def _write(self) -> None:
-        with torch.no_grad():
-            for master, p in zip(self.masters, self.net.parameters()):
-                p.copy_(self.round(master))
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        params = list(self.net.parameters())
-        for p in params:
-            p.grad = None
-        nn.functional.mse_loss(self.net(x.bfloat16()).float(), y).backward()
-        for master, p in zip(self.masters, params):
-            assert p.grad is not None
-            master.grad = p.grad.float()
+        self.backward(x, y)
         nn.utils.clip_grad_norm_(self.masters, self.max_norm)
         self.opt.step()
-        self._write()
+        self.write()
 
 
 @pytest.mark.parametrize("masters", ["remainder", "remainder8", "stochastic"])
