@@ -549,19 +549,6 @@ class DialGrads(_DialStep, RemainderGrads):
         for group in self.optimizer.param_groups:
             self._add_group(group, fp32_values or {})
 
-    def _add_group(self, group: dict[str, Any], fp32_values: dict[int, torch.Tensor]) -> None:
-        with torch.no_grad():
-            for param in group["params"]:
-                if id(param) in self._remainders or not param.requires_grad or param.dtype != torch.bfloat16:
-                    continue
-                source = fp32_values.get(id(param), param)
-                master = source.detach().to(device=param.device, dtype=torch.float32, copy=True)
-                storage = self._new_storage(param)
-                # The first rounding draws the bits of step 0: reproducible under the seed.
-                self._split(param.detach(), master, storage, torch.zeros(()), self._position(param))
-                self._remainders[id(param)] = (param, storage)
-                self._note_agreement(id(param), param, storage)
-
     def _new_storage(self, param: torch.Tensor) -> torch.Tensor:
         """Where the bits beyond the bf16 weight live: int16, int8, or nothing (an empty tensor) for "stochastic"."""
         if self.dial.masters == "remainder":
@@ -569,6 +556,10 @@ class DialGrads(_DialStep, RemainderGrads):
         if self.dial.masters == "remainder8":
             return torch.empty_like(param, dtype=precision.REMAINDER8_DTYPE)
         return torch.empty(0, dtype=precision.REMAINDER8_DTYPE, device=param.device)
+
+    def _store_first(self, param: torch.Tensor, master: torch.Tensor, storage: torch.Tensor) -> None:
+        # The first rounding draws the bits of step 0: reproducible under the seed.
+        self._split(param.detach(), master, storage, torch.zeros(()), self._position(param))
 
     def _position(self, param: torch.Tensor) -> int:
         # Param groups only grow (add_param_group appends), so the table is rebuilt only for a parameter it lacks.

@@ -86,10 +86,18 @@ class RemainderGrads(OptimizerGrads):
                     continue
                 source = fp32_values.get(id(param), param)
                 master = source.detach().to(device=param.device, dtype=torch.float32, copy=True)
-                remainder = torch.empty_like(param, dtype=encoding.REMAINDER_DTYPE)
-                encoding.split_(master, param.detach(), remainder)
+                remainder = self._new_storage(param)
+                self._store_first(param, master, remainder)
                 self._remainders[id(param)] = (param, remainder)
                 self._note_agreement(id(param), param, remainder)
+
+    def _new_storage(self, param: torch.Tensor) -> torch.Tensor:
+        """Where the bits of ``param``'s master beyond the bf16 weight live: an int16 remainder."""
+        return torch.empty_like(param, dtype=encoding.REMAINDER_DTYPE)
+
+    def _store_first(self, param: torch.Tensor, master: torch.Tensor, storage: torch.Tensor) -> None:
+        """Write the fp32 ``master`` into ``param`` and its ``storage`` (the tie rule: they hold it exactly)."""
+        encoding.split_(master, param.detach(), storage)
 
     def add_param_group(self, group: dict[str, Any]) -> None:
         self._add_group(group, {})
