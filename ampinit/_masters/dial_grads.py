@@ -48,7 +48,7 @@ import warnings
 from collections.abc import Callable, Container, Iterator
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 import torch
 
@@ -377,19 +377,10 @@ class _DialStep(abc.ABC):
         return kernel_step.kernel_update(self.optimizer, self.update)
 
     def _kernel_settings(self, group: dict[str, Any]) -> AdamSettings | SgdSettings | None:
-        """``group``'s settings in the kernels' terms, or None where it takes an option they lack: the rule of the
-        fp32-master kernel step (``kernel_step``), so a group takes the dial's kernels exactly where it would take
-        those. A ``KernelOptimizer`` maps its own options (FusedAdam's ``adam_w_mode`` and ``bias_correction``,
-        FusedSGD's dampening) and refuses the ones the kernels lack (``capturable``, ``master_weights``,
-        ``max_grad_norm``, weight decay after momentum); its chunked update then runs, as before."""
+        """``group``'s settings in the kernels' terms (``kernel_step.group_settings``: a group takes the dial's
+        kernels exactly where it would take the fp32-master ones), or None: its chunked update then runs."""
         update = self._kernel_update()
-        if update is None:
-            return None
-        if self.update == "own":
-            return cast(kernel_step.KernelOptimizer, self.optimizer).kernel_settings(group)
-        if not kernel_step.group_takes_kernels(update, group):
-            return None
-        return AdamSettings.of(self.optimizer, group) if update == "adam" else SgdSettings.of(group)
+        return None if update is None else kernel_step.group_settings(self.optimizer, update, group)
 
     @abc.abstractmethod
     def _kernel_storage(self) -> tuple[dict[int, torch.Tensor], Container[int]]:

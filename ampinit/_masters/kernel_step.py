@@ -103,12 +103,24 @@ def _takes_kernels(opt: torch.optim.Optimizer, update: Update | None) -> bool:
 
 
 def takes_group(opt: torch.optim.Optimizer, update: Update | None, group: dict[str, Any]) -> bool:
-    """Whether ``group`` of ``opt`` fits the kernels: a :class:`KernelOptimizer`'s own settings, else the group rule
-    of torch's optimizers (``update``: ``update_of(opt)``)."""
+    """Whether ``group`` of ``opt`` fits the kernels (see :func:`group_settings`)."""
+    return group_settings(opt, update, group) is not None
+
+
+def group_settings(
+    opt: torch.optim.Optimizer, update: Update | None, group: dict[str, Any]
+) -> AdamSettings | SgdSettings | None:
+    """``group``'s settings in the kernels' terms, or None where it takes an option they lack: a
+    :class:`KernelOptimizer` maps its own options (FusedAdam's ``adam_w_mode`` and ``bias_correction``, FusedSGD's
+    dampening) and refuses the ones the kernels lack; torch's optimizers take :func:`group_takes_kernels`'s rule
+    (``update``: the kernels' update for ``opt``, :func:`kernel_update`). The one rule of every kernel step: fp32
+    masters, remainders, the precision dial, and the stand-in without masters."""
     own = _kernel_optimizer(opt)
     if own is not None:
-        return own.kernel_settings(group) is not None
-    return group_takes_kernels(update, group)
+        return own.kernel_settings(group)
+    if not group_takes_kernels(update, group):
+        return None
+    return AdamSettings.of(opt, group) if update == "adam" else SgdSettings.of(group)
 
 
 def count_group_step(
@@ -133,6 +145,10 @@ def group_takes_kernels(update: Update | None, group: dict[str, Any]) -> bool:
     if not isinstance(group["lr"], float):
         return False
     return update == "sgd" or (not group["amsgrad"] and all(isinstance(b, float) for b in group["betas"]))
+
+
+#: The tensor types the kernels take (their raw data pointers are the data): no subclass.
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def kernels_taking(
@@ -176,9 +192,6 @@ def kernels_taking(
         ):
             return None
     return kernels
-
-
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def takes_device_flag(opt: torch.optim.Optimizer, update: Update | None) -> bool:
@@ -366,8 +379,7 @@ def run_kernels(
         inputs = adam_inputs(opt, group, params, found_inf)
         kernels.adam_(read, masters, *inputs, inv_scale=inv_scale, found_inf=found_inf)
         return
-    own = _kernel_optimizer(opt)
-    settings = own.kernel_settings(group) if own is not None else SgdSettings.of(group)
+    settings = group_settings(opt, update, group)
     assert isinstance(settings, SgdSettings)
     for first_step, chosen, buffers in sgd_batches(opt, group, params):
         kernels.sgd_(
