@@ -107,9 +107,11 @@ class LossScaler:
         """Create the device tensors (once), from the host values set at construction or by ``load_state_dict``."""
         if self._scale is not None:
             return
-        self._scale = torch.tensor(self._host_scale, dtype=torch.float32, device=device)
-        self._unskipped = torch.tensor(self._host_unskipped, dtype=torch.int32, device=device)
-        self._hysteresis_left = torch.tensor(self._host_hysteresis, dtype=torch.int32, device=device)
+        # Fill kernels that take the numbers as arguments: torch.tensor(value, device=...) would stage each in
+        # host memory and copy it, a blocking host-to-device copy on CUDA at the first step.
+        self._scale = torch.full((), self._host_scale, dtype=torch.float32, device=device)
+        self._unskipped = torch.full((), self._host_unskipped, dtype=torch.int32, device=device)
+        self._hysteresis_left = torch.full((), self._host_hysteresis, dtype=torch.int32, device=device)
         self._found_inf = torch.zeros(1, dtype=torch.float32, device=device)
         self._one = torch.ones(1, dtype=torch.float32, device=device)
         self._refresh_inv_scale()

@@ -296,7 +296,7 @@ def unscale_and_check_(grads: Sequence[Tensor], found_inf: Tensor, inv_scale: Te
             torch._amp_foreach_non_finite_check_and_unscale_(group, flag, scale)
         else:
             _check_by_norms(group, flag)
-            foreach_mul_(group, scale.reshape(()))
+            _mul_in_fp32_(group, scale.reshape(()))
         _fold_flag(found_inf, flag)
 
 
@@ -371,7 +371,8 @@ def mul_(tensors: Sequence[Tensor], factor: Tensor) -> None:
 
     Runs on the unscale kernel with ``factor`` as its multiplier and a scratch flag where the kernel takes the
     dtype: on CPU, ``torch._foreach_mul_`` by a tensor takes a slow per-tensor path (about 10x the time of this
-    kernel). Elsewhere (bf16 on CUDA) it is ``torch._foreach_mul_``, with no check to pay for.
+    kernel). Elsewhere (bf16 on CUDA) the product is taken in float32 (:func:`_mul_in_fp32_`), with no check to
+    pay for.
     """
     for (device, (dtype,)), (group,) in grouped(tensors):
         scale = to_device(factor, device).reshape(1)
@@ -379,7 +380,23 @@ def mul_(tensors: Sequence[Tensor], factor: Tensor) -> None:
             scratch = torch.zeros(1, dtype=torch.float32, device=device)
             torch._amp_foreach_non_finite_check_and_unscale_(group, scratch, scale)
         else:
-            foreach_mul_(group, scale.reshape(()))
+            _mul_in_fp32_(group, scale.reshape(()))
+
+
+def _mul_in_fp32_(group: list[Tensor], factor: Tensor) -> None:
+    """``t *= factor`` for tensors of one dtype, with the float32 ``factor`` (0-d, on their device) unrounded.
+
+    ``torch._foreach_mul_`` (and ``mul_``) by a 0-d tensor of another dtype first casts it to the tensors' dtype:
+    on CUDA a bf16 grad times 1/3 became a product with 0.333984 (the H100 check: 1.5391 * 1/3 gave 0.5156, not
+    the float32 product's rounding, 0.5117). A power of two survives that cast exactly, but the factor lives on
+    the device and cannot be looked at, so narrower tensors are multiplied through a float32 copy, one tensor at
+    a time (this path is taken only where the unscale kernel refuses the dtype: bf16 on CUDA).
+    """
+    if group[0].dtype in (torch.float32, torch.float64):
+        foreach_mul_(group, factor)
+        return
+    for tensor in group:
+        tensor.copy_(tensor.float().mul_(factor))
 
 
 def add_(tensors: Sequence[Tensor], others: Sequence[Tensor]) -> None:

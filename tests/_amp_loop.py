@@ -31,7 +31,9 @@ def plant_inf_in_fc1(model: SmallNet) -> None:
     """An overflow where a backward could have made one: inf in one element of ``fc1``'s weight grad."""
     grad = model.fc1.weight.grad
     assert grad is not None
-    grad[0, 0] = float("inf")
+    # fill_ takes the number as a kernel argument: `grad[0, 0] = inf` would copy a host scalar to the device (a
+    # blocking copy on CUDA, which the host-sync tests would count against amp).
+    grad[0, 0].fill_(float("inf"))
 
 
 def scale_loss_block(

@@ -196,6 +196,11 @@ def fsdp2(rank: int, world: int, out: Path) -> None:
     except ImportError:  # torch < 2.6 has FSDP2 only under its composable API path
         from torch.distributed._composable.fsdp import fully_shard  # type: ignore[no-redef]
 
+    from torch.distributed.device_mesh import init_device_mesh
+
+    # The job runs on gloo, on the CPU: without a mesh of its own, fully_shard takes the default device's, which
+    # on a GPU machine is CUDA (it would move the shards there and the CPU batch would not meet them).
+    mesh = init_device_mesh("cpu", (world,))
     x, y = shard(rank, world)
     # O4 a second time on the step's CUDA path (amp's Triton kernels, interpreted): its skip is decided on the
     # device and SGD cannot take the flag, so the kernels would stand in, but not for DTensor shards, whose
@@ -203,9 +208,9 @@ def fsdp2(rank: int, world: int, out: Path) -> None:
     for name, level in (*((level, level) for level in FSDP_LEVELS), ("O4_kernel_path", "O4")):
         torch.manual_seed(0)
         model = Net()
-        fully_shard(model.fc1)
-        fully_shard(model.fc2)
-        fully_shard(model)
+        fully_shard(model.fc1, mesh=mesh)
+        fully_shard(model.fc2, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         opt = sgd(model)
         overrides = {"loss_scale": ampinit.DynamicLossScale(init_scale=INIT_SCALE)} if level == "O1" else {}
         with kernel_path(name != level):
@@ -216,7 +221,7 @@ def fsdp2(rank: int, world: int, out: Path) -> None:
         amp.deinitialize()
     torch.manual_seed(0)
     model = Net()
-    fully_shard(model)
+    fully_shard(model, mesh=mesh)
     try:
         amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O2", verbosity=0)
         refused = ""

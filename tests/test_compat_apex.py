@@ -29,6 +29,7 @@ from ampinit.compat.apex.fp16_utils import (
 )
 from ampinit.compat.apex.parallel import DistributedDataParallel, convert_syncbn_model, distributed
 from ampinit.compat.apex.parallel.LARC import LARC
+from tests._device import on_device
 from tests.conftest import make_problem
 
 
@@ -249,8 +250,9 @@ def test_old_api_init_caches_weight_casts_as_apex_did(enable_caching: bool) -> N
 
     handle = apex_amp.init(enable_caching=enable_caching)
     try:
-        layer = nn.Linear(4, 4)
-        x = g(2, 4)
+        # On the test device: on a GPU machine the old API casts CUDA tensors only (Apex's rule; the next test).
+        layer = on_device(nn.Linear(4, 4))
+        x = on_device(g(2, 4))
         out = layer(layer(x))
         assert _weight_casts(out) == (2 if enable_caching else 4)  # weight and bias, once or twice each
     finally:

@@ -110,6 +110,27 @@ def _grads(dtype: torch.dtype) -> list[torch.Tensor]:
     ]
 
 
+@pytest.mark.usefixtures("without_cpu_unscale_kernel")
+def test_the_route_without_the_kernel_multiplies_by_the_unrounded_factor(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA, ``torch._foreach_mul_`` by a 0-d float32 tensor casts it to the tensors' dtype first: 1.5391 * 1/3
+    in bf16 came out 0.5156 on the H100 check, where the float32 product rounds to 0.5117 (Apex's and the unscale
+    kernel's rule). Here the CPU's foreach multiply is made to cast the same way, and both routes that multiply by
+    a device factor must still give the float32 product's rounding."""
+    def casts_the_factor(tensors: list[torch.Tensor], factor: torch.Tensor | float) -> None:
+        if isinstance(factor, torch.Tensor):
+            factor = factor.to(tensors[0].dtype)
+        torch._foreach_mul_(tensors, factor)
+
+    monkeypatch.setattr(_torch_kernels, "foreach_mul_", casts_the_factor)
+    expected = torch.tensor([0.51171875], dtype=torch.bfloat16)  # round-to-nearest of 1.5390625 / 3 = 0.51302...
+    grads = [torch.tensor([1.5390625], dtype=torch.bfloat16)]
+    _torch_kernels.unscale_and_check_(grads, torch.zeros(1), torch.tensor(1 / 3))
+    assert torch.equal(grads[0], expected)
+    grads = [torch.tensor([1.5390625], dtype=torch.bfloat16)]
+    _torch_kernels.mul_(grads, torch.tensor(1 / 3))
+    assert torch.equal(grads[0], expected)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), float("-inf")])
 @pytest.mark.usefixtures("without_cpu_unscale_kernel")

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from ampinit.migrate import migrate_source
+from tests._device import on_device
 from tests._scripts import as_apex_code, exec_source
 
 TRAINER = textwrap.dedent(
@@ -146,9 +147,11 @@ def test_the_trainer_class_migrates_to_a_grad_scaler_attribute() -> None:
 
 
 def _problem() -> tuple[torch.nn.Linear, torch.optim.SGD, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The model and data on the test device: the trainer wraps its model in ``DataParallel``, which on a GPU
+    machine moves it to ``cuda:0`` (after ``amp.initialize``, which amp refuses), so a CUDA run starts there."""
     torch.manual_seed(0)
-    model = torch.nn.Linear(4, 2)
-    data = [(torch.randn(8, 4), torch.randn(8, 2)) for _ in range(6)]
+    model = on_device(torch.nn.Linear(4, 2))
+    data = [on_device((torch.randn(8, 4), torch.randn(8, 2))) for _ in range(6)]
     return model, torch.optim.SGD(model.parameters(), lr=0.1), data
 
 

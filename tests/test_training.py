@@ -50,20 +50,41 @@ def params_of(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def assert_same_training(actual: torch.Tensor, expected: torch.Tensor, name: str) -> None:
+    """Bitwise on CPU. On CUDA, where amp's Triton kernels take the optimizer step (docs/opt-levels.md), within
+    rounding: torch's CUDA kernels are compiled with fused multiply-adds (nvcc contracts ``a * b + c``), amp's
+    kernels round each multiply and add as torch's CPU kernels do, so the two part in the last bits of a step (the
+    H100 check: at most 1.9e-9 apart, 5 of 16 elements, after 6 SGD steps). The tolerance is float32 rounding for
+    float32 tensors and one unit of the format for half ones, whose rounding a last-bit master difference flips.
+    """
+    assert actual.dtype == expected.dtype, name
+    if actual.device.type == "cpu":
+        assert torch.equal(actual, expected), name
+        return
+    rtol = 2e-6 if actual.dtype == torch.float32 else torch.finfo(actual.dtype).eps
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=1e-7, msg=name)
+
+
 # -- each level against its reference -------------------------------------------------------------------------
 def test_o0_is_plain_fp32_training() -> None:
     model, x, y = on_device(make_problem())
+    # fc1's bias feeds BatchNorm, so its grad is rounding noise, which Adam scales into full-size steps: where the
+    # step's arithmetic differs in the last bit (on CUDA, above) the two runs would part ways there. Frozen.
+    model.fc1.bias.requires_grad_(False)
     ref = copy.deepcopy(model)
-    opt, ref_opt = torch.optim.AdamW(model.parameters(), 1e-2), torch.optim.AdamW(ref.parameters(), 1e-2)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], 1e-2)
+    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], 1e-2)
     amp.initialize(model, opt, opt_level="O0", verbosity=0)
-    amp_train(model, opt, x, y, 5)
-    amp.deinitialize()
+    try:
+        amp_train(model, opt, x, y, 5)
+    finally:
+        amp.deinitialize()
     for _ in range(5):
         ref_opt.zero_grad()
         mse(ref(x), y).backward()
         ref_opt.step()
     for (k, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
-        assert torch.equal(a, b), k
+        assert_same_training(a, b, k)
 
 
 @pytest.mark.parametrize(("level", "dtype"), [("O1", torch.float16), ("O4", torch.bfloat16)])
@@ -136,11 +157,12 @@ def test_master_weight_levels_match_a_plain_reimplementation(level: str, dtype: 
     ref = reference_master_training(model, dtype, x, y, 6, scale)
     opt = torch.optim.SGD(model.parameters(), 0.05, momentum=0.9)
     amp.initialize(model, opt, opt_level=level, cast_model_type=dtype, loss_scale=scale, verbosity=0)
-    amp_train(model, opt, x, y, 6)
-    for p, r in zip(model.parameters(), ref.parameters()):
-        assert p.dtype == r.dtype
-        torch.testing.assert_close(p, r, rtol=0, atol=0)
-    amp.deinitialize()
+    try:
+        amp_train(model, opt, x, y, 6)
+        for (name, p), r in zip(model.named_parameters(), ref.parameters()):
+            assert_same_training(p.detach(), r.detach(), name)
+    finally:
+        amp.deinitialize()
 
 
 @pytest.mark.parametrize("level", ["O2", "O5"])
