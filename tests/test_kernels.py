@@ -116,6 +116,7 @@ def test_the_route_without_the_kernel_multiplies_by_the_unrounded_factor(monkeyp
     in bf16 came out 0.5156 on the H100 check, where the float32 product rounds to 0.5117 (Apex's and the unscale
     kernel's rule). Here the CPU's foreach multiply is made to cast the same way, and both routes that multiply by
     a device factor must still give the float32 product's rounding."""
+
     def casts_the_factor(tensors: list[torch.Tensor], factor: torch.Tensor | float) -> None:
         if isinstance(factor, torch.Tensor):
             factor = factor.to(tensors[0].dtype)
