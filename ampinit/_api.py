@@ -53,7 +53,7 @@ def initialize(
     patch_torch_functions_type: torch.dtype | None = None,
     cast_policy: CastPolicyName = "apex",
     allow_banned: bool = False,
-    sync_free: bool = False,
+    sync_free: bool | None = None,
     skip_nonfinite: bool = True,
     allow_half_model: bool = False,
     stuck_weights_every: int | None = None,
@@ -81,7 +81,7 @@ def initialize(
     patch_torch_functions_type: torch.dtype | None = None,
     cast_policy: CastPolicyName = "apex",
     allow_banned: bool = False,
-    sync_free: bool = False,
+    sync_free: bool | None = None,
     skip_nonfinite: bool = True,
     allow_half_model: bool = False,
     stuck_weights_every: int | None = None,
@@ -108,7 +108,7 @@ def initialize(
     patch_torch_functions_type: torch.dtype | None = None,
     cast_policy: CastPolicyName = "apex",
     allow_banned: bool = False,
-    sync_free: bool = False,
+    sync_free: bool | None = None,
     skip_nonfinite: bool = True,
     allow_half_model: bool = False,
     stuck_weights_every: int | None = None,
@@ -141,11 +141,15 @@ def initialize(
             PyTorch's lists only.
         allow_banned: under O1/O4, compute ``binary_cross_entropy`` on half inputs in fp32 instead of raising
             (Apex's ``allow_banned``).
-        sync_free: never wait for the device to decide a skip, also with a dynamic scale (a static scale never
-            waits): the overflow flag goes straight into optimizers that can skip inside their own kernel
-            (``torch.optim.Adam/AdamW/SGD/Adagrad(fused=True)`` and ``ampinit.optimizers``); other optimizers
-            still read it once per step. Overflows are then not logged, and
-            ``DynamicLossScale(raise_at_min=True)`` is refused.
+        sync_free: where a dynamic scale's skips are decided. ``None`` (default): on the device wherever reading
+            the overflow flag would make the host wait (an accelerator; on the CPU nothing waits, and the host
+            decides), except with ``DynamicLossScale(raise_at_min=True)``, which needs the host. ``True``: on the
+            device everywhere (``raise_at_min`` is then refused). ``False``: on the host, one sync per step, Apex's
+            way. A device decision goes straight into optimizers that can skip inside their own kernel
+            (``torch.optim.Adam/AdamW/SGD/Adagrad(fused=True)``, ``ampinit.optimizers``, amp's master and kernel
+            steps); other optimizers still read it once per step. Its overflow line is written when the flag
+            reaches the host, a step or two later (or at ``stats()``/``close()``). A static scale is always decided
+            on the device.
         skip_nonfinite: ``True`` (default): at every level, an ``optimizer.step()`` whose gradients from
             ``scale_loss`` hold inf/NaN is skipped (weights and optimizer state unchanged), also with a static
             loss scale and at O0/O3/O4. ``False``: a static loss scale behaves as in Apex, which never checks:

@@ -47,7 +47,7 @@ class AmpOptions:
     cast_model_outputs: torch.dtype | None
     cast_policy: CastPolicyName
     allow_banned: bool
-    sync_free: bool
+    sync_free: bool | None
     skip_nonfinite: bool
     allow_half_model: bool
     stuck_weights_every: int | None = None
@@ -100,7 +100,7 @@ def resolve_options(
         cast_model_outputs=_dtype_or_none("cast_model_outputs", cast_model_outputs),
         cast_policy=_cast_policy(cast_policy),
         allow_banned=_flag("allow_banned", allow_banned),
-        sync_free=_flag("sync_free", sync_free),
+        sync_free=_sync_free(sync_free),
         skip_nonfinite=_flag("skip_nonfinite", skip_nonfinite),
         allow_half_model=_flag("allow_half_model", allow_half_model),
         stuck_weights_every=_interval("stuck_weights_every", stuck_weights_every),
@@ -161,6 +161,15 @@ def _cast_policy(value: object) -> CastPolicyName:
 def _dtype_or_none(name: str, value: object) -> torch.dtype | None:
     if value is not None and not isinstance(value, torch.dtype):
         raise TypeError(f"{name} must be a torch.dtype or None, got {value!r}")
+    return value
+
+
+def _sync_free(value: object) -> bool | None:
+    if value is not None and not isinstance(value, bool):
+        raise TypeError(
+            f"sync_free must be True, False or None (the default: decide a dynamic scale's skips on the device "
+            f"wherever reading them would wait for it), got {value!r}"
+        )
     return value
 
 

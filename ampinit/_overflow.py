@@ -2,10 +2,15 @@
 
 A ``scale_loss`` exit unscales the gradients into the scaler's device flag; this module turns that flag into a
 decision, right away or, with ``delay_overflow_check=True``, at the next ``step()`` of one of the optimizers that
-the unscale step fed. With a dynamic scale the flag is read on the host here (the step's one sync), so the skip is
-a plain branch, the overflow is logged and ``raise_at_min`` can raise. With a static scale (O0/O3/O4/O5's 1.0
-included) nothing on the host needs the flag before the step, so it stays on the device, as in sync-free mode
-(``sync_free=True``, any scale): the step skips inside its kernel where it can (see :mod:`ampinit._skip`).
+the unscale step fed.
+
+With a static scale (O0/O3/O4/O5's 1.0 included) nothing on the host needs the flag before the step, so it stays on
+the device: the step skips inside its kernel where it can (see :mod:`ampinit._skip`). A dynamic scale is decided
+there too wherever reading the flag would make the host wait for the GPU (by default on an accelerator, and always
+with ``sync_free=True``): the scale is updated by tensor ops and the overflow line is written when the flag reaches
+the host, a step or two later. On the CPU, with ``sync_free=False``, and for ``DynamicLossScale(raise_at_min=True)``
+the flag is read on the host here (the step's one sync): the skip is a plain branch, the line is written at once
+and ``raise_at_min`` can raise.
 """
 
 from __future__ import annotations
@@ -20,6 +25,10 @@ from ampinit._distributed import agree_on_overflow_
 from ampinit._optimizer_record import OptimizerRecord
 from ampinit._options import AmpOptions
 from ampinit._scaler import LossScaler
+
+# Tests set this to take the CPU for an accelerator here: a dynamic scale is then decided on the device by default,
+# as on CUDA (the decision's flag is a CPU tensor, so nothing waits, but every path is the accelerator's).
+DEVICE_DECIDES_ON_CPU = False
 
 
 class OverflowDecisions:
@@ -51,6 +60,20 @@ class OverflowDecisions:
             torch.maximum(held[0], scaler.found_inf, out=held[0])
             held[1].update(dict.fromkeys(records))
 
+    def device_decides(self, scaler: LossScaler) -> bool:
+        """Whether a dynamic ``scaler``'s overflow is decided on the device: ``sync_free`` when given; by default
+        wherever reading the flag would make the host wait (an accelerator), unless ``raise_at_min`` needs it."""
+        if self._options.sync_free is not None:
+            return self._options.sync_free
+        config = scaler.config
+        if config is not None and config.raise_at_min:
+            return False
+        return scaler.found_inf.device.type != "cpu" or DEVICE_DECIDES_ON_CPU
+
+    def flush_log(self) -> None:
+        """Write the overflow lines of device decisions still on their way to the host (waits for them)."""
+        self._log.flush()
+
     def before_step(self, record: OptimizerRecord, verbosity: int) -> None:
         """Take every deferred decision that ``record``'s step waits for."""
         for scaler, (flag, waiting) in list(self._deferred.items()):
@@ -65,10 +88,15 @@ class OverflowDecisions:
             scaler.update()
             return
         agree_on_overflow_(scaler.found_inf)
-        if self._options.sync_free or not scaler.dynamic:
+        if not scaler.dynamic or self.device_decides(scaler):
+            logs = scaler.dynamic and self._log.enabled(verbosity)
+            scale_before = scaler.scale_tensor.clone() if logs else None
             scaler.update()
             for record in records:
                 record.skip_next_step(scaler.found_inf)
+            if scale_before is not None:
+                self._log.defer(scaler, scale_before)
+                self._log.poll()
             return
         if not bool(scaler.found_inf.item()):
             scaler.update()

@@ -156,6 +156,7 @@ class AmpSession:
             self._cast_policy.check_thread()
         self.closed = True
         try:
+            self._overflow.flush_log()  # the lines of overflows still on their way to the host
             self._undo.run()
         finally:
             _registry.unregister(self)
@@ -339,8 +340,9 @@ class AmpSession:
     def next_step_skipped(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether the next ``optimizer.step()`` will be skipped: the last unscale found inf/NaN gradients.
 
-        With a static loss scale or ``sync_free=True`` the overflow flag is on the device, and reading it here
-        waits for it. ``False`` for an optimizer this session does not manage.
+        Where the overflow is decided on the device (a static loss scale; a dynamic one on an accelerator, or with
+        ``sync_free=True``) the flag is on the device, and reading it here waits for it. ``False`` for an
+        optimizer this session does not manage.
         """
         record = self._record_of(optimizer)
         if record is None:
@@ -355,6 +357,8 @@ class AmpSession:
         return record is not None and record.stage is Stage.SCALED
 
     def stats(self) -> AmpStats:
+        # Reading the counts waits for the device anyway: the overflow lines it holds are written first.
+        self._overflow.flush_log()
         return AmpStats(
             steps=self._counts.steps,
             skipped_steps=self._counts.skipped(),

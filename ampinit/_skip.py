@@ -1,10 +1,12 @@
 """Skipping a step whose gradients overflowed: decided on the host, or left to the optimizer on the device.
 
-A step is skipped when an unscale step that fed it found inf/NaN. With a dynamic loss scale the overflow flag is
-read on the host once per ``scale_loss`` exit and a skip is a plain branch around ``optimizer.step()``. With a
-static scale, and in sync-free mode, the flag stays on the device and goes into the step's own kernel as
-``found_inf`` (torch's AMP-scaling protocol, ``_step_supports_amp_scaling``, and amp's master kernels), so nobody
-waits for the device; optimizers that cannot take it still read it, once, at their step.
+A step is skipped when an unscale step that fed it found inf/NaN. With a dynamic loss scale decided on the host
+(on the CPU, ``sync_free=False``, or ``raise_at_min``) the overflow flag is read there once per ``scale_loss`` exit
+and a skip is a plain branch around ``optimizer.step()``. With a static scale, and a dynamic one decided on the
+device (by default on an accelerator, and with ``sync_free=True``), the flag stays on the device and goes into
+the step's own kernel as ``found_inf`` (torch's AMP-scaling protocol, ``_step_supports_amp_scaling``, and amp's
+master kernels), so nobody waits for the device; optimizers that cannot take it still read it, once, at their
+step.
 """
 
 from __future__ import annotations
@@ -85,25 +87,90 @@ def run_step(
 
 
 class OverflowLog:
-    """Logs skipped steps, thinned out without clocks (deterministic): the first 8, then every power of two."""
+    """Logs skipped steps, thinned out without clocks (deterministic): the first 8, then every power of two.
+
+    A skip decided on the host is logged at once. One decided on the device (a dynamic scale on an accelerator)
+    is logged when its flag reaches the host: each decision that may write a line copies the flag and the scale
+    before and after the update into host memory without waiting (:meth:`defer`), and lines are written for the
+    copies that have landed at the next decision (:meth:`poll`), or all at once when the session reads its stats
+    or closes (:meth:`flush`). A line then comes a step or two after its overflow, in order, with the same words.
+    """
 
     def __init__(self) -> None:
         self.count = 0
+        self._pending: list[_PendingDecision] = []
 
     def writes_next(self, verbosity: int) -> bool:
         """Whether the next overflow gets a line: the scales it names are read on the host (syncs) only then."""
         n = self.count + 1
-        return verbosity >= 1 and not (n > 8 and n & (n - 1)) and logger.isEnabledFor(logging.INFO)
+        return self.enabled(verbosity) and not (n > 8 and n & (n - 1))
+
+    @staticmethod
+    def enabled(verbosity: int) -> bool:
+        """Whether any overflow line can be written (a device decision is copied to the host only then)."""
+        return verbosity >= 1 and logger.isEnabledFor(logging.INFO)
 
     def overflow(self, scaler: LossScaler, scale_before: float, verbosity: int) -> None:
         """Count one overflow of ``scaler``, whose scale was ``scale_before`` and is already updated
         (``scale_before`` is only used when :meth:`writes_next` said so)."""
-        writes = self.writes_next(verbosity)
+        if self.writes_next(verbosity):
+            self._write(scaler.loss_id, scale_before, scaler.loss_scale())
         self.count += 1
-        n = self.count
-        if not writes:
-            return
-        after = scaler.loss_scale()
-        change = f"reducing loss scale to {after}" if after != scale_before else f"keeping loss scale at {after}"
+
+    def defer(self, scaler: LossScaler, scale_before: torch.Tensor) -> None:
+        """Queue the line of a decision taken on the device: ``scaler``'s flag and scale (updated already) and
+        ``scale_before``, copied to the host without a wait."""
+        values = torch.stack([scaler.found_inf.reshape(()), scale_before.reshape(()), scaler.scale_tensor])
+        self._pending.append(_PendingDecision.copy(scaler.loss_id, values))
+
+    def poll(self) -> None:
+        """Write the lines of the queued decisions whose copies have landed, oldest first (no wait)."""
+        while self._pending and self._pending[0].landed():
+            self._resolve(self._pending.pop(0))
+
+    def flush(self) -> None:
+        """Write the lines of every queued decision, waiting for the copies."""
+        while self._pending:
+            pending = self._pending.pop(0)
+            pending.wait()
+            self._resolve(pending)
+
+    def _resolve(self, pending: _PendingDecision) -> None:
+        found, before, after = pending.host.tolist()
+        if found:
+            if self.writes_next(1):
+                self._write(pending.loss_id, before, after)
+            self.count += 1
+
+    def _write(self, loss_id: int, before: float, after: float) -> None:
+        n = self.count + 1
+        change = f"reducing loss scale to {after}" if after != before else f"keeping loss scale at {after}"
         suffix = "" if n <= 8 else f" ({n} overflows so far; further messages are thinned out)"
-        logger.info("Gradient overflow.  Skipping step, loss scaler %d %s%s", scaler.loss_id, change, suffix)
+        logger.info("Gradient overflow.  Skipping step, loss scaler %d %s%s", loss_id, change, suffix)
+
+
+class _PendingDecision:
+    """A device decision's flag and scales on their way to the host: a non-blocking copy into pinned memory and
+    an event behind it on an accelerator; on the CPU the values themselves, landed at once."""
+
+    def __init__(self, loss_id: int, host: torch.Tensor, event: Any) -> None:
+        self.loss_id = loss_id
+        self.host = host
+        self._event = event
+
+    @classmethod
+    def copy(cls, loss_id: int, values: torch.Tensor) -> _PendingDecision:
+        if values.device.type != "cuda":
+            return cls(loss_id, values.cpu(), None)
+        host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+        host.copy_(values, non_blocking=True)
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record()
+        return cls(loss_id, host, event)
+
+    def landed(self) -> bool:
+        return self._event is None or bool(self._event.query())
+
+    def wait(self) -> None:
+        if self._event is not None:
+            self._event.synchronize()

@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch import nn
 
+import ampinit
 from ampinit import amp
 from ampinit._types import OptLevel
 from tests import _triton
@@ -95,9 +96,11 @@ def cuda_path(pretend_gpu: None, monkeypatch: pytest.MonkeyPatch) -> Iterator[bo
         yield False
         return
     pytest.importorskip("triton", reason="triton is not installed (pip install triton); the kernels need it")
+    from ampinit import _overflow
     from ampinit._masters import kernel_step
 
     monkeypatch.setattr(kernel_step, "TRITON_ON_CPU", True)
+    monkeypatch.setattr(_overflow, "DEVICE_DECIDES_ON_CPU", True)  # a dynamic scale's default, as on a GPU
     with _triton.interpreted_kernels():
         yield True
 
@@ -127,6 +130,8 @@ def syncs_per_step(
 
 
 DEVICE_DECIDED: list[tuple[OptLevel, dict[str, Any]]] = [
+    ("O1", {}),  # a dynamic scale: decided on the device by default where a read would wait (a GPU)
+    ("O2", {}),
     ("O4", {}),
     ("O5", {}),
     ("O5", {"master_weights": "remainder"}),
@@ -155,6 +160,7 @@ def test_masters_with_torchs_default_adamw_make_no_host_sync(
 
 
 WITHOUT_MASTERS: list[tuple[OptLevel, dict[str, Any]]] = [
+    ("O1", {}),
     ("O4", {}),
     ("O0", {}),
     ("O1", {"sync_free": True}),
@@ -198,9 +204,21 @@ def test_a_step_the_kernels_decline_reads_the_flag_then(cuda_path: bool) -> None
 
 
 @pytest.mark.parametrize("level", ["O1", "O2"])
-def test_a_dynamic_scale_reads_the_flag_once_per_step(level: OptLevel, cuda_path: bool) -> None:
-    """The overflowing step too: the scale is read only for a log line that is written (none at verbosity 0)."""
-    assert syncs_per_step(level, cuda_path) == [["aten._local_scalar_dense"]] * STEPS
+def test_a_dynamic_scale_decided_on_the_host_reads_the_flag_once_per_step(level: OptLevel, cuda_path: bool) -> None:
+    """``sync_free=False``, Apex's way: the overflowing step too reads only the flag; the scale is read only for a
+    log line that is written (none at verbosity 0)."""
+    assert syncs_per_step(level, cuda_path, sync_free=False) == [["aten._local_scalar_dense"]] * STEPS
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_raise_at_min_keeps_a_dynamic_scale_on_the_host(level: OptLevel, cuda_path: bool) -> None:
+    """``DynamicLossScale(raise_at_min=True)`` must look at the flag on the host to raise, so by default it keeps the
+    host decision (and its one read per step) on a GPU too; the overflowing step also reads the scale, to compare
+    it with the floor."""
+    scale = ampinit.DynamicLossScale(min_scale=1.0, raise_at_min=True)
+    expected = [["aten._local_scalar_dense"]] * STEPS
+    expected[OVERFLOWING_STEP - 1] = ["aten._local_scalar_dense"] * 2  # syncs_per_step leaves the first step out
+    assert syncs_per_step(level, cuda_path, loss_scale=scale) == expected
 
 
 # torch says once per process that the mode is a prototype; under filterwarnings=error that notice would raise with

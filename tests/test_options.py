@@ -35,7 +35,7 @@ def test_defaults_are_initializes() -> None:
     assert options.properties == LEVELS["O1"].defaults
     assert options.loss_scale == DynamicLossScale(init_scale=2.0**16, min_scale=None, max_scale=2.0**24)
     assert (options.num_losses, options.verbosity, options.cast_model_outputs) == (1, 1, None)
-    assert (options.cast_policy, options.allow_banned, options.sync_free) == ("apex", False, False)
+    assert (options.cast_policy, options.allow_banned, options.sync_free) == ("apex", False, None)
     assert (options.skip_nonfinite, options.allow_half_model, options.enabled) == (True, False, True)
 
 
@@ -67,7 +67,12 @@ def test_loss_scale_setting(level: str, changes: dict[str, Any], expected: objec
         ({"num_losses": True}, ValueError, "num_losses must be an int >= 1, got True"),
         ({"verbosity": -1}, ValueError, "verbosity must be an int >= 0, got -1"),
         ({"verbosity": 1.0}, ValueError, "verbosity must be an int >= 0, got 1.0"),
-        ({"sync_free": "yes"}, TypeError, "sync_free must be True or False, got 'yes'"),
+        (
+            {"sync_free": "yes"},
+            TypeError,
+            "sync_free must be True, False or None (the default: decide a dynamic scale's skips on the device "
+            "wherever reading them would wait for it), got 'yes'",
+        ),
         ({"allow_banned": 1}, TypeError, "allow_banned must be True or False, got 1"),
         ({"skip_nonfinite": None}, TypeError, "skip_nonfinite must be True or False, got None"),
         ({"allow_half_model": "False"}, TypeError, "allow_half_model must be True or False, got 'False'"),
@@ -123,7 +128,7 @@ def test_level_names_have_one_source() -> None:
 def test_a_bad_option_leaves_nothing_behind() -> None:
     model = SmallNet()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(TypeError, match="sync_free must be True or False"):
+    with pytest.raises(TypeError, match="sync_free must be True, False or None"):
         amp.initialize(model, opt, opt_level="O2", sync_free="yes")  # type: ignore[arg-type]
     assert ampinit.current_session() is None and ampinit.session_of(opt) is None
     assert all(p.dtype == torch.float32 for p in model.parameters()) and "step" not in vars(opt)
@@ -137,7 +142,7 @@ def test_session_keeps_its_option_names() -> None:
     assert session is not None
     try:
         assert session.options.num_losses == session.num_losses == len(session.scalers) == 2
-        assert (session.verbosity, session.options.cast_policy, session.options.sync_free) == (0, "native", False)
+        assert (session.verbosity, session.options.cast_policy, session.options.sync_free) == (0, "native", None)
         assert session.properties is session.options.properties
     finally:
         session.close()
