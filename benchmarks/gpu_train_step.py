@@ -132,7 +132,7 @@ AMP_SPECS: dict[str, AmpSpec] = {
 SYNC_ONLY = ("O1 sync_free", "O2 sync_free", "O4 AdamW foreach", "O5 remainder + bf16 state")
 TIMED = NATIVE + tuple(name for name in AMP_SPECS if name not in SYNC_ONLY)
 VARIANTS = TIMED + SYNC_ONLY
-PROFILED = ("O5 AdamW fused", AUTOCAST_BF16, "O2 AdamW fused", AUTOCAST_FP16, "O4")
+PROFILED = ("O5 AdamW fused", AUTOCAST_BF16, "O2 AdamW fused", AUTOCAST_FP16, "O4", "O5 remainder + 8bit")
 SYNC_WARNING = "synchronizing CUDA operation"  # torch.cuda.set_sync_debug_mode("warn")'s message
 SMOKE_NOTE = "smoke run (CPU or --tiny): the figures are not the targets' measure"
 
