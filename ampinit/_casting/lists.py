@@ -174,15 +174,6 @@ UNCHANGED: Mapping[tuple[str, torch.dtype], frozenset[str]] = {
 }
 
 
-def unchanged(device_type: str, dtype: torch.dtype) -> frozenset[str]:
-    """The overloads (as ``str(op)``: ``"aten.gelu.default"``) that ``"auto"`` does not register on ``device_type``.
-
-    Empty where nothing was measured (the CPU, whose native lists lack softmax, layer_norm, ...: every Apex entry
-    changes or may change results there), so ``"auto"`` registers what ``"apex"`` does.
-    """
-    return UNCHANGED.get((device_type, dtype), frozenset())
-
-
 # -- Apex's lists as one value: the defaults, or as code edited ``apex.amp.lists`` before initialize ----------------
 ListKind = Literal["FP16_FUNCS", "FP32_FUNCS", "CASTS", "SEQUENCE_CASTS"]
 LIST_KINDS: tuple[ListKind, ...] = ("FP16_FUNCS", "FP32_FUNCS", "CASTS", "SEQUENCE_CASTS")
@@ -350,3 +341,22 @@ def plan(dispatch_key: str, lists: ApexLists = DEFAULT_LISTS) -> dict[torch._ops
                 continue
             kernels[getattr(packet, overload)] = policy
     return kernels
+
+
+def unchanged(device_type: str, dtype: torch.dtype, lists: ApexLists | None = None) -> frozenset[str]:
+    """The overloads (as ``str(op)``: ``"aten.gelu.default"``) that ``"auto"`` does not register on ``device_type``.
+
+    Empty where nothing was measured (the CPU, whose native lists lack softmax, layer_norm, ...: every Apex entry
+    changes or may change results there), so ``"auto"`` registers what ``"apex"`` does. The measurement is of
+    Apex's own entries: an op whose policy edited ``lists`` changed (``gelu`` moved to ``FP16_FUNCS``) keeps its
+    kernel, so the edit applies.
+    """
+    measured = UNCHANGED.get((device_type, dtype), frozenset())
+    if lists is None or lists == DEFAULT_LISTS or not measured:
+        return measured
+    edited, default = op_policies(lists), op_policies(DEFAULT_LISTS)
+    return frozenset(name for name in measured if edited.get(_packet(name)) == default.get(_packet(name)))
+
+
+def _packet(overload: str) -> str:
+    return overload.split(".")[1]  # "aten.gelu.default" -> "gelu"

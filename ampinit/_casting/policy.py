@@ -92,7 +92,7 @@ class CastPolicy:
             if self.policy != "native":
                 apex_lists = lists.current_lists()  # as the code edited apex.amp.lists before initialize
                 for device in self.device_types:
-                    left_out = lists.unchanged(device, self.dtype) if self.policy == "auto" else frozenset()
+                    left_out = lists.unchanged(device, self.dtype, apex_lists) if self.policy == "auto" else frozenset()
                     holder = f"cast_policy={self.policy!r} ({self.dtype})"
                     KERNELS.acquire(device, apex_lists, left_out=left_out, holder=holder)
                     self._acquired.append(device)
