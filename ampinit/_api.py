@@ -51,7 +51,7 @@ def initialize(
     max_loss_scale: float = DEFAULT_MAX_LOSS_SCALE,
     *,
     patch_torch_functions_type: torch.dtype | None = None,
-    cast_policy: CastPolicyName = "apex",
+    cast_policy: CastPolicyName = "auto",
     allow_banned: bool = False,
     sync_free: bool | None = None,
     skip_nonfinite: bool = True,
@@ -79,7 +79,7 @@ def initialize(
     max_loss_scale: float = DEFAULT_MAX_LOSS_SCALE,
     *,
     patch_torch_functions_type: torch.dtype | None = None,
-    cast_policy: CastPolicyName = "apex",
+    cast_policy: CastPolicyName = "auto",
     allow_banned: bool = False,
     sync_free: bool | None = None,
     skip_nonfinite: bool = True,
@@ -106,7 +106,7 @@ def initialize(
     max_loss_scale: float = DEFAULT_MAX_LOSS_SCALE,
     *,
     patch_torch_functions_type: torch.dtype | None = None,
-    cast_policy: CastPolicyName = "apex",
+    cast_policy: CastPolicyName = "auto",
     allow_banned: bool = False,
     sync_free: bool | None = None,
     skip_nonfinite: bool = True,
@@ -136,9 +136,13 @@ def initialize(
         verbosity: 0 silences ampinit's log messages, 1 logs the option table and overflows.
         min_loss_scale, max_loss_scale: floor and ceiling of the dynamic loss scale.
         patch_torch_functions_type: the O1/O4 cast dtype (``torch.float16`` or ``torch.bfloat16``).
-        cast_policy: O1/O4 op lists: ``"apex"`` (default) gives Apex's cast semantics on every device, i.e.
-            PyTorch's autocast lists plus the Apex-list ops the device's lists lack; ``"native"`` keeps
-            PyTorch's lists only.
+        cast_policy: O1/O4 op lists: ``"apex"`` gives Apex's cast semantics on every device, i.e. PyTorch's
+            autocast lists plus the Apex-list ops the device's lists lack (what ``apex.amp.initialize``, ``amp.init``
+            and ``ampinit run`` use); ``"auto"`` (default) is ``"apex"`` less the entries measured to change no
+            result on the device at the cast dtype, which run as native autocast runs them (on CUDA: ``gelu``,
+            ``F.interpolate`` but bicubic at fp16, the ``padding="same"`` convolutions, ``nll_loss_nd``,
+            ``linalg_norm``; on the CPU none: there it is ``"apex"``); ``"native"`` keeps PyTorch's lists only.
+            See docs/cast-policy.md.
         allow_banned: under O1/O4, compute ``binary_cross_entropy`` on half inputs in fp32 instead of raising
             (Apex's ``allow_banned``).
         sync_free: where a dynamic scale's skips are decided. ``None`` (default): on the device wherever reading

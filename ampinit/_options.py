@@ -152,10 +152,14 @@ def _interval(name: str, value: object) -> int | None:
 
 
 def _cast_policy(value: object) -> CastPolicyName:
+    if not isinstance(value, str):
+        raise TypeError(f"cast_policy must be a str, one of {list(CAST_POLICIES)}, got {value!r}")
     for name in CAST_POLICIES:
         if value == name:
             return name
-    raise ValueError(f"cast_policy must be one of {list(CAST_POLICIES)}, got {value!r}")
+    raise ValueError(
+        f"cast_policy must be one of {list(CAST_POLICIES)}, got {value!r}{did_you_mean(value, CAST_POLICIES)}"
+    )
 
 
 def _dtype_or_none(name: str, value: object) -> torch.dtype | None:

@@ -10,8 +10,10 @@ import torch
 OptLevel = Literal["O0", "O1", "O2", "O3", "O4", "O5"]
 OPT_LEVELS: tuple[OptLevel, ...] = get_args(OptLevel)
 
-#: The O1/O4 op lists: ``"apex"`` adds Apex's list entries that PyTorch's autocast lacks, ``"native"`` does not.
-CastPolicyName = Literal["apex", "native"]
+#: The O1/O4 op lists: ``"apex"`` adds Apex's list entries that PyTorch's autocast lacks, ``"native"`` none, and
+#: ``"auto"`` (``initialize``'s default) those of ``"apex"`` less the entries measured to change no result on the
+#: device (``ampinit._casting.lists.UNCHANGED``).
+CastPolicyName = Literal["auto", "apex", "native"]
 CAST_POLICIES: tuple[CastPolicyName, ...] = get_args(CastPolicyName)
 
 #: The reduced-precision dtypes a model or a cast policy may use, and every dtype a model may be cast to.

@@ -416,7 +416,9 @@ def test_other_threads_with_native_autocast_keep_native_semantics(session: torch
 
 def test_unknown_policy_and_device_are_refused_before_any_change() -> None:
     # The policy name is one of initialize's options, checked with them (``ampinit._options``), not again here.
-    with pytest.raises(ValueError, match=re.escape("cast_policy must be one of ['apex', 'native'], got 'fast'")):
+    with pytest.raises(
+        ValueError, match=re.escape("cast_policy must be one of ['auto', 'apex', 'native'], got 'fast'")
+    ):
         amp.initialize(nn.Linear(2, 2), opt_level="O1", cast_policy="fast", verbosity=0)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=re.escape("needs an autocast dispatch key for device type 'meta'")):
         cast_policy.CastPolicy(["meta"], torch.float16)

@@ -7,6 +7,7 @@ import inspect
 import re
 from typing import Any, get_args
 
+import numpy
 import pytest
 import torch
 
@@ -35,7 +36,7 @@ def test_defaults_are_initializes() -> None:
     assert options.properties == LEVELS["O1"].defaults
     assert options.loss_scale == DynamicLossScale(init_scale=2.0**16, min_scale=None, max_scale=2.0**24)
     assert (options.num_losses, options.verbosity, options.cast_model_outputs) == (1, 1, None)
-    assert (options.cast_policy, options.allow_banned, options.sync_free) == ("apex", False, None)
+    assert (options.cast_policy, options.allow_banned, options.sync_free) == ("auto", False, None)
     assert (options.skip_nonfinite, options.allow_half_model, options.enabled) == (True, False, True)
 
 
@@ -76,7 +77,13 @@ def test_loss_scale_setting(level: str, changes: dict[str, Any], expected: objec
         ({"allow_banned": 1}, TypeError, "allow_banned must be True or False, got 1"),
         ({"skip_nonfinite": None}, TypeError, "skip_nonfinite must be True or False, got None"),
         ({"allow_half_model": "False"}, TypeError, "allow_half_model must be True or False, got 'False'"),
-        ({"cast_policy": "fast"}, ValueError, "cast_policy must be one of ['apex', 'native'], got 'fast'"),
+        ({"cast_policy": "fast"}, ValueError, "cast_policy must be one of ['auto', 'apex', 'native'], got 'fast'"),
+        (
+            {"cast_policy": "Apex"},
+            ValueError,
+            "cast_policy must be one of ['auto', 'apex', 'native'], got 'Apex'. Did you mean 'apex'?",
+        ),
+        ({"cast_policy": None}, TypeError, "cast_policy must be a str, one of ['auto', 'apex', 'native'], got None"),
         ({"cast_model_outputs": "fp16"}, TypeError, "cast_model_outputs must be a torch.dtype or None, got 'fp16'"),
         ({"min_loss_scale": -1.0}, ValueError, "min_loss_scale must be a number >= 0, got -1.0"),
         ({"max_loss_scale": "big"}, ValueError, "max_loss_scale must be a number >= 0, got 'big'"),
@@ -102,6 +109,13 @@ def test_loss_scale_setting(level: str, changes: dict[str, Any], expected: objec
 def test_bad_option_names_the_value(changes: dict[str, Any], error: type[Exception], message: str) -> None:
     with pytest.raises(error, match=re.escape(message)):
         _resolve(**changes)
+
+
+@pytest.mark.parametrize("given", ["auto", "apex", "native", numpy.str_("native")])
+def test_cast_policy_accepts_each_name_as_any_str(given: str) -> None:
+    """A config reader's string (numpy's, say) is taken, and stored as the name itself."""
+    policy = _resolve(cast_policy=given).cast_policy
+    assert policy == given and type(policy) is str
 
 
 @pytest.mark.parametrize(("typo", "meant"), [("o2", "O2"), ("02", "O2"), (" O5", "O5"), ("0", None), (2, None)])

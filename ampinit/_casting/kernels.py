@@ -3,9 +3,9 @@
 Each kernel sits on the device's autocast dispatch key (``AutocastCPU``, ``AutocastCUDA``, ...), casts the op's
 floating inputs by its policy (``lists.plan`` says which ops get which), and redispatches below autocast. The
 kernels are process-wide, like any dispatcher registration: :data:`KERNELS` registers them when the first
-``apex`` policy on a device activates, counts the holders, and removes them with the last one. They cast only
-where an ``apex`` policy is the innermost one on (``scopes.innermost``); elsewhere they behave as the device's
-native autocast does.
+``apex`` or ``auto`` policy on a device activates (``auto`` leaves out the overloads ``lists.unchanged`` names),
+counts the holders, and removes them with the last one. They cast only where such a policy is the innermost one
+on (``scopes.innermost``); elsewhere they behave as the device's native autocast does.
 """
 
 from __future__ import annotations
@@ -81,9 +81,11 @@ def _tensor_arguments(op: torch._ops.OpOverload) -> tuple[tuple[int, ...], froze
 
 
 def _apex_policy() -> CastPolicy | None:
-    """The innermost policy when it follows Apex's lists (None: behave as the device's native autocast)."""
+    """The innermost policy when it adds Apex's entries, ``"apex"`` or ``"auto"`` (None: behave as the device's
+    native autocast). An ``"auto"`` session holds only the kernels of the entries it keeps, so a registered kernel
+    casts for both."""
     policy = scopes.innermost()
-    return policy if policy is not None and policy.policy == "apex" else None
+    return policy if policy is not None and policy.policy != "native" else None
 
 
 def make_kernel(op: torch._ops.OpOverload, policy: Policy, device_type: str) -> Callable[..., Any]:
@@ -183,22 +185,33 @@ def _banned_kernel(run: _Runner) -> Callable[..., Any]:
     return kernel
 
 
+class _Held(NamedTuple):
+    """One device type's registered kernels and what every session sharing them must agree on."""
+
+    library: torch.library.Library
+    lists: ApexLists
+    only: _Only
+    left_out: frozenset[str]
+    holder: str  # the first holder's policy, for a refusal's message
+    holders: int
+
+
 class _Kernels:
     """The extra autocast kernels, one ``torch.library.Library`` per device type, reference-counted.
 
-    All the sessions holding a device's kernels share them, so they must agree on Apex's lists (and on the
-    restriction of :meth:`restricted_to`).
+    All the sessions holding a device's kernels share them, so they must agree on Apex's lists, on the overloads
+    left out (``cast_policy="auto"``'s measured set), and on the restriction of :meth:`restricted_to`.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._libraries: dict[str, tuple[torch.library.Library, ApexLists, _Only, int]] = {}
+        self._libraries: dict[str, _Held] = {}
         self._only: _Only = None
 
     def registered(self) -> dict[str, int]:
         """Device type -> how many active policies hold its kernels."""
         with self._lock:
-            return {device: count for device, (_, _, _, count) in self._libraries.items()}
+            return {device: held.holders for device, held in self._libraries.items()}
 
     @contextlib.contextmanager
     def restricted_to(self, overloads: Collection[torch._ops.OpOverload]) -> Iterator[None]:
@@ -222,39 +235,60 @@ class _Kernels:
             with self._lock:
                 self._only = None
 
-    def acquire(self, device_type: str, lists: ApexLists = DEFAULT_LISTS) -> None:
+    def acquire(
+        self,
+        device_type: str,
+        lists: ApexLists = DEFAULT_LISTS,
+        *,
+        left_out: frozenset[str] = frozenset(),
+        holder: str = "cast_policy='apex'",
+    ) -> None:
+        """Hold ``device_type``'s kernels: Apex's ``lists`` less the overloads named in ``left_out`` (``str(op)``).
+
+        ``holder`` says which policy asks (``"cast_policy='auto' (torch.bfloat16)"``), for the refusal when the
+        kernels already registered differ.
+        """
         with self._lock:
             held = self._libraries.get(device_type)
             if held is None:
-                library = _register(device_type, lists, self._only)
-                self._libraries[device_type] = (library, lists, self._only, 1)
+                library = _register(device_type, lists, self._only, left_out)
+                self._libraries[device_type] = _Held(library, lists, self._only, left_out, holder, 1)
                 return
-            library, held_lists, held_only, count = held
-            if held_only != self._only:
+            if held.only != self._only:
                 raise RuntimeError(
                     f"An O1/O4 session is open on {device_type!r} with "
-                    f"{'all' if held_only is None else 'a restricted set of'} Apex's kernels; KERNELS.restricted_to() "
+                    f"{'all' if held.only is None else 'a restricted set of'} Apex's kernels; KERNELS.restricted_to() "
                     "changes which are registered, so close that session first."
                 )
-            if held_lists != lists:
+            if held.lists != lists:
                 raise RuntimeError(
                     f"apex.amp.lists differ from those of the O1/O4 session already open on {device_type!r}: "
                     "the lists are read at initialize() and shared by all open sessions. Close the open session "
                     "before initializing with edited lists, or edit them before the first initialize()."
                 )
-            self._libraries[device_type] = (library, lists, held_only, count + 1)
+            if held.left_out != left_out:
+                differing = ", ".join(sorted(held.left_out ^ left_out))
+                raise RuntimeError(
+                    f"An O1/O4 session with {holder} cannot open on {device_type!r} while one with {held.holder} is "
+                    f"open there: they register different sets of Apex's kernels (differing: {differing}), and a "
+                    "device's kernels are shared by all its sessions. Close the open session first, or initialize "
+                    "with the same cast_policy and dtype."
+                )
+            self._libraries[device_type] = held._replace(holders=held.holders + 1)
 
     def release(self, device_type: str) -> None:
         with self._lock:
-            library, lists, only, count = self._libraries[device_type]
-            if count > 1:
-                self._libraries[device_type] = (library, lists, only, count - 1)
+            held = self._libraries[device_type]
+            if held.holders > 1:
+                self._libraries[device_type] = held._replace(holders=held.holders - 1)
                 return
             del self._libraries[device_type]
-            library._destroy()  # type: ignore[no-untyped-call]
+            held.library._destroy()  # type: ignore[no-untyped-call]
 
 
-def _register(device_type: str, lists: ApexLists, only: _Only = None) -> torch.library.Library:
+def _register(
+    device_type: str, lists: ApexLists, only: _Only = None, left_out: frozenset[str] = frozenset()
+) -> torch.library.Library:
     key = AUTOCAST_KEYS[device_type]
     library = torch.library.Library("aten", "IMPL")  # type: ignore[no-untyped-call]
     try:
@@ -264,7 +298,7 @@ def _register(device_type: str, lists: ApexLists, only: _Only = None) -> torch.l
             # the library is destroyed. The plan overrides no other native kernel.
             warnings.filterwarnings("ignore", message=r"(?s).*Overriding a previously registered kernel")
             for op, policy in plan(key, lists).items():
-                if only is not None and op not in only:
+                if (only is not None and op not in only) or str(op) in left_out:
                     continue
                 library.impl(op, make_kernel(op, policy, device_type), key)  # type: ignore[no-untyped-call]
     except BaseException:

@@ -149,6 +149,30 @@ NATIVELY_PROMOTED = ("addcdiv", "addcmul", "atan2")
 # Policies of ops that PyTorch's own type promotion does not widen: mixed half/fp32 inputs raise natively.
 EXTRA_PROMOTE = ("vdot", "linalg_cross", "index_put", "tensordot", "scatter_add")
 
+# -- What ``cast_policy="auto"`` leaves to native autocast: entries measured to change no result ---------------------
+# Measured on one NVIDIA H100 80GB HBM3 with torch 2.11.0+cu130, bf16 (O4), by
+# ``python -m benchmarks.cast_list_effect --device cuda --dtype bf16``: each overload reached by a probe, on top of
+# native autocast alone, gave the same bits as native autocast after the consumer's rounding, and the losses of
+# the decoder and the MLP after 3 steps agreed with native's within the run-to-run spread (the table is in
+# docs/cast-policy.md). Not registered, an overload runs as native autocast runs it: these are composites whose
+# inner ops autocast casts (the ``padding`` convolutions, ``nll_loss_nd``, ``linalg_norm``), or kernels that
+# compute in fp32 inside and round once to the half dtype (gelu, interpolation).
+_CUDA_UNCHANGED = (
+    "aten.conv1d.padding", "aten.conv2d.padding", "aten.conv3d.padding", "aten.gelu.default",
+    "aten.upsample_nearest1d.vec", "aten.upsample_nearest2d.vec", "aten.upsample_nearest3d.vec",
+    "aten._upsample_nearest_exact2d.vec", "aten.upsample_linear1d.vec", "aten.upsample_bilinear2d.vec",
+    "aten._upsample_bilinear2d_aa.vec", "aten.upsample_trilinear3d.vec", "aten.upsample_bicubic2d.vec",
+    "aten._upsample_bicubic2d_aa.vec", "aten.nll_loss_nd.default", "aten.linalg_norm.default",
+)  # fmt: skip
+# fp16 was not measured. The argument for bf16 carries over (docs/cast-policy.md) except for bicubic interpolation,
+# whose negative weights take the output up to about 1.9x the input's largest magnitude: past fp16's range where
+# Apex's fp32 output is finite, so O1 keeps those two entries.
+_BICUBIC = ("aten.upsample_bicubic2d.vec", "aten._upsample_bicubic2d_aa.vec")
+UNCHANGED: Mapping[tuple[str, torch.dtype], frozenset[str]] = {
+    ("cuda", torch.bfloat16): frozenset(_CUDA_UNCHANGED),
+    ("cuda", torch.float16): frozenset(_CUDA_UNCHANGED) - frozenset(_BICUBIC),
+}
+
 
 # -- Apex's lists as one value: the defaults, or as code edited ``apex.amp.lists`` before initialize ----------------
 ListKind = Literal["FP16_FUNCS", "FP32_FUNCS", "CASTS", "SEQUENCE_CASTS"]
@@ -317,3 +341,22 @@ def plan(dispatch_key: str, lists: ApexLists = DEFAULT_LISTS) -> dict[torch._ops
                 continue
             kernels[getattr(packet, overload)] = policy
     return kernels
+
+
+def unchanged(device_type: str, dtype: torch.dtype, lists: ApexLists | None = None) -> frozenset[str]:
+    """The overloads (as ``str(op)``: ``"aten.gelu.default"``) that ``"auto"`` does not register on ``device_type``.
+
+    Empty where nothing was measured (the CPU, whose native lists lack softmax, layer_norm, ...: every Apex entry
+    changes or may change results there), so ``"auto"`` registers what ``"apex"`` does. The measurement is of
+    Apex's own entries: an op whose policy edited ``lists`` changed (``gelu`` moved to ``FP16_FUNCS``) keeps its
+    kernel, so the edit applies.
+    """
+    measured = UNCHANGED.get((device_type, dtype), frozenset())
+    if lists is None or lists == DEFAULT_LISTS or not measured:
+        return measured
+    edited, default = op_policies(lists), op_policies(DEFAULT_LISTS)
+    return frozenset(name for name in measured if edited.get(_packet(name)) == default.get(_packet(name)))
+
+
+def _packet(overload: str) -> str:
+    return overload.split(".")[1]  # "aten.gelu.default" -> "gelu"

@@ -4,7 +4,9 @@ Apex's O1 patched ~1,000 torch functions in Python. ampinit uses PyTorch's own a
 (``docs/design.md``, decision 2), at native speed and compatible with ``torch.compile``. With
 ``policy="apex"`` the ops of Apex's lists that a device's native lists lack (on the CPU: softmax, layer_norm,
 sum, exp, pow, norms, ...) get extra kernels on that device's autocast dispatch key (``kernels``), so that every
-device runs Apex's cast semantics. ``policy="native"`` keeps PyTorch's lists only.
+device runs Apex's cast semantics. ``policy="auto"`` registers the same kernels less those measured to change no
+result on the device at the policy's dtype (``lists.unchanged``), which then run as native autocast runs them.
+``policy="native"`` keeps PyTorch's lists only.
 
 A :class:`CastPolicy` does four things:
 
@@ -45,24 +47,25 @@ _Entry = tuple[int, _Saved | None]
 
 
 class CastPolicy:
-    """Autocast to ``dtype`` on ``device_types`` while active, with Apex's lists on top for ``policy="apex"``."""
+    """Autocast to ``dtype`` on ``device_types`` while active, with Apex's lists on top for ``policy="apex"``
+    (less the entries that change no result there for ``policy="auto"``)."""
 
     def __init__(
         self,
         device_types: list[str],
         dtype: torch.dtype,
         *,
-        policy: CastPolicyName = "apex",
+        policy: CastPolicyName = "auto",
         allow_banned: bool = False,
     ) -> None:
         # ``policy`` and ``dtype`` come from options ``ampinit._options`` checked; the device types come from the
         # models, which nothing checked before.
         self.device_types = sorted(set(device_types))
-        if policy == "apex":
+        if policy != "native":
             unknown = [d for d in self.device_types if d not in AUTOCAST_KEYS]
             if unknown:
                 raise ValueError(
-                    f"cast_policy='apex' needs an autocast dispatch key for device type {unknown[0]!r}; known: "
+                    f"cast_policy={policy!r} needs an autocast dispatch key for device type {unknown[0]!r}; known: "
                     f"{sorted(AUTOCAST_KEYS)}. Use cast_policy='native' for PyTorch's own lists on this device."
                 )
         self.dtype = dtype
@@ -86,10 +89,12 @@ class CastPolicy:
             raise RuntimeError("CastPolicy.activate() called twice without deactivate()")
         try:
             patches: list[tuple[object, str, Policy]] = []
-            if self.policy == "apex":
+            if self.policy != "native":
                 apex_lists = lists.current_lists()  # as the code edited apex.amp.lists before initialize
                 for device in self.device_types:
-                    KERNELS.acquire(device, apex_lists)
+                    left_out = lists.unchanged(device, self.dtype, apex_lists) if self.policy == "auto" else frozenset()
+                    holder = f"cast_policy={self.policy!r} ({self.dtype})"
+                    KERNELS.acquire(device, apex_lists, left_out=left_out, holder=holder)
                     self._acquired.append(device)
                 patches = lists.python_patches(apex_lists)
             self._restore_user_functions = user_functions.REGISTRY.apply(patches)

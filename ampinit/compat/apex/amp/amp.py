@@ -69,6 +69,7 @@ def init(
         loss_scale=loss_scale,
         verbosity=0,
         allow_banned=allow_banned,
+        cast_policy="apex",  # Apex's exact lists, as under apex.amp.initialize
     )
     session = ampinit.current_session()
     assert session is not None

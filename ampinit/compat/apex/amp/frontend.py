@@ -8,6 +8,8 @@ Apex's loose inputs are converted here, once, and everything else is ampinit's s
   accepted at every level, as in Apex. The level then does what it does to any model: O0/O2/O3/O5 cast it
   (O2/O5 build fp32 masters from the half values, as Apex did), O1/O4 and ``cast_model_type=False`` leave it
   as it is and cast around it;
+* O1/O4 cast by Apex's exact lists (``cast_policy="apex"``), not by ampinit's default ``"auto"``, which leaves
+  out entries measured to change no result;
 * at O1 (fp16 function casts), Apex's tensor rules that code written for it depends on (``.cpu()`` of a half
   tensor gives float32; ``exp_`` and the other in-place forms of Apex's fp32 functions refuse fp16 tensors with
   Apex's ``NotImplementedError``): :func:`follow_apex_tensor_rules`, undone when the session closes.
@@ -72,6 +74,7 @@ def initialize(
         max_loss_scale=_loose.real_number(max_loss_scale),
         allow_half_model=bool(_amp_state.allow_incoming_model_not_fp32),
         optimizer_state=optimizer_state,
+        cast_policy="apex",  # Apex's exact lists, not ampinit's default: legacy code gets the casts it was written for
     )
     if enabled:
         follow_apex_tensor_rules(_session_of(models))
