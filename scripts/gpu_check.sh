@@ -8,15 +8,16 @@
 # 2. benchmarks/gpu_train_step.py --profile under BENCH_TIMEOUT (every variant interleaved in one process; a
 #    failing variant is a row with its error; the JSON is rewritten after every variant and round, so a cut run
 #    keeps what it measured);
-# 3. benchmarks/cast_list_effect.py --device cuda (bf16) under CAST_TIMEOUT: which of Apex's extra cast-list entries
-#    change results on CUDA, the figures the O1/O4 default lists wait for (its table goes into the logs archive);
+# 3. benchmarks/cast_list_effect.py --device cuda (bf16, then fp16), each under CAST_TIMEOUT: which of Apex's extra
+#    cast-list entries change results on CUDA, the figures cast_policy="auto"'s measured set is decided from (the
+#    tables go into the logs archive);
 # 4. OUT_DIR/summary.json and summary.md (counts, every failure with its reason, each target's verdict),
-#    verdict.txt, profile.txt (the profiler's top kernels of O5 and native autocast bf16, when the benchmark got
-#    that far), and the logs packed into OUT_DIR/gpu_check_logs.tar.gz (pytest.txt with -rfE, --tb=short and
+#    verdict.txt, profile.txt (the profiler's top kernels of O5, O2, O4, the 8-bit dial and native autocast, when
+#    the benchmark got that far), and the logs packed into OUT_DIR/gpu_check_logs.tar.gz (pytest.txt with -rfE, --tb=short and
 #    --durations=25, pytest.xml, the benchmark's JSON/Markdown/log, machine.txt): at most five files, so OUT_DIR
 #    comes back whole from a device call (at most 8 files of 16 MiB). The last line printed is the verdict.
-# At the default limits the worst case, start-up, summary and packing included, is about 470 s (230 + 150 + 25,
-# three KILL_AFTERs of at most 15, 5 and 15 s, and about 30 s for the rest).
+# At the default limits the worst case, start-up, summary and packing included, is about 500 s (230 + 150 + 2 x 25,
+# four KILL_AFTERs of at most 15, 5, 5 and 15 s, and about 30 s for the rest).
 #
 # Exit status: 0 when the suite passed and every target was met, 1 otherwise, 2 when no GPU is usable.
 # PYTHON picks the interpreter (default: python3); it needs torch with CUDA, pytest, pytest-xdist, pytest-timeout,
@@ -97,12 +98,15 @@ if [ -f "$logs/gpu_train_step_profile.txt" ]; then
 fi
 
 cast_limit="${CAST_TIMEOUT:-25}"
-echo "== cast-list effect on cuda, at most ${cast_limit} s (log: cast_list_effect.txt)"
-# Informational (the O1/O4 default lists are decided from it by hand): its exit status does not enter the verdict.
-# A cut run keeps the phases it finished (the JSON and Markdown are rewritten after each).
-timeout -s INT -k 5 "$cast_limit" "$python" -m benchmarks.cast_list_effect --device cuda --dtype bf16 --steps 3 \
-    --out "$logs" > "$logs/cast_list_effect.txt" 2>&1
-tail -n 2 "$logs/cast_list_effect.txt"
+# Informational (cast_policy="auto"'s measured set, ampinit/_casting/lists.py, is decided from it by hand): its
+# exit status does not enter the verdict. A cut run keeps the phases it finished (the JSON and Markdown are
+# rewritten after each). bf16 is O4's dtype, fp16 O1's.
+for dtype in bf16 fp16; do
+    echo "== cast-list effect on cuda, $dtype, at most ${cast_limit} s (log: cast_list_effect_$dtype.txt)"
+    timeout -s INT -k 5 "$cast_limit" "$python" -m benchmarks.cast_list_effect --device cuda --dtype "$dtype" \
+        --steps 3 --out "$logs" > "$logs/cast_list_effect_$dtype.txt" 2>&1
+    tail -n 2 "$logs/cast_list_effect_$dtype.txt"
+done
 
 "$python" scripts/gpu_check_summary.py "$out" "$suite_rc" "$bench_rc" \
     --limits "suite=$suite_limit,bench=$bench_limit" --seconds "suite=$suite_s,bench=$bench_s"
