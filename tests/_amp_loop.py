@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+import ampinit
 from ampinit import amp
-from tests.conftest import SmallNet
+from tests.conftest import SmallNet, make_problem
 
 FP32_MASTER_SETUPS: list[tuple[str, bool | str]] = [("O2", True), ("O5", True)]
 MASTER_SETUPS: list[tuple[str, bool | str]] = [*FP32_MASTER_SETUPS, ("O5", "remainder")]
@@ -53,3 +54,26 @@ def overflowing_iteration(
     opt.zero_grad()
     scale_loss_block(model, opt, x, y, inf=overflow, defer=False)
     opt.step()
+
+
+def overflowing_run(steps: int, fused: bool = False, **options: object) -> tuple[SmallNet, torch.optim.Optimizer]:
+    """O2 (SGD, or fused AdamW) with an inf in every backward, verbosity 1 and a dynamic scale from 2**30: each
+    step is skipped, the scale halves and an overflow line may be written. The session is left open."""
+    model, x, y = make_problem()
+    params = model.parameters()
+    opt = torch.optim.AdamW(params, 1e-2, fused=True) if fused else torch.optim.SGD(params, 0.1)
+    amp.initialize(
+        model,
+        opt,
+        opt_level="O2",
+        loss_scale=ampinit.DynamicLossScale(init_scale=2.0**30, max_scale=2.0**40),
+        verbosity=1,
+        **options,  # type: ignore[arg-type]
+    )
+    for _ in range(steps):
+        opt.zero_grad()
+        with amp.scale_loss(mse(model(x), y), opt) as scaled:
+            scaled.backward()
+            model.fc1.bias.grad[0] = float("inf")  # type: ignore[index]
+        opt.step()
+    return model, opt

@@ -20,9 +20,9 @@ import torch
 
 import ampinit
 from ampinit import _overflow, _skip, amp
-from tests._amp_loop import mse
+from tests._amp_loop import mse, overflowing_run
 from tests._device import HostSyncCounter, requires_cuda
-from tests.conftest import SmallNet, make_problem
+from tests.conftest import make_problem
 
 OVERFLOWS = 20
 
@@ -38,28 +38,6 @@ def copies_in_flight(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[bool]]:
     landed = [False]
     monkeypatch.setattr(_skip._PendingDecision, "landed", lambda self: landed[0])
     yield landed
-
-
-def overflowing_run(steps: int, fused: bool = False, **options: object) -> tuple[SmallNet, torch.optim.Optimizer]:
-    """O2 (SGD, or fused AdamW) with an inf in every backward: each step is skipped and the scale halves."""
-    model, x, y = make_problem()
-    params = model.parameters()
-    opt = torch.optim.AdamW(params, 1e-2, fused=True) if fused else torch.optim.SGD(params, 0.1)
-    amp.initialize(
-        model,
-        opt,
-        opt_level="O2",
-        loss_scale=ampinit.DynamicLossScale(init_scale=2.0**30, max_scale=2.0**40),
-        verbosity=1,
-        **options,  # type: ignore[arg-type]
-    )
-    for _ in range(steps):
-        opt.zero_grad()
-        with amp.scale_loss(mse(model(x), y), opt) as scaled:
-            scaled.backward()
-            model.fc1.bias.grad[0] = float("inf")  # type: ignore[index]
-        opt.step()
-    return model, opt
 
 
 def overflow_lines(caplog: pytest.LogCaptureFixture) -> list[str]:

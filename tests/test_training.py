@@ -15,6 +15,7 @@ from torch import nn
 
 import ampinit
 from ampinit import amp
+from tests._amp_loop import overflowing_run
 from tests._device import device_under_test, on_device
 from tests.conftest import SmallNet, make_problem
 
@@ -350,22 +351,8 @@ def test_overflow_skips_step_bitwise_and_backs_off(level: str) -> None:
 
 
 def test_overflow_log_matches_apex_and_is_rate_limited(caplog: pytest.LogCaptureFixture) -> None:
-    model, x, y = make_problem()
-    opt = torch.optim.SGD(model.parameters(), 0.1)
-    amp.initialize(
-        model,
-        opt,
-        opt_level="O2",
-        loss_scale=ampinit.DynamicLossScale(init_scale=2.0**30, max_scale=2.0**40),
-        verbosity=1,
-    )
     with caplog.at_level(logging.INFO, logger="ampinit"):
-        for _ in range(20):
-            opt.zero_grad()
-            with amp.scale_loss(mse(model(x), y), opt) as scaled:
-                scaled.backward()
-                model.fc1.bias.grad[0] = float("inf")
-            opt.step()
+        overflowing_run(20)
     messages = [r.getMessage() for r in caplog.records if "Gradient overflow" in r.getMessage()]
     assert messages[0] == "Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to 536870912.0"
     assert len(messages) == 8 + 1  # the first 8, then only the 16th of 20
