@@ -289,8 +289,9 @@ class _DialStep(abc.ABC):
     dial: Dial
     store: StateStore
     update: Update | None
-    # Each launch's random-key streams (4 * t + purpose) on the device, by (device, streams): copied there once.
-    _streams: dict[tuple[Any, ...], torch.Tensor]
+    # The mixed random-key streams (``precision.mixed_streams`` of 4 * t + purpose) of the last launch per device
+    # and purposes, with the positions they were made for: made on the device once, not once per step.
+    _streams: dict[tuple[Any, ...], tuple[tuple[int, ...], torch.Tensor]]
 
     def _dial_step(self, found_inf: torch.Tensor | None, write_back: Callable[[list[torch.Tensor]], None]) -> None:
         self.optimizer._opt_called = True  # type: ignore[attr-defined]  # as an lr scheduler's step wrapper records
@@ -387,17 +388,19 @@ class _DialStep(abc.ABC):
         """``kernel_step.kernels_taking``'s model weights by master id and the ids of bf16 parameters with masters."""
 
     @abc.abstractmethod
-    def _kernel_batches(
-        self, params: list[torch.Tensor]
-    ) -> Iterator[tuple[list[torch.Tensor], Callable[[torch.Tensor], Masters]]]:
-        """``params`` in launches, each with how to view its masters given the weight's random keys."""
+    def _kernel_batches(self, params: list[torch.Tensor]) -> Iterator[tuple[list[torch.Tensor], MastersOf]]:
+        """``params`` in launches, each with how to view its masters (and whether that needs the weight's keys).
+
+        The masters' lists hold the parameters themselves, not detached handles: the kernels read data pointers
+        only (as ``kernel_step``'s fp32-master launch does), and a ``detach()`` per tensor per step was as many
+        aten ops (on a GPU, host work the device waits on) as the rest of the step."""
 
     def _adam_kernel(
         self,
         kernels: ModuleType,
         group: dict[str, Any],
         params: list[torch.Tensor],
-        masters_of: Callable[[torch.Tensor], Masters],
+        masters_of: MastersOf,
         positions: dict[int, int],
         found_inf: torch.Tensor | None,
     ) -> None:
@@ -407,15 +410,18 @@ class _DialStep(abc.ABC):
         for p in params:
             self._stored_in_dial(self.optimizer.state[p], p, positions)
         if self.update == "adam":
-            steps = torch.stack([self.optimizer.state[p]["step"].reshape(()) for p in params])
+            # adam_inputs packed the counts (their entries are views of one tensor): taken as they are, no copy.
+            steps = kernel_step.packed_steps([self.optimizer.state[p] for p in params], params[0].device)
         else:
             # The chunked path's count for the random bits (``_count``), so that a run may move between the two.
             steps = self._advanced_sr_steps(params, found_inf)
+        moment_purposes = (MOMENT_PURPOSES["exp_avg"], MOMENT_PURPOSES["exp_avg_sq"])
+        keys = self._keys(steps, params, positions, masters_of, moment_purposes)
         kernels.adam_dial_(
             [_grad(p) for p in params],
-            masters_of(self._keys(steps, params, positions, 0)),
-            self._moments("exp_avg", params, steps, positions),
-            self._moments("exp_avg_sq", params, steps, positions),
+            masters_of.view(keys.get(0)),
+            self._moments("exp_avg", params, keys),
+            self._moments("exp_avg_sq", params, keys),
             scalars,
             settings,
             found_inf=found_inf,
@@ -426,12 +432,15 @@ class _DialStep(abc.ABC):
         kernels: ModuleType,
         group: dict[str, Any],
         params: list[torch.Tensor],
-        masters_of: Callable[[torch.Tensor], Masters],
+        masters_of: MastersOf,
         positions: dict[int, int],
         found_inf: torch.Tensor | None,
     ) -> None:
         steps = self._advanced_sr_steps(params, found_inf)
-        masters = masters_of(self._keys(steps, params, positions, 0))
+        with_buffers = group["momentum"] != 0
+        buffer_purposes = (MOMENT_PURPOSES["momentum_buffer"],) if with_buffers else ()
+        all_keys = self._keys(steps, params, positions, masters_of, buffer_purposes)
+        masters = masters_of.view(all_keys.get(0))
         settings = self._kernel_settings(group)
         assert isinstance(settings, SgdSettings)
         # sgd_batches gives a starting buffer fp32 zeros; stored in the dial's format before the launch reads it.
@@ -439,27 +448,27 @@ class _DialStep(abc.ABC):
             some = [params[i] for i in chosen]
             for p in some:
                 self._stored_in_dial(self.optimizer.state[p], p, positions)
-            buffers = (
-                self._moments("momentum_buffer", some, steps[chosen], positions)
-                if group["momentum"] != 0
-                else Moments.fp32([])
-            )
+            # Every step but a first one for some of the buffers is one launch over all of them: nothing to pick.
+            whole = len(chosen) == len(params)
+            keys = all_keys if whole else {purpose: row[chosen] for purpose, row in all_keys.items()}
             kernels.sgd_dial_(
                 [_grad(p) for p in some],
-                masters.take(chosen),
-                buffers,
+                masters if whole else masters.take(chosen),
+                self._moments("momentum_buffer", some, keys) if with_buffers else Moments.fp32([]),
                 settings,
                 first_step=first_step,
                 found_inf=found_inf,
             )
 
     def _advanced_sr_steps(self, params: list[torch.Tensor], found_inf: torch.Tensor | None) -> torch.Tensor:
-        """amp's ``sr_step`` of each of ``params`` advanced on the device (not where ``found_inf`` is set), stacked."""
-        counts = [self._sr_step(self.optimizer.state[p], p) for p in params]
-        device = params[0].device
-        more = torch.ones((), dtype=torch.int64, device=device) if found_inf is None else found_inf.reshape(()) == 0
-        _torch_kernels.add_(counts, [more.to(torch.int64)] * len(counts))
-        return torch.stack(counts)
+        """amp's ``sr_step`` of each of ``params`` advanced on the device (not where ``found_inf`` is set), as one
+        1-D tensor whose elements the states' entries are views of (:func:`_packed_sr_steps`)."""
+        counts = _packed_sr_steps([self.optimizer.state[p] for p in params], params[0].device)
+        if found_inf is None:
+            counts.add_(1)
+        else:
+            counts.add_((found_inf.reshape(()) == 0).to(torch.int64))
+        return counts
 
     def _stored_in_dial(self, state: dict[str, Any], param: torch.Tensor, positions: dict[int, int]) -> None:
         """Moments torch's layout just created (fp32 zeros) re-stored in the dial's format (exactly: zeros)."""
@@ -472,22 +481,37 @@ class _DialStep(abc.ABC):
                 state.update(self.store.encode(key, value, zero_step, 4 * positions[id(param)] + purpose))
 
     def _keys(
-        self, steps: torch.Tensor, params: list[torch.Tensor], positions: dict[int, int], purpose: int
-    ) -> torch.Tensor:
-        """One random key per parameter for ``purpose``, from its post-increment step count, on the device."""
-        device = params[0].device
-        values = tuple(4 * positions[id(p)] + purpose for p in params)
-        streams = self._streams.get((device, values))
-        if streams is None:
-            streams = self._streams[(device, values)] = torch.tensor(values, dtype=torch.int64, device=device)
-        return precision.keys(self.store.seed, steps, streams).to(device)
+        self,
+        steps: torch.Tensor,
+        params: list[torch.Tensor],
+        positions: dict[int, int],
+        masters_of: MastersOf,
+        moment_purposes: tuple[int, ...],
+    ) -> dict[int, torch.Tensor]:
+        """The random keys of one launch by purpose (one per parameter each, from its post-increment step count, on
+        the device): the weight's (0) where the masters round stochastically, the moments' where they are bf16.
 
-    def _moments(self, key: str, params: list[torch.Tensor], steps: torch.Tensor, positions: dict[int, int]) -> Moments:
-        """Moment ``key`` of ``params`` in the dial's stored format (the state dicts' own tensors)."""
+        All of them in one computation over a ``[purposes, tensors]`` table of mixed streams kept on the device, so
+        that a step runs the same few integer ops for any number of tensors and purposes."""
+        purposes = ((0,) if masters_of.keyed else ()) + (moment_purposes if self.dial.state == "bf16" else ())
+        if not purposes:
+            return {}
+        device = steps.device
+        places = tuple(positions[id(p)] for p in params)
+        cached = self._streams.get((device, purposes))
+        if cached is None or cached[0] != places:
+            streams = torch.tensor([[4 * t + purpose for t in places] for purpose in purposes], dtype=torch.int64)
+            cached = self._streams[(device, purposes)] = (places, precision.mixed_streams(streams).to(device))
+        keys = precision.keys_of_mixed(self.store.seed, steps, cached[1])
+        return dict(zip(purposes, keys.unbind()))
+
+    def _moments(self, key: str, params: list[torch.Tensor], keys: dict[int, torch.Tensor]) -> Moments:
+        """Moment ``key`` of ``params`` in the dial's stored format (the state dicts' own tensors); ``keys`` holds
+        the bf16 moments' random keys by purpose (:meth:`_keys`)."""
         states = [self.optimizer.state[p] for p in params]
         values = [s[key] for s in states]
         if self.dial.state == "bf16":
-            return Moments.bf16(values, self._keys(steps, params, positions, MOMENT_PURPOSES[key]))
+            return Moments.bf16(values, keys[MOMENT_PURPOSES[key]])
         if self.dial.state == "8bit":
             absmax = [s[key + ABSMAX_SUFFIX] for s in states]
             return Moments.eight_bit(values, absmax, self.store.quant_map(key, params[0].device))
@@ -630,24 +654,23 @@ class DialGrads(_DialStep, RemainderGrads):
     def _kernel_storage(self) -> tuple[dict[int, torch.Tensor], Container[int]]:
         return {}, self._remainders
 
-    def _kernel_batches(
-        self, params: list[torch.Tensor]
-    ) -> Iterator[tuple[list[torch.Tensor], Callable[[torch.Tensor], Masters]]]:
+    def _kernel_batches(self, params: list[torch.Tensor]) -> Iterator[tuple[list[torch.Tensor], MastersOf]]:
         stored = [p for p in params if id(p) in self._remainders]
-        direct = [p.detach() for p in params if id(p) not in self._remainders]  # fp32 parameters: their own masters
+        direct = [p for p in params if id(p) not in self._remainders]  # fp32 parameters: their own masters
         if stored:
-            yield stored, functools.partial(self._stored_masters, stored)
+            keyed = self.dial.masters != "remainder"  # the 16-bit remainder is exact: no random bits
+            yield stored, MastersOf(functools.partial(self._stored_masters, stored), keyed)
         if direct:
-            yield direct, lambda keys: Masters.fp32(direct)
+            yield direct, MastersOf(lambda keys: Masters.fp32(direct), keyed=False)
 
-    def _stored_masters(self, params: list[torch.Tensor], keys: torch.Tensor) -> Masters:
-        weights = [p.detach() for p in params]
+    def _stored_masters(self, params: list[torch.Tensor], keys: torch.Tensor | None) -> Masters:
         storages = [self._remainders[id(p)][1] for p in params]
         if self.dial.masters == "remainder":
-            return Masters.remainder(weights, storages)
+            return Masters.remainder(params, storages)
+        assert keys is not None  # MastersOf.keyed asked for them
         if self.dial.masters == "remainder8":
-            return Masters.remainder8(weights, storages, keys)
-        return Masters.stochastic(weights, keys)
+            return Masters.remainder8(params, storages, keys)
+        return Masters.stochastic(params, keys)
 
     def _decode_master(self, param: torch.Tensor) -> torch.Tensor:
         return self._step_master(param)
@@ -682,15 +705,13 @@ class CompressedStateGrads(_DialStep, OptimizerGrads):
     def _kernel_storage(self) -> tuple[dict[int, torch.Tensor], Container[int]]:
         return self._model_of, ()
 
-    def _kernel_batches(
-        self, params: list[torch.Tensor]
-    ) -> Iterator[tuple[list[torch.Tensor], Callable[[torch.Tensor], Masters]]]:
+    def _kernel_batches(self, params: list[torch.Tensor]) -> Iterator[tuple[list[torch.Tensor], MastersOf]]:
         # One launch per model weight dtype; masters without a model weight (None) write nothing back.
         dtype_of = {id(p): self._model_of[id(p)].dtype if id(p) in self._model_of else None for p in params}
         for weight_dtype in dict.fromkeys(dtype_of.values()):
             chosen = [p for p in params if dtype_of[id(p)] == weight_dtype]
-            weights = [self._model_of[id(p)].detach() for p in chosen] if weight_dtype is not None else []
-            yield chosen, functools.partial(_fp32_masters, chosen, weights)
+            weights = [self._model_of[id(p)] for p in chosen] if weight_dtype is not None else []
+            yield chosen, MastersOf(functools.partial(_fp32_masters, chosen, weights), keyed=False)
 
     def _write_weights(self, masters: list[torch.Tensor]) -> None:
         pairs = [(self._model_of[id(m)], m) for m in masters if id(m) in self._model_of]
@@ -705,9 +726,42 @@ class CompressedStateGrads(_DialStep, OptimizerGrads):
     _sgd = RemainderGrads._sgd
 
 
-def _fp32_masters(masters: list[torch.Tensor], weights: list[torch.Tensor], keys: torch.Tensor) -> Masters:
+def _fp32_masters(masters: list[torch.Tensor], weights: list[torch.Tensor], keys: torch.Tensor | None) -> Masters:
     """fp32 masters (no random bits) writing the model ``weights``."""
-    return Masters.fp32([m.detach() for m in masters], weights)
+    return Masters.fp32(masters, weights)
+
+
+def _packed_sr_steps(states: list[dict[str, Any]], device: torch.device) -> torch.Tensor:
+    """amp's ``sr_step`` counts of ``states`` (int64, 0 where absent) as one 1-D tensor on ``device`` whose
+    elements the states' entries are views of: advancing and reading them is then one op each, not one per tensor
+    (``kernel_step.packed_steps`` does the same for Adam's ``step``). Entries that are not views of one tensor in
+    this order (a first step, a loaded ``state_dict``, another set of parameters with grads) are packed again,
+    values kept."""
+    views = [state.get(SR_STEP) for state in states]
+    first = views[0]
+    base: torch.Tensor | None = None if first is None else first._base
+    if (
+        base is not None
+        and base.device == device
+        and base.dim() == 1
+        and base.numel() == len(views)
+        and all(v is not None and v._base is base and v.storage_offset() == i for i, v in enumerate(views))
+    ):
+        return base
+    zero = torch.zeros((), dtype=torch.int64, device=device)
+    packed = torch.stack([zero if v is None else v.reshape(()).to(device=device, dtype=torch.int64) for v in views])
+    for state, view in zip(states, packed.unbind()):
+        state[SR_STEP] = view
+    return packed
+
+
+@dataclass(frozen=True)
+class MastersOf:
+    """How one launch views its masters (``view``, given the weight's random keys, None where ``keyed`` is
+    False), and whether it needs them: remainder8 and stochastic masters round with random bits, the others not."""
+
+    view: Callable[[torch.Tensor | None], Masters]
+    keyed: bool
 
 
 def _grad(param: torch.Tensor) -> torch.Tensor:

@@ -88,9 +88,19 @@ def keys(seed: int, steps: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
     ``steps`` holds each tensor's step count (any dtype holding integers: torch's Adam keeps float steps),
     ``streams`` each tensor's ``4 * t + purpose``; both of one shape (or broadcastable).
     """
+    return keys_of_mixed(seed, steps, mixed_streams(streams.to(steps.device)))
+
+
+def mixed_streams(streams: torch.Tensor) -> torch.Tensor:
+    """``mix32`` of each stream (``4 * t + purpose``): the part of :func:`keys` that does not change from step to
+    step, for callers that keep it (:func:`keys_of_mixed`)."""
+    return mix32(streams.to(torch.int64) & _MASK32)
+
+
+def keys_of_mixed(seed: int, steps: torch.Tensor, mixed: torch.Tensor) -> torch.Tensor:
+    """:func:`keys` from the streams' :func:`mixed_streams` (on ``steps``' device, broadcastable with ``steps``)."""
     step = steps.to(torch.int64) & _MASK32
-    stream = streams.to(device=steps.device, dtype=torch.int64) & _MASK32
-    return mix32(mix32(mix32(stream) ^ step) ^ (seed & _MASK32))
+    return mix32(mix32(mixed ^ step) ^ (seed & _MASK32))
 
 
 def random_bits(key: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -343,11 +343,12 @@ class RemainderGrads(OptimizerGrads):
         return True
 
     def _masters(self, params: list[torch.Tensor]) -> Masters:
-        """The masters of ``params``, all with a remainder or all without (fp32 parameters are their own)."""
-        tensors = [p.detach() for p in params]
+        """The masters of ``params``, all with a remainder or all without (fp32 parameters are their own). The
+        lists hold the parameters themselves: the kernels read data pointers only, and a ``detach()`` per tensor per
+        step was an aten op each (host work a GPU waits on)."""
         if params and id(params[0]) in self._remainders:
-            return Masters.remainder(tensors, [self._remainders[id(p)][1] for p in params])
-        return Masters.fp32(tensors)
+            return Masters.remainder(params, [self._remainders[id(p)][1] for p in params])
+        return Masters.fp32(params)
 
 
 def loaded_states(
