@@ -550,8 +550,9 @@ def sgd_batches(
             if is_first:
                 opt.state[p]["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
         states = _states_of(opt, params)
+    every_state = cast(list[dict[str, Any]], states)  # with momentum, every parameter has a buffer by now
     for first_step in (True, False):
         chosen = [i for i, f in enumerate(first) if f == first_step]
         if chosen:
-            buffers = [cast(dict[str, Any], states[i])["momentum_buffer"] for i in chosen] if momentum != 0 else []
+            buffers = [every_state[i]["momentum_buffer"] for i in chosen] if momentum != 0 else []
             yield first_step, chosen, buffers
