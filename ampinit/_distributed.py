@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import ctypes
 import sys
+from collections.abc import Sequence
+from itertools import repeat
 
 import torch
 import torch.distributed as dist
@@ -91,3 +93,13 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
         shard: torch.Tensor = tensor.to_local()  # type: ignore[attr-defined]
         return shard
     return tensor
+
+
+def local_views(tensors: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
+    """:func:`local` of each of ``tensors``; ``tensors`` itself where none can be a ``DTensor`` (its module not
+    imported, or none of them one), with no Python call per tensor: a multi-tensor op over a plain model runs every
+    step."""
+    dtensor = _dtensor_type()
+    if dtensor is None or not any(map(isinstance, tensors, repeat(dtensor))):
+        return tensors
+    return [t.to_local() if isinstance(t, dtensor) else t for t in tensors]  # type: ignore[attr-defined]

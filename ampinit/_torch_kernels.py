@@ -23,6 +23,7 @@ refuse.
 
 from __future__ import annotations
 
+import operator
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -31,7 +32,7 @@ import torch
 from torch import Tensor
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from ampinit._distributed import local
+from ampinit._distributed import local_views
 
 GroupKey = tuple[torch.device, tuple[torch.dtype, ...]]
 
@@ -246,13 +247,23 @@ def group_indices(tensor_lists: Sequence[Sequence[Tensor]]) -> dict[GroupKey, li
     """Positions grouped by the device of the first list and the dtypes found at that position in every list.
 
     torch's foreach and fused kernels want one device and one dtype per list, so every multi-tensor op runs
-    once per group.
+    once per group. The keys are read with ``map`` (a loop in C, no Python call per tensor): a master step
+    groups every grad of the model, every step, and nearly always finds one group.
     """
+    devices = list(map(_DEVICE, tensor_lists[0]))
+    if not devices:
+        return {}
+    dtypes = list(zip(*(map(_DTYPE, tensors) for tensors in tensor_lists)))
+    if devices.count(devices[0]) == len(devices) and dtypes.count(dtypes[0]) == len(dtypes):
+        return {(devices[0], dtypes[0]): list(range(len(devices)))}
     groups: dict[GroupKey, list[int]] = {}
-    for i, first in enumerate(tensor_lists[0]):
-        key = (first.device, tuple(tensors[i].dtype for tensors in tensor_lists))
+    for i, key in enumerate(zip(devices, dtypes)):
         groups.setdefault(key, []).append(i)
     return groups
+
+
+_DEVICE = operator.attrgetter("device")
+_DTYPE = operator.attrgetter("dtype")
 
 
 def pick(tensors: Sequence[Tensor], indices: Sequence[int]) -> list[Tensor]:
@@ -265,10 +276,13 @@ def grouped(*lists: Sequence[Tensor]) -> list[tuple[GroupKey, list[list[Tensor]]
     Sharded tensors (FSDP2's DTensors) are taken as their local shards: the engine's ops are elementwise, and
     the one cross-rank fact, the overflow flag, is reduced by the caller.
     """
-    shards = [[local(t) for t in tensors] for tensors in lists]
+    shards = [local_views(tensors) for tensors in lists]
     if not shards[0]:
         return []
-    return [(key, [pick(s, indices) for s in shards]) for key, indices in group_indices(shards).items()]
+    groups = group_indices(shards)
+    if len(groups) == 1:
+        return [(key, [list(s) for s in shards]) for key in groups]
+    return [(key, [pick(s, indices) for s in shards]) for key, indices in groups.items()]
 
 
 # -- the engine's multi-tensor ops ----------------------------------------------------------------------------
@@ -324,8 +338,9 @@ def check_finite_(grads: Sequence[Tensor], found_inf: Tensor, one: Tensor) -> No
             _check_by_norms(group, flag)
             group = []
         elif device.type == "cpu" and dtype == torch.bfloat16:
-            large = [g for g in group if g.numel() >= _SUM_CHECK_MIN_NUMEL]
-            group = [g for g in group if g.numel() < _SUM_CHECK_MIN_NUMEL]
+            small = [n < _SUM_CHECK_MIN_NUMEL for n in map(Tensor.numel, group)]
+            large = [g for g, is_small in zip(group, small) if not is_small]
+            group = [g for g, is_small in zip(group, small) if is_small]
             if large:
                 sums = torch.stack([g.sum() for g in large])
                 flag.add_(sums.isfinite().logical_not().any()).clamp_(max=1.0)

@@ -15,6 +15,11 @@ Each sample times ``optimizer.step()`` alone; the grads it needs are put in plac
 (for amp, a ``scale_loss`` whose backward hands every half parameter a fixed half grad). Variants are interleaved
 round by round with a rotating order; the report gives medians and the median of per-round ratios.
 
+A second table times the whole iteration of a training loop without its forward and backward: ``zero_grad()``,
+the grads handed over (for amp inside a ``scale_loss`` block, whose exit checks them and plans the step), and
+``step()``, at O2/O5 beside torch's fused AdamW doing the same (``zero_grad()``, the same Python loop setting the
+grads, ``step()``). This is the master step alone of benchmarks/gpu_train_step.py, where nothing hides the host.
+
     PYTHONPATH=. python benchmarks/kernel_step_host.py [--tensors 50,150,450] [--rounds 15] [--steps 20]
 """
 
@@ -34,6 +39,7 @@ from ampinit import amp
 from ampinit._masters import kernel_step
 
 TARGET = 1.2  # issue 24: host time of the kernel step <= 1.2x torch's fused AdamW at 150 tensors
+ITERATION_AIM = 1.5  # the whole iteration's host time against torch's fused AdamW's zero_grad + step
 
 
 class _NoLaunch:
@@ -68,7 +74,8 @@ class AmpStep:
         self.opt = torch.optim.AdamW(self.params.parameters(), lr=1e-3, **flags)
         amp.initialize(self.params, self.opt, opt_level=level, verbosity=0, loss_scale=1.0)  # type: ignore[arg-type]
         self.session = amp.current_session()
-        half = self.params[0].dtype
+        self.weights = list(self.params)  # a plain list: iterating a ParameterList is a Python call per tensor
+        half = self.weights[0].dtype
         self.grads = [torch.randn(numel, generator=gen).to(half) * 0.01 for _ in range(tensors)]
         self.anchor = torch.zeros((), requires_grad=True)
 
@@ -76,10 +83,15 @@ class AmpStep:
         assert self.session is not None
         with self.session.scale_loss(self.anchor * 1.0, self.opt) as scaled:
             scaled.backward()
-            for p, g in zip(self.params, self.grads):
+            for p, g in zip(self.weights, self.grads):
                 p.grad = g
 
     def step(self) -> None:
+        self.opt.step()
+
+    def iteration(self) -> None:
+        self.opt.zero_grad()
+        self.prepare()
         self.opt.step()
 
     def close(self) -> None:
@@ -93,14 +105,21 @@ class PlainStep:
     def __init__(self, tensors: int, numel: int, foreach: bool = False) -> None:
         gen = torch.Generator().manual_seed(0)
         self.params = [(torch.randn(numel, generator=gen) * 0.02).requires_grad_() for _ in range(tensors)]
-        for p in self.params:
-            p.grad = torch.randn(numel, generator=gen) * 0.01
+        self.grads = [torch.randn(numel, generator=gen) * 0.01 for _ in range(tensors)]
+        for p, g in zip(self.params, self.grads):
+            p.grad = g
         self.opt = torch.optim.AdamW(self.params, lr=1e-3, **({"foreach": True} if foreach else {"fused": True}))
 
     def prepare(self) -> None:
         pass
 
     def step(self) -> None:
+        self.opt.step()
+
+    def iteration(self) -> None:
+        self.opt.zero_grad()
+        for p, g in zip(self.params, self.grads):
+            p.grad = g
         self.opt.step()
 
     def close(self) -> None:
@@ -138,6 +157,49 @@ def sample(variant: Any, steps: int) -> float:
     return statistics.median(times)
 
 
+def sample_iterations(variant: Any, steps: int) -> float:
+    """Median seconds of ``steps`` calls of ``variant.iteration()``."""
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        variant.iteration()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_iterations(tensors: int, numel: int, rounds: int, steps: int) -> dict[str, dict[str, float]]:
+    """Whole iterations at O2/O5 against torch's fused AdamW's, interleaved as :func:`measure`'s steps."""
+    variants: dict[str, Any] = {
+        "torch fused AdamW": PlainStep(tensors, numel),
+        "O2 iteration": AmpStep("O2", tensors, numel),
+        "O5 iteration": AmpStep("O5", tensors, numel),
+    }
+    try:
+        return _interleaved(variants, rounds, steps, sample_iterations)
+    finally:
+        for variant in variants.values():
+            variant.close()
+
+
+def _interleaved(
+    variants: dict[str, Any], rounds: int, steps: int, take: Callable[[Any, int], float]
+) -> dict[str, dict[str, float]]:
+    """``take`` of every variant, round by round in a rotating order, after 3 untimed ones (state, caches):
+    medians, and medians of per-round ratios to the first variant."""
+    names = list(variants)
+    for variant in variants.values():
+        take(variant, 3)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            samples[name].append(take(variants[name], steps))
+    base = samples[names[0]]
+    return {
+        name: {"us": statistics.median(values) * 1e6, "ratio": statistics.median(v / b for v, b in zip(values, base))}
+        for name, values in samples.items()
+    }
+
+
 def measure(tensors: int, numel: int, rounds: int, steps: int, o4: bool = False) -> dict[str, dict[str, float]]:
     """The O2/O5 rows against torch's fused AdamW, interleaved; ``o4``: the O4 rows instead, in rounds of their own
     (torch's foreach step does real arithmetic on CPU, and between the others' samples it moved their ratios)."""
@@ -151,21 +213,7 @@ def measure(tensors: int, numel: int, rounds: int, steps: int, o4: bool = False)
         variants["O2 kernel step"] = AmpStep("O2", tensors, numel)
         variants["O5 kernel step"] = AmpStep("O5", tensors, numel)
     try:
-        names = list(variants)
-        for variant in variants.values():
-            sample(variant, 3)  # optimizer state, tables, first-call caches
-        samples: dict[str, list[float]] = {name: [] for name in names}
-        for r in range(rounds):
-            for name in names[r % len(names) :] + names[: r % len(names)]:
-                samples[name].append(sample(variants[name], steps))
-        base = samples["torch fused AdamW"]
-        return {
-            name: {
-                "us": statistics.median(values) * 1e6,
-                "ratio": statistics.median(v / b for v, b in zip(values, base)),
-            }
-            for name, values in samples.items()
-        }
+        return _interleaved(variants, rounds, steps, sample)
     finally:
         for variant in variants.values():
             variant.close()
@@ -177,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--numel", type=int, default=256, help="elements per tensor")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--steps", type=int, default=20, help="timed steps per sample (the sample is their median)")
+    parser.add_argument("--iterations-only", action="store_true", help="only the whole-iteration table")
     args = parser.parse_args(argv)
     counts = [int(n) for n in args.tensors.split(",")]
     torch.set_num_threads(1)  # host work is single-threaded; threads on tiny tensors only wait for each other
@@ -186,8 +235,10 @@ def main(argv: list[str] | None = None) -> int:
                 raise SystemExit(f"the {level} step did not take the kernel path: the measure would be of another")
         print(f"torch {torch.__version__}, {args.numel} elements per tensor, {args.rounds} rounds x {args.steps} steps")
         print(f"{'tensors':>8} {'variant':<24} {'us/step':>9} {'x torch':>8} {'us/tensor':>10}")
-        results = {n: measure(n, args.numel, args.rounds, args.steps) for n in counts}
-        o4_results = {n: measure(n, args.numel, args.rounds, args.steps, o4=True) for n in counts}
+        steps_only = not args.iterations_only
+        results = {n: measure(n, args.numel, args.rounds, args.steps) for n in counts if steps_only}
+        o4_results = {n: measure(n, args.numel, args.rounds, args.steps, o4=True) for n in counts if steps_only}
+        iterations = {n: measure_iterations(n, args.numel, args.rounds, args.steps) for n in counts}
     for table in (results, o4_results):
         for n, rows in table.items():
             for name, row in rows.items():
@@ -197,6 +248,18 @@ def main(argv: list[str] | None = None) -> int:
             ratio = results[150][name]["ratio"]
             verdict = "met" if ratio <= TARGET else "NOT met"
             print(f"target {name} <= {TARGET}x torch's fused AdamW at 150 tensors: {ratio:.2f}x, {verdict}")
+    print("whole iteration: zero_grad, grads handed over (amp: in a scale_loss block), step")
+    print(f"{'tensors':>8} {'variant':<24} {'us/iter':>9} {'x torch':>8} {'us/tensor':>10}")
+    for n, rows in iterations.items():
+        for name, row in rows.items():
+            print(f"{n:>8} {name:<24} {row['us']:>9.1f} {row['ratio']:>8.2f} {row['us'] / n:>10.2f}")
+    if 150 in iterations:
+        for name in ("O2 iteration", "O5 iteration"):
+            ratio = iterations[150][name]["ratio"]
+            verdict = "met" if ratio <= ITERATION_AIM else "NOT met"
+            print(
+                f"aim {name} <= {ITERATION_AIM}x torch's fused AdamW iteration at 150 tensors: {ratio:.2f}x, {verdict}"
+            )
     return 0
 
 

@@ -28,6 +28,7 @@ what was written, read once; from the first backward on the masters are the trut
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
@@ -181,7 +182,9 @@ class OptimizerGrads:
 
     def direct_params(self) -> list[torch.Tensor]:
         """Parameters whose own ``.grad`` the optimizer reads (no separate master)."""
-        return [p for group in self.optimizer.param_groups for p in group["params"] if id(p) not in self._model_of]
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        masters = self._model_of
+        return [p for p, param_id in zip(params, map(id, params)) if param_id not in masters]
 
     def restore_model_params(self) -> None:
         """Undo :meth:`create_masters`: the model parameters go back into the param groups, with their state."""
@@ -252,11 +255,12 @@ class OptimizerGrads:
         step's kernels will read the half grads themselves, only check them (see the module docstring)."""
         fresh = [(p, m) for p, m in self.pairs() if p.grad is not None and m.grad is None]
         added = [(p, m) for p, m in self.pairs() if p.grad is not None and m.grad is not None]
-        copy_src = [_grad(p) for p, _ in fresh]
-        acc_src = [_grad(p) for p, _ in added]
-        acc_dst = [_grad(m) for _, m in added]
+        copy_src = _grads([p for p, _ in fresh])
+        acc_src = _grads([p for p, _ in added])
+        acc_dst = _grads([m for _, m in added])
         direct = [p.grad for p in self.direct_params() if p.grad is not None]
-        kinds = {(g.dtype, g.device.type) for g in (*copy_src, *acc_src)}
+        half = copy_src + acc_src
+        kinds = set(zip(map(_DTYPE, half), map(_DEVICE_TYPE, half)))
         before_widening = all(scaler.unscales_before_widening(dtype, device_type) for dtype, device_type in kinds)
         plan = self._half_grads_plan() if fresh and not added else None
         if plan is not None:
@@ -404,12 +408,13 @@ class OptimizerGrads:
 
     def zero_model_grads(self, set_to_none: bool) -> None:
         """The half model grads, which the optimizer's own ``zero_grad`` cannot see."""
-        grads = [p.grad for p, _ in self.pairs() if p.grad is not None]
         self._zeroed = {}
         if set_to_none:
             for model_param, _ in self.pairs():
                 model_param.grad = None
-        elif grads:
+            return
+        grads = [p.grad for p, _ in self.pairs() if p.grad is not None]
+        if grads:
             _torch_kernels.foreach_zero_(grads)
             self._zeroed = {id(p): (p.grad, p.grad._version) for p, _ in self.pairs() if p.grad is not None}
 
@@ -417,3 +422,14 @@ class OptimizerGrads:
 def _grad(param: torch.Tensor) -> torch.Tensor:
     assert param.grad is not None
     return param.grad
+
+
+_GRAD = operator.attrgetter("grad")
+_DTYPE = operator.attrgetter("dtype")
+_DEVICE_TYPE = operator.attrgetter("device.type")
+
+
+def _grads(params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The grads of ``params``, each known to have one (read in one ``map``: no Python call per tensor)."""
+    grads: list[torch.Tensor] = list(map(_GRAD, params))
+    return grads

@@ -18,9 +18,11 @@ calls ``step``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container, Iterator, Mapping
+import operator
+from collections.abc import Callable, Container, Iterator, Mapping, Sequence
+from itertools import repeat
 from types import ModuleType
-from typing import Any, Literal, Protocol, cast, runtime_checkable
+from typing import Any, Literal, NamedTuple, Protocol, cast, runtime_checkable
 
 import torch
 import torch.optim.optimizer as optim_module
@@ -148,7 +150,22 @@ def group_takes_kernels(update: Update | None, group: dict[str, Any]) -> bool:
 
 
 #: The tensor types the kernels take (their raw data pointers are the data): no subclass.
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_PLAIN = frozenset((torch.Tensor, torch.nn.Parameter))
+_TENSOR = frozenset((torch.Tensor,))
+
+# Read with ``map`` (a loop in C): the checks below run over every tensor of a step, every step, and a Python
+# call per tensor was most of the step's host time (benchmarks/kernel_step_host.py).
+_CLASS = operator.attrgetter("__class__")
+_DEVICE = operator.attrgetter("device")
+_DTYPE = operator.attrgetter("dtype")
+_GRAD = operator.attrgetter("grad")
+_IS_SPARSE = operator.attrgetter("is_sparse")
+_BASE = operator.attrgetter("_base")
+_CONTIGUOUS = torch.Tensor.is_contiguous
+
+
+def _all_contiguous(tensors: Sequence[torch.Tensor]) -> bool:
+    return all(map(_CONTIGUOUS, tensors))
 
 
 def kernels_taking(
@@ -156,7 +173,7 @@ def kernels_taking(
     found_inf: torch.Tensor | None,
     weights: Mapping[int, torch.Tensor],
     remainders: Container[int],
-    grads: list[torch.Tensor | None] | None = None,
+    grads: Sequence[torch.Tensor | None] | None = None,
 ) -> ModuleType | None:
     """The kernels, if they take every one of ``params`` (the optimizer's, each with a grad), else None.
 
@@ -171,26 +188,30 @@ def kernels_taking(
     kernels = kernels_for(device)
     if kernels is None:
         return None
-    for param, grad in zip(params, grads if grads is not None else [p.grad for p in params]):
-        weight = weights.get(id(param))
-        master_dtype = torch.bfloat16 if id(param) in remainders else torch.float32
-        if not (
-            grad is not None
-            # Plain tensors only: the kernels take raw data pointers, and a tensor subclass may have none (an
-            # FSDP2 / tensor-parallel DTensor's data_ptr() is 0) or lay its data out otherwise.
-            and param.__class__ in _PLAIN  # (an attribute, not a type() call: this loop runs per tensor per step)
-            and grad.__class__ is torch.Tensor
-            and (weight is None or weight.__class__ in _PLAIN)
-            and param.dtype == master_dtype
-            and param.device == device
-            and param.is_contiguous()
-            and not grad.is_sparse
-            and grad.device == device
-            and (grad.dtype == param.dtype or (weight is not None and grad is weight.grad))
-            and grad.is_contiguous()
-            and (weight is None or weight.is_contiguous())
-        ):
-            return None
+    read = list(map(_GRAD, params)) if grads is None else grads
+    if any(map(operator.is_, read, repeat(None))):
+        return None
+    present = cast(list[torch.Tensor], read)
+    model = list(map(weights.get, map(id, params)))
+    model_weights = [w for w in model if w is not None]
+    master_dtypes = [torch.bfloat16 if i in remainders else torch.float32 for i in map(id, params)]
+    if not (
+        # Plain tensors only: the kernels take raw data pointers, and a tensor subclass may have none (an
+        # FSDP2 / tensor-parallel DTensor's data_ptr() is 0) or lay its data out otherwise.
+        _PLAIN.issuperset(map(_CLASS, params))
+        and _TENSOR.issuperset(map(_CLASS, present))
+        and _PLAIN.issuperset(map(_CLASS, model_weights))
+        and list(map(_DTYPE, params)) == master_dtypes
+        and set(map(_DEVICE, params)) == {device}
+        and set(map(_DEVICE, present)) == {device}
+        and not any(map(_IS_SPARSE, present))
+        and _all_contiguous(params)
+        and _all_contiguous(present)
+        and _all_contiguous(model_weights)
+        # A grad of its master's dtype, or a master's weight's own (half) grad.
+        and all([g.dtype == p.dtype or (w is not None and g is w.grad) for g, p, w in zip(present, params, model)])
+    ):
+        return None
     return kernels
 
 
@@ -220,9 +241,20 @@ def _plain_step(opt: torch.optim.Optimizer, original: Callable[..., Any]) -> boo
     return getattr(original, "__func__", None) is type(opt).step
 
 
-#: What a kernel step launches on: the kernels, and per param group the group, its parameters with a grad and those
-#: grads (a master's: its weight's half grad, with ``half_grads``).
-Plan = tuple[ModuleType, list[tuple[dict[str, Any], list[torch.Tensor], list[torch.Tensor]]]]
+class PlannedGroup(NamedTuple):
+    """One param group of a kernel step's plan."""
+
+    group: dict[str, Any]
+    snapshot: list[torch.Tensor]  # the group's ``params`` when planned
+    sources: list[torch.Tensor]  # per parameter, the tensor whose ``.grad`` the step reads (a master's weight)
+    read: list[torch.Tensor | None]  # those grads when planned
+    params: list[torch.Tensor]  # the parameters with a grad
+    grads: list[torch.Tensor]  # their grads
+
+
+#: What a kernel step launches on: the kernels, and per param group its parameters with a grad and those grads (a
+#: master's: its weight's half grad, with ``half_grads``).
+Plan = tuple[ModuleType, list[PlannedGroup]]
 
 
 def half_grads_plan(
@@ -268,14 +300,20 @@ def step_fp32_masters(
         return False
     kernels, plan = planned
     opt._opt_called = True  # type: ignore[attr-defined]  # what an lr scheduler's step wrapper records
-    for group, params, grads in plan:
+    for planned_group in plan:
+        group, params, grads = planned_group.group, planned_group.params, planned_group.grads
         # One launch per weight dtype; masters without a model weight (None) write nothing back.
-        weight_of = [model_of.get(id(p)) for p in params]
+        weight_of = list(map(model_of.get, map(id, params)))
         dtype_of = [None if w is None else w.dtype for w in weight_of]
         for weight_dtype in set(dtype_of):
-            chosen = [i for i, dtype in enumerate(dtype_of) if dtype == weight_dtype]
-            masters = [params[i] for i in chosen]
-            weights = [w for i in chosen if (w := weight_of[i]) is not None]
+            if dtype_of.count(weight_dtype) == len(dtype_of):  # the common case: one launch, no lists to split
+                masters, chosen_weights, chosen_grads = params, weight_of, grads
+            else:
+                chosen = [i for i, dtype in enumerate(dtype_of) if dtype == weight_dtype]
+                masters = [params[i] for i in chosen]
+                chosen_weights = [weight_of[i] for i in chosen]
+                chosen_grads = [grads[i] for i in chosen]
+            weights = [] if weight_dtype is None else cast(list[torch.Tensor], chosen_weights)
             scaled = half_grads and weight_dtype is not None
             run_kernels(
                 update,
@@ -285,7 +323,7 @@ def step_fp32_masters(
                 masters,
                 Masters.fp32(masters, weights),
                 found_inf,
-                [grads[i] for i in chosen],
+                chosen_grads,
                 inv_scale if scaled else None,
             )
         if params:
@@ -304,25 +342,38 @@ def _plan(
     ``half_grads``), or None when any of them is beyond the kernels."""
     plan = []
     for group in opt.param_groups:
+        snapshot = list(group["params"])
+        sources = snapshot
         if half_grads:
-            pairs = [(p, p.grad if (w := model_of.get(id(p))) is None else w.grad) for p in group["params"]]
+            sources = [p if w is None else w for p, w in zip(snapshot, map(model_of.get, map(id, snapshot)))]
+        read = list(map(_GRAD, sources))
+        if any(map(operator.is_, read, repeat(None))):
+            taken = [i for i, g in enumerate(read) if g is not None]
+            params, grads = [snapshot[i] for i in taken], [cast(torch.Tensor, read[i]) for i in taken]
         else:
-            pairs = [(p, p.grad) for p in group["params"]]
-        taken = [(p, g) for p, g in pairs if g is not None]
-        plan.append((group, [p for p, _ in taken], [g for _, g in taken]))
-    params = [p for _, ps, _ in plan for p in ps]
-    kernels = kernels_taking(params, found_inf, model_of, (), [g for _, _, gs in plan for g in gs])
+            params, grads = snapshot, cast(list[torch.Tensor], read)
+        plan.append(PlannedGroup(group, snapshot, sources, read, params, grads))
+    params = [p for planned in plan for p in planned.params]
+    kernels = kernels_taking(params, found_inf, model_of, (), [g for planned in plan for g in planned.grads])
     if kernels is None:
         return None
-    for group, params_in_group, _ in plan:
-        if (
-            update == "sgd"
-            and group["momentum"] != 0
-            and found_inf is not None
-            and any("momentum_buffer" not in opt.state.get(p, {}) for p in params_in_group)
-        ):
+    for planned in plan:
+        if _first_momentum_may_skip(opt, update, planned.group, planned.params, found_inf):
             return None  # a first step that may be skipped on the device: torch's path handles it
     return kernels, plan
+
+
+def _first_momentum_may_skip(
+    opt: torch.optim.Optimizer,
+    update: Update | None,
+    group: dict[str, Any],
+    params: list[torch.Tensor],
+    found_inf: torch.Tensor | None,
+) -> bool:
+    """Whether an SGD step of ``params`` with momentum, skipped by a device flag, would start a momentum buffer."""
+    if update != "sgd" or group["momentum"] == 0 or found_inf is None:
+        return False
+    return any(["momentum_buffer" not in (state or {}) for state in _states_of(opt, params)])
 
 
 def _plan_holds(
@@ -331,31 +382,25 @@ def _plan_holds(
 ) -> bool:  # fmt: skip
     """Whether ``planned`` (made by :func:`half_grads_plan` since the last step) is still the step's: the same groups,
     the same parameters with the same grad tensors, the flag on their device, and no first momentum step that may be
-    skipped. Every tensor's other properties were checked when it was planned: only identities are compared here
-    (the plan's checks were the kernel step's largest per-tensor cost; Python calls per tensor went from 33 to 28).
+    skipped. Every tensor's other properties were checked when it was planned: only identities are compared here,
+    each list in one ``map`` (a model's worth of Python calls per step otherwise).
     """
     _, plan = planned
     groups = opt.param_groups
     if len(plan) != len(groups):
         return False
-    for (group, params, grads), current in zip(plan, groups):
-        if group is not current:
+    for planned_group, current in zip(plan, groups):
+        if planned_group.group is not current:
             return False
-        taken = 0
-        for param in current["params"]:
-            weight = model_of.get(id(param))
-            grad = param.grad if weight is None else weight.grad
-            if grad is None:
-                continue
-            if taken == len(params) or params[taken] is not param or grads[taken] is not grad:
-                return False
-            taken += 1
-        if taken != len(params):
+        params, snapshot = current["params"], planned_group.snapshot
+        if len(params) != len(snapshot) or not all(map(operator.is_, params, snapshot)):
             return False
-        if params and found_inf is not None and found_inf.device != params[0].device:
+        if not all(map(operator.is_, map(_GRAD, planned_group.sources), planned_group.read)):
             return False
-        first_momentum = update == "sgd" and found_inf is not None and current["momentum"] != 0
-        if first_momentum and any("momentum_buffer" not in opt.state.get(p, {}) for p in params):
+        taken = planned_group.params
+        if taken and found_inf is not None and found_inf.device != taken[0].device:
+            return False
+        if _first_momentum_may_skip(opt, update, current, taken, found_inf):
             return False
     return True
 
@@ -433,7 +478,8 @@ def adam_inputs(
         assert isinstance(settings, AdamSettings)
         exp_avgs, exp_avg_sqs, steps = cast(KernelAdamState, own).kernel_adam_state(group, params)
     else:
-        states = [adam_state(opt, group, p) for p in params]
+        found = _states_of(opt, params)
+        states = [state or adam_state(opt, group, p) for p, state in zip(params, found)]
         steps = packed_steps(states, params[0].device)
         steps.add_(1.0)
         if found_inf is not None:
@@ -475,7 +521,17 @@ def packed_steps(states: list[dict[str, Any]], device: torch.device) -> torch.Te
 
 
 def _views_in_order(views: list[torch.Tensor], base: torch.Tensor) -> bool:
-    return all(view._base is base and view.storage_offset() == i for i, view in enumerate(views))
+    if not all(map(operator.is_, map(_BASE, views), repeat(base))):
+        return False
+    return list(map(torch.Tensor.storage_offset, views)) == list(range(len(views)))
+
+
+def _states_of(opt: torch.optim.Optimizer, params: list[torch.Tensor]) -> list[dict[str, Any] | None]:
+    """``opt.state``'s entry of each of ``params`` (None where it has none), found by ``id``: a lookup by tensor
+    runs ``Tensor.__hash__``, a Python call per parameter per step."""
+    state = opt.state
+    by_id: dict[int, dict[str, Any]] = dict(zip(map(id, state), state.values()))
+    return list(map(by_id.get, map(id, params)))
 
 
 def sgd_batches(
@@ -487,12 +543,16 @@ def sgd_batches(
     (the kernel sets a first step's buffer to the grad). Without momentum the buffer lists are empty.
     """
     momentum = group["momentum"]
-    first = [momentum != 0 and "momentum_buffer" not in opt.state.get(p, {}) for p in params]
-    for p, is_first in zip(params, first):
-        if is_first:
-            opt.state[p]["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
+    states = _states_of(opt, params)
+    first = [momentum != 0 and "momentum_buffer" not in (state or {}) for state in states]
+    if any(first):
+        for p, is_first in zip(params, first):
+            if is_first:
+                opt.state[p]["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
+        states = _states_of(opt, params)
+    every_state = cast(list[dict[str, Any]], states)  # with momentum, every parameter has a buffer by now
     for first_step in (True, False):
         chosen = [i for i, f in enumerate(first) if f == first_step]
         if chosen:
-            buffers = [opt.state[params[i]]["momentum_buffer"] for i in chosen] if momentum != 0 else []
+            buffers = [every_state[i]["momentum_buffer"] for i in chosen] if momentum != 0 else []
             yield first_step, chosen, buffers
