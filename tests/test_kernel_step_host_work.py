@@ -12,6 +12,7 @@ lookup) and every C function Python calls; a loop in C (``map``) is one call, as
 
 from __future__ import annotations
 
+import gc
 import sys
 from collections.abc import Callable
 from types import FrameType, ModuleType
@@ -47,11 +48,15 @@ def _calls(step: Callable[[], None]) -> int:
         nonlocal count
         count += event in ("call", "c_call")
 
+    collecting = gc.isenabled()
+    gc.disable()  # a collection's finalizers are calls of whatever it happens to free
     sys.setprofile(tracer)
     try:
         step()
     finally:
         sys.setprofile(None)
+        if collecting:
+            gc.enable()
     return count
 
 
@@ -122,7 +127,10 @@ def iteration_calls(level: str, tensors: int, make_opt: Any) -> int:
     try:
         for _ in range(3):
             iteration()
-        return _calls(iteration)
+        # The least of three steady-state iterations: a one-time event of the process (a cache filled, a collection
+        # of cycles running finalizers) lands in one of them, a per-tensor call in every one (seen once under torch
+        # 2.14 in the full suite: 447 calls at 32 tensors against 443 at 8, equal when the test ran alone).
+        return min(_calls(iteration) for _ in range(3))
     finally:
         session.close()
 
