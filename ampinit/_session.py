@@ -156,8 +156,10 @@ class AmpSession:
             self._cast_policy.check_thread()
         self.closed = True
         try:
-            self._overflow.flush_log()  # the lines of overflows still on their way to the host
-            self._undo.run()
+            try:
+                self._overflow.flush_log()  # the lines of overflows still on their way to the host
+            finally:
+                self._undo.run()  # undone whatever the flush met
         finally:
             _registry.unregister(self)
 

@@ -165,3 +165,23 @@ def test_on_cuda_overflow_lines_reach_the_host_without_a_sync(caplog: pytest.Log
         ]
     finally:
         amp.deinitialize()
+
+
+@pytest.mark.usefixtures("on_an_accelerator")
+def test_a_failing_flush_still_closes_the_session(
+    caplog: pytest.LogCaptureFixture, copies_in_flight: list[bool], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lines are written before the session's changes are undone; if waiting for them fails (a device error),
+    the error propagates and the model and optimizer are restored all the same."""
+
+    def broken(self: object) -> None:
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(_skip._PendingDecision, "wait", broken)
+    with caplog.at_level(logging.INFO, logger="ampinit"):
+        model, opt = overflowing_run(1)
+        with pytest.raises(RuntimeError, match="device lost"):
+            amp.deinitialize()
+    assert amp.current_session() is None
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # the O2 model cast back
+    assert "step" not in vars(opt)  # amp's step wrapper removed
