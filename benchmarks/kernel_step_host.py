@@ -239,27 +239,31 @@ def main(argv: list[str] | None = None) -> int:
         results = {n: measure(n, args.numel, args.rounds, args.steps) for n in counts if steps_only}
         o4_results = {n: measure(n, args.numel, args.rounds, args.steps, o4=True) for n in counts if steps_only}
         iterations = {n: measure_iterations(n, args.numel, args.rounds, args.steps) for n in counts}
-    for table in (results, o4_results):
+    _print_rows(results, o4_results)
+    _print_verdicts("target", results, ("O2 kernel step", "O5 kernel step"), TARGET, "torch's fused AdamW")
+    print("whole iteration: zero_grad, grads handed over (amp: in a scale_loss block), step")
+    print(f"{'tensors':>8} {'variant':<24} {'us/iter':>9} {'x torch':>8} {'us/tensor':>10}")
+    _print_rows(iterations)
+    _print_verdicts("aim", iterations, ("O2 iteration", "O5 iteration"), ITERATION_AIM, "torch's fused AdamW iteration")
+
+
+def _print_rows(*tables: dict[int, dict[str, dict[str, float]]]) -> None:
+    for table in tables:
         for n, rows in table.items():
             for name, row in rows.items():
                 print(f"{n:>8} {name:<24} {row['us']:>9.1f} {row['ratio']:>8.2f} {row['us'] / n:>10.2f}")
-    if 150 in results:
-        for name in ("O2 kernel step", "O5 kernel step"):
-            ratio = results[150][name]["ratio"]
-            verdict = "met" if ratio <= TARGET else "NOT met"
-            print(f"target {name} <= {TARGET}x torch's fused AdamW at 150 tensors: {ratio:.2f}x, {verdict}")
-    print("whole iteration: zero_grad, grads handed over (amp: in a scale_loss block), step")
-    print(f"{'tensors':>8} {'variant':<24} {'us/iter':>9} {'x torch':>8} {'us/tensor':>10}")
-    for n, rows in iterations.items():
-        for name, row in rows.items():
-            print(f"{n:>8} {name:<24} {row['us']:>9.1f} {row['ratio']:>8.2f} {row['us'] / n:>10.2f}")
-    if 150 in iterations:
-        for name in ("O2 iteration", "O5 iteration"):
-            ratio = iterations[150][name]["ratio"]
-            verdict = "met" if ratio <= ITERATION_AIM else "NOT met"
-            print(
-                f"aim {name} <= {ITERATION_AIM}x torch's fused AdamW iteration at 150 tensors: {ratio:.2f}x, {verdict}"
-            )
+
+
+def _print_verdicts(
+    kind: str, table: dict[int, dict[str, dict[str, float]]], names: tuple[str, ...], bound: float, baseline: str
+) -> None:
+    """Each of ``names``' ratio at 150 tensors against ``bound`` (nothing when 150 was not measured)."""
+    if 150 not in table:
+        return
+    for name in names:
+        ratio = table[150][name]["ratio"]
+        verdict = "met" if ratio <= bound else "NOT met"
+        print(f"{kind} {name} <= {bound}x {baseline} at 150 tensors: {ratio:.2f}x, {verdict}")
     return 0
 
 

@@ -8,17 +8,14 @@ the ops an op runs inside itself (a foreach op over 0-d tensors, ``stack``'s ``u
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
 import pytest
 import torch
-from torch import nn
-from torch.profiler import ProfilerActivity, profile
 
-from ampinit import amp
+from tests._host_work import NoLaunch, aten_ops, third_step
 
 pytest.importorskip("triton", reason="triton is not installed (pip install triton); the kernel path needs it")
 
@@ -33,25 +30,12 @@ OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
 }
 
 
-class _NoLaunch:
-    """Stands in for a ``triton.jit`` kernel: ``kernel[grid](...)`` is accepted, counted and does nothing."""
-
-    def __init__(self) -> None:
-        self.launches = 0
-
-    def __getitem__(self, grid: object) -> Callable[..., None]:
-        def launch(*args: Any, **kwargs: Any) -> None:
-            self.launches += 1
-
-        return launch
-
-
 @pytest.fixture
-def no_launches(kernels_on_cpu: ModuleType, monkeypatch: pytest.MonkeyPatch) -> _NoLaunch:
+def no_launches(kernels_on_cpu: ModuleType, monkeypatch: pytest.MonkeyPatch) -> NoLaunch:
     """Every master-step kernel (fp32-master and dial) replaced by one counting stand-in."""
     from ampinit._masters import triton_dial
 
-    stand_in = _NoLaunch()
+    stand_in = NoLaunch()
     for name in ("_adam_kernel", "_sgd_kernel"):
         monkeypatch.setattr(kernels_on_cpu, name, stand_in)
     for name in ("_adam_dial_kernel", "_sgd_dial_kernel"):
@@ -59,45 +43,14 @@ def no_launches(kernels_on_cpu: ModuleType, monkeypatch: pytest.MonkeyPatch) -> 
     return stand_in
 
 
-def _aten_ops(step: Callable[[], None]) -> Counter[str]:
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        step()
-    return Counter(event.name for event in prof.events() if event.name.startswith("aten::"))
-
-
-def dial_step_ops(
-    masters: Any, state: str, make_opt: Callable[[Any], torch.optim.Optimizer], tensors: int
-) -> Counter[str]:
-    """The aten ops of the third ``optimizer.step()`` of an O5 session with the dial over ``tensors`` parameters."""
-    gen = torch.Generator().manual_seed(0)
-    params = nn.ParameterList([nn.Parameter(torch.randn(16, generator=gen)) for _ in range(tensors)])
-    opt = make_opt(params.parameters())
-    amp.initialize(params, opt, opt_level="O5", verbosity=0, master_weights=masters, optimizer_state=state)  # type: ignore[arg-type]
-    session = amp.current_session()
-    assert session is not None
-    anchor = torch.zeros((), requires_grad=True)
-    try:
-        for step in range(3):
-            with session.scale_loss(anchor * 1.0, opt) as scaled:
-                scaled.backward()
-                for p in params:
-                    p.grad = torch.full_like(p, 0.01)
-            if step < 2:
-                opt.step()
-        ops = _aten_ops(opt.step)
-    finally:
-        session.close()
-    return ops
-
-
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 @pytest.mark.parametrize(("masters", "state"), SETTINGS)
 def test_the_dial_step_runs_the_same_aten_ops_for_any_number_of_tensors(
-    masters: Any, state: str, name: str, no_launches: _NoLaunch
+    masters: Any, state: str, name: str, no_launches: NoLaunch
 ) -> None:
-    few = dial_step_ops(masters, state, OPTIMIZERS[name], 8)
+    few = third_step("O5", 8, aten_ops, OPTIMIZERS[name], master_weights=masters, optimizer_state=state)
     launches = no_launches.launches
-    many = dial_step_ops(masters, state, OPTIMIZERS[name], 32)
+    many = third_step("O5", 32, aten_ops, OPTIMIZERS[name], master_weights=masters, optimizer_state=state)
     # Three steps each, all through the kernels: a chunked step (per-tensor torch ops by design) is not measured.
     assert launches == 3 and no_launches.launches == 6
     assert few == many

@@ -21,24 +21,17 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from torch.profiler import ProfilerActivity, profile
 
 from ampinit import amp
+from tests._host_work import NoLaunch, aten_ops, third_step
 
 pytest.importorskip("triton", reason="triton is not installed (pip install triton); the kernel path needs it")
 
 
-class _NoLaunch:
-    """Stands in for a ``triton.jit`` kernel: ``kernel[grid](...)`` is accepted and does nothing."""
-
-    def __getitem__(self, grid: object) -> Callable[..., None]:
-        return lambda *args, **kwargs: None
-
-
 @pytest.fixture
 def no_launches(kernels_on_cpu: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(kernels_on_cpu, "_adam_kernel", _NoLaunch())
-    monkeypatch.setattr(kernels_on_cpu, "_sgd_kernel", _NoLaunch())
+    monkeypatch.setattr(kernels_on_cpu, "_adam_kernel", NoLaunch())
+    monkeypatch.setattr(kernels_on_cpu, "_sgd_kernel", NoLaunch())
 
 
 def _calls(step: Callable[[], None]) -> int:
@@ -60,34 +53,6 @@ def _calls(step: Callable[[], None]) -> int:
     return count
 
 
-def _aten_ops(step: Callable[[], None]) -> int:
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        step()
-    return sum(event.name.startswith("aten::") for event in prof.events())
-
-
-def amp_step(level: str, tensors: int, measure: Callable[[Callable[[], None]], int], make_opt: Any) -> int:
-    """``measure`` of the third ``optimizer.step()`` of an O2/O5 session over ``tensors`` half parameters."""
-    gen = torch.Generator().manual_seed(0)
-    params = nn.ParameterList([nn.Parameter(torch.randn(16, generator=gen)) for _ in range(tensors)])
-    opt = make_opt(params.parameters())
-    amp.initialize(params, opt, opt_level=level, verbosity=0, loss_scale=1.0)  # type: ignore[arg-type]
-    session = amp.current_session()
-    assert session is not None
-    anchor = torch.zeros((), requires_grad=True)
-    try:
-        for step in range(3):
-            with session.scale_loss(anchor * 1.0, opt) as scaled:
-                scaled.backward()
-                for p in params:
-                    p.grad = torch.full_like(p, 0.01)
-            if step < 2:
-                opt.step()
-        return measure(opt.step)
-    finally:
-        session.close()
-
-
 OPTIMIZERS = {
     "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3),
     "adamw-fused": lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True),
@@ -99,7 +64,7 @@ OPTIMIZERS = {
 @pytest.mark.parametrize("level", ["O2", "O5"])
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_the_kernel_step_runs_the_same_aten_ops_for_any_number_of_tensors(level: str, name: str) -> None:
-    few, many = (amp_step(level, n, _aten_ops, OPTIMIZERS[name]) for n in (8, 32))
+    few, many = (third_step(level, n, aten_ops, OPTIMIZERS[name], loss_scale=1.0) for n in (8, 32))
     assert few == many
 
 
