@@ -102,8 +102,12 @@ class OverflowLog:
 
     def writes_next(self, verbosity: int) -> bool:
         """Whether the next overflow gets a line: the scales it names are read on the host (syncs) only then."""
+        return self.enabled(verbosity) and self._thinning_keeps_next()
+
+    def _thinning_keeps_next(self) -> bool:
+        """The first 8 overflows, then the 16th, 32nd, 64th... get a line."""
         n = self.count + 1
-        return self.enabled(verbosity) and not (n > 8 and n & (n - 1))
+        return not (n > 8 and n & (n - 1))
 
     @staticmethod
     def enabled(verbosity: int) -> bool:
@@ -138,7 +142,7 @@ class OverflowLog:
     def _resolve(self, pending: _PendingDecision) -> None:
         found, before, after = pending.host.tolist()
         if found:
-            if self.writes_next(1):
+            if self._thinning_keeps_next():  # the logger was enabled when the decision was queued (defer)
                 self._write(pending.loss_id, before, after)
             self.count += 1
 

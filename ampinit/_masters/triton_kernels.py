@@ -381,9 +381,9 @@ def _grad_table(
     cached = _grad_tables_by_storage.get(key)
     if cached is None:
         _check_lists(device, [grads])
-        if key[1] != sizes:
+        _, grad_sizes, (_, addresses) = key  # _storage_key of one list: (device, sizes, (dtype, data pointers))
+        if grad_sizes != sizes:
             raise ValueError("the fused master step needs a grad of its master's size for every master")
-        addresses = list(key[2][1])
         cached = _to_device(torch.tensor(addresses, dtype=torch.int64), device), _aligned(addresses)
         if len(_grad_tables_by_storage) >= _MAX_CACHED:
             _grad_tables_by_storage.clear()
@@ -418,7 +418,7 @@ def _build_tables(device: torch.device, lists: Sequence[Sequence[torch.Tensor]])
     return _Tables(pointers, sizes, block_tensor, block_start, len(blocks), tuple(numels), aligned)
 
 
-def _aligned(addresses: list[int]) -> bool:
+def _aligned(addresses: Sequence[int]) -> bool:
     """Whether every one of the tensors at ``addresses`` starts on a 16-byte boundary: torch's allocators place every
     tensor they allocate on one; a view into a flat buffer, a slice, may start anywhere. (One OR over the
     addresses: the grads' table is rebuilt whenever they move, so this runs in steps, and adds no call per tensor.)"""
