@@ -140,8 +140,8 @@ def initialize(
             autocast lists plus the Apex-list ops the device's lists lack (what ``apex.amp.initialize``, ``amp.init``
             and ``ampinit run`` use); ``"auto"`` (default) is ``"apex"`` less the entries measured to change no
             result on the device at the cast dtype, which run as native autocast runs them (on CUDA: ``gelu``,
-            ``F.interpolate`` but bicubic at fp16, the ``padding="same"`` convolutions, ``nll_loss_nd``,
-            ``linalg_norm``; on the CPU none: there it is ``"apex"``); ``"native"`` keeps PyTorch's lists only.
+            nearest ``F.interpolate``, the ``padding="same"`` convolutions, ``nll_loss_nd``, ``linalg_norm``; on
+            the CPU none: there it is ``"apex"``); ``"native"`` keeps PyTorch's lists only.
             See docs/cast-policy.md.
         allow_banned: under O1/O4, compute ``binary_cross_entropy`` on half inputs in fp32 instead of raising
             (Apex's ``allow_banned``).

@@ -69,9 +69,28 @@ class Probe:
     consumer: Consumer
 
 
+# While a probe runs for its gradients, the tensors ``_rand`` makes: each a leaf that requires grad (None: plain).
+_made: list[torch.Tensor] | None = None
+
+
 def _rand(*shape: int, device: torch.device, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=generator).to(device=device, dtype=dtype)
+    tensor = torch.randn(shape, generator=generator).to(device=device, dtype=dtype)
+    if _made is not None:
+        _made.append(tensor.requires_grad_())
+    return tensor
+
+
+@contextmanager
+def _making_leaves() -> Iterator[list[torch.Tensor]]:
+    """The tensors the probe makes inside, as leaves that require grad."""
+    global _made
+    made: list[torch.Tensor] = []
+    _made = made
+    try:
+        yield made
+    finally:
+        _made = None
 
 
 def _probes() -> list[Probe]:
@@ -302,6 +321,21 @@ def compare(native: Any, entry: Any, consumer: Consumer, dtype: torch.dtype) -> 
     return {"equal": ulps == 0, "max_ulp": ulps, "rel": rel, "rounding": str(rounding).removeprefix("torch.")}
 
 
+def compare_grads(native: list[torch.Tensor | None], entry: list[torch.Tensor | None]) -> dict[str, Any]:
+    """The gradients of the same tensors with and without the entry, each in its own dtype (a half activation's
+    is half, an fp32 weight's fp32): bitwise equal, and the largest ulp difference (None: a tensor got a gradient
+    on one side only)."""
+    ulps: int | None = 0
+    for a, b in zip(native, entry, strict=True):
+        if a is None or b is None:
+            if a is not b:
+                ulps = None
+            continue
+        if ulps is not None:
+            ulps = max(ulps, ulp_difference(a, b, a.dtype))
+    return {"grad_equal": ulps == 0, "grad_max_ulp": ulps}
+
+
 # -- native + one entry ----------------------------------------------------------------------------------------------
 @contextmanager
 def counted_kernels() -> Iterator[dict[str, int]]:
@@ -355,7 +389,45 @@ def _run(probe: Probe, device: torch.device, dtype: torch.dtype) -> tuple[Any, s
         with torch.no_grad():
             return probe.call(device, dtype), None
     except Exception as error:  # an error is a result too: native autocast refuses mixed dtypes Apex promoted
-        return None, f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"
+        return None, _error(error)
+
+
+def _error(error: Exception) -> str:
+    return f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"
+
+
+def _run_with_grads(
+    probe: Probe, device: torch.device, dtype: torch.dtype
+) -> tuple[Any, list[torch.Tensor | None] | None, str | None]:
+    """The probe's output, and the gradients of the tensors it made after a backward from a fixed upstream
+    gradient (None where no output takes one); or the error of either pass."""
+    try:
+        with _making_leaves() as made:
+            output = probe.call(device, dtype)
+    except Exception as error:
+        return None, None, _error(error)
+    outputs = [o for o in _floating(output) if o.requires_grad]
+    detached = _detached(output)
+    if not outputs:
+        return detached, None, None
+    # What the consumer's backward hands over: a half consumer's gradient is a half value (a matmul's input grad).
+    rounding = dtype if probe.consumer == "half" else torch.float32
+    upstream = [
+        _rand(*o.shape, device=device, seed=100 + i).to(rounding).to(o.dtype) for i, o in enumerate(outputs)
+    ]  # fmt: skip
+    try:
+        torch.autograd.backward(outputs, upstream)
+    except Exception as error:  # a backward the entry makes possible or impossible is a result too
+        return detached, None, _error(error)
+    return detached, [t.grad for t in made], None
+
+
+def _detached(output: Any) -> Any:
+    if isinstance(output, torch.Tensor):
+        return output.detach()
+    if isinstance(output, (tuple, list)):
+        return type(output)(_detached(item) for item in output)
+    return output
 
 
 @dataclass
@@ -373,25 +445,30 @@ def op_level(
     device: torch.device, dtype: torch.dtype, entries: dict[torch._ops.OpOverload, Policy], probes: list[Probe]
 ) -> list[EntryResult]:
     with cast_policy(device, dtype, []):
-        native = {p.name: _run(p, device, dtype) for p in probes}
+        native = {p.name: _run_with_grads(p, device, dtype) for p in probes}
     results = []
     for op, policy in entries.items():
         result = EntryResult(str(op), policy)
         with counted_kernels() as calls, cast_policy(device, dtype, [op]):
             for probe in probes:
                 before = calls.get(str(op), 0)
-                output, error = _run(probe, device, dtype)
+                output, grads, error = _run_with_grads(probe, device, dtype)
                 if calls.get(str(op), 0) == before:
                     continue
-                native_output, native_error = native[probe.name]
+                native_output, native_grads, native_error = native[probe.name]
                 row: dict[str, Any] = {"probe": probe.name, "consumer": probe.consumer}
                 if error is not None or native_error is not None:
                     row.update(equal=error == native_error, native_error=native_error, error=error)
                 else:
                     row.update(compare(native_output, output, probe.consumer, dtype))
+                    if grads is not None and native_grads is not None:
+                        row.update(compare_grads(native_grads, grads))
+                    elif grads is not native_grads:
+                        row.update(grad_equal=False, grad_max_ulp=None)
                 result.probes.append(row)
         if result.probes:
-            result.verdict = "changes" if any(not row["equal"] for row in result.probes) else "no change"
+            changed = any(not row["equal"] or not row.get("grad_equal", True) for row in result.probes)
+            result.verdict = "changes" if changed else "no change"
         results.append(result)
     return results
 
@@ -519,6 +596,14 @@ def machine(device: torch.device) -> str:
     return f"{model}, torch {torch.__version__}"
 
 
+def _grad_note(probe: dict[str, Any]) -> str:
+    """A probe row's gradient comparison, as the table shows it: ``, grads 0`` (max ulp), ``, grads on one side``."""
+    if "grad_max_ulp" not in probe:
+        return ""
+    ulps = probe["grad_max_ulp"]
+    return ", grads on one side" if ulps is None else f", grads {ulps}"
+
+
 def markdown(report: dict[str, Any]) -> str:
     lines = [
         f'Cast-list entries of `cast_policy="apex"` beyond native autocast on **{report["device"]}**, '
@@ -531,7 +616,8 @@ def markdown(report: dict[str, Any]) -> str:
         lines += ["Incomplete: the run stopped before its last phase (the empty columns were not measured).", ""]
     models = list(report["models"])
     lines += [
-        "| entry | policy | verdict | probes reaching it (consumer rounding: max ulp) | us/call native | "
+        "| entry | policy | verdict | probes reaching it (consumer rounding: max ulp; grads: max ulp) | "
+        "us/call native | "
         "with entry | ratio | " + " | ".join(f"loss rel. diff., {m}" for m in models) + " |",
         "|---|---|---|---|---:|---:|---:|" + "---:|" * len(models),
     ]
@@ -539,7 +625,7 @@ def markdown(report: dict[str, Any]) -> str:
         probes = "; ".join(
             f"{p['probe']} ({p.get('rounding', 'error')}: "
             + (
-                str(p["max_ulp"])
+                str(p["max_ulp"]) + _grad_note(p)
                 if "max_ulp" in p
                 else f"native {p['native_error'] or 'ok'}, entry {p['error'] or 'ok'}"
             )

@@ -123,3 +123,29 @@ def test_tiny_run_writes_the_table_naming_the_machine(tmp_path: Path) -> None:
     table = (tmp_path / "cast_list_effect_cpu_bf16.md").read_text()
     assert "CPU: the default is decided on CUDA, not here." in table
     assert "`aten.upsample_nearest2d" in table.split("Candidates to leave out")[1]
+
+
+def test_an_entry_that_changes_only_the_backward_changes() -> None:
+    # On the CPU, layer_norm of bf16 activations with fp32 affine weights: native autocast's bf16 kernel and Apex's
+    # fp32 entry round to the same bf16 output, but the fp32 weight's gradient differs (the check below shows it
+    # on plain tensors); the verdict must see the backward, not only the forward.
+    def ln(d: torch.device, t: torch.dtype) -> torch.Tensor:
+        weight, bias = effect._rand(64, device=d, seed=1), effect._rand(64, device=d, seed=2)
+        return F.layer_norm(effect._rand(8, 64, device=d, dtype=t), (64,), weight + 1, bias)
+
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(3)).bfloat16()
+    w = torch.ones(64, requires_grad=True)
+    up = torch.randn(8, 64, generator=torch.Generator().manual_seed(4)).bfloat16()
+    F.layer_norm(x, (64,), w.bfloat16()).backward(up)
+    in_bf16, w.grad = w.grad, None
+    F.layer_norm(x.float(), (64,), w).backward(up.float())
+    assert in_bf16 is not None and w.grad is not None and not torch.equal(in_bf16, w.grad)
+
+    entries = {torch.ops.aten.layer_norm.default: "fp32", torch.ops.aten.native_layer_norm.default: "fp32"}
+    probe = effect.Probe("F.layer_norm", ln, "half")
+    results = effect.op_level(torch.device("cpu"), torch.bfloat16, entries, [probe])  # type: ignore[arg-type]
+    reached = [r for r in results if r.probes]
+    assert reached and all(r.verdict == "changes" for r in reached)
+    for row in (r.probes[0] for r in reached):
+        assert row["equal"] and row["max_ulp"] == 0  # the forward is unchanged
+        assert row["grad_equal"] is False and row["grad_max_ulp"] > 0
