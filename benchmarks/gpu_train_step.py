@@ -22,8 +22,9 @@ Three passes in one process:
    is the median over ``--rounds`` rounds of the time per step. O1/O4 sessions switch autocast on for their
    thread and register process-wide autocast kernels, so each is opened for its own turn only (its loss-scale
    state carried over by ``state_dict``) and runs one untimed step after opening;
-3. **master step alone**: 124M fp32-master parameters in 150 tensors, O2's and O5's step against a plain fused
-   AdamW step, interleaved the same way.
+3. **master step alone**: 124M fp32-master parameters in 150 tensors, O2's and O5's iteration (``zero_grad``, a
+   ``scale_loss`` block handing each half parameter its grad, ``step``) against a plain fused AdamW's (the same
+   ``zero_grad``, hand-over loop and ``step``), interleaved the same way.
 
 With ``--profile``, ``torch.profiler`` over a few steps of O5 (fused AdamW) and of native autocast bf16: the top
 kernels by device time, kernels per step and the device's idle time between them, in
@@ -536,18 +537,30 @@ def time_pass(names: list[str], run: Passes) -> None:
 
 # -- master step -------------------------------------------------------------------------------------------------
 def _master_variant(name: str, sizes: list[int], device: torch.device) -> Variant:
-    """The plain fused AdamW step on fp32 parameters, or the amp step of an opt level whose half grads are
-    written directly (so only the amp machinery and the optimizer are timed)."""
+    """The plain fused AdamW iteration on fp32 parameters, or the amp iteration of an opt level whose half grads
+    are written directly (so only the amp machinery and the optimizer are timed); both hand over the same grads
+    from a list each iteration, as a training loop's backward would."""
     gen = torch.Generator(device).manual_seed(0)
     model = nn.ParameterList([nn.Parameter(torch.randn(n, generator=gen, device=device) * 0.01) for n in sizes])
     opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
     if name == PLAIN_ADAMW:
-        for p in model.parameters():
-            p.grad = torch.randn_like(p)
-        return Variant(lambda: opt.step(), model, sum(sizes))
+        plain_grads = [torch.randn_like(p) for p in model.parameters()]
+        weights = list(model.parameters())
+
+        def plain_step() -> None:
+            # The same loop as the amp variants' below, without amp: what a training loop does around the step
+            # (until the tenth session this timed ``opt.step()`` alone, so the grad hand-over and zero_grad's
+            # host work counted against amp only).
+            opt.zero_grad()
+            for p, g in zip(weights, plain_grads):
+                p.grad = g
+            opt.step()
+
+        return Variant(plain_step, model, sum(sizes))
     ampinit.initialize(model, opt, opt_level=name, verbosity=0)  # type: ignore[call-overload]
     session = ampinit.session_of(opt)
     grads = [torch.randn_like(p) for p in model.parameters()]
+    weights = list(model.parameters())  # iterating a ParameterList is a Python call per tensor: outside the timing
     anchor = torch.zeros((), device=device, requires_grad=True)
 
     def step() -> None:
@@ -558,7 +571,7 @@ def _master_variant(name: str, sizes: list[int], device: torch.device) -> Varian
         opt.zero_grad()
         with ampinit.scale_loss(anchor * 1.0, opt) as scaled:
             scaled.backward()
-            for p, g in zip(model.parameters(), grads):
+            for p, g in zip(weights, grads):
                 p.grad = g
         opt.step()
 
