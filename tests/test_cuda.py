@@ -1,6 +1,6 @@
 """What only a CUDA device can show: no host sync in sync-free mode under CUDA's sync-debug mode, a CUDA-graph
 captured FusedAdam step, cuDNN RNNs after teardown, an NCCL job, parameters split between the CPU and CUDA,
-and amp.init() casting CUDA only. Every test here skips unless the suite runs with ``--device cuda``."""
+amp.init() casting CUDA only, and the fp32 interpolations that "auto" keeps for their backward. Every test here skips unless the suite runs with ``--device cuda``."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from torch import nn
 from ampinit import _torch_kernels, amp
 from ampinit.compat.apex import amp as apex_amp
 from ampinit.optimizers import FusedAdam
+from benchmarks.cast_list_effect import ulp_difference
 from tests import _device, _leaks
 from tests._device import requires_cuda
 from tests.conftest import make_problem
@@ -185,3 +186,32 @@ def test_amp_init_casts_cuda_and_leaves_the_cpu_alone() -> None:
         assert not torch.is_autocast_enabled("cpu")  # Apex only ever cast CUDA tensors
     finally:
         handle._deactivate()
+
+
+@requires_cuda("the half-dtype atomics of CUDA's interpolation backward")
+@pytest.mark.parametrize(
+    ("mode", "dims", "antialias"),
+    [("linear", 1, False), ("bilinear", 2, False), ("bilinear", 2, True), ("bicubic", 2, False),
+     ("bicubic", 2, True), ("trilinear", 3, False)],
+)  # fmt: skip
+def test_auto_keeps_apex_fp32_interpolation_whose_cuda_backward_rounds_in_half(
+    mode: str, dims: int, antialias: bool
+) -> None:
+    """Under the default ``cast_policy="auto"`` these interpolations still run in fp32, as Apex ran them: CUDA's
+    half backward adds each output's share into the input gradient with atomics in the half dtype, so only the fp32
+    entry gives Apex's gradient (fp32 sums rounded once; the fp32 atomics' order may move a rounding by one ulp)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, *[9] * dims, generator=gen).to("cuda", torch.bfloat16).requires_grad_()
+    options = {"antialias": True} if antialias else {}
+    amp.initialize(nn.Linear(2, 2).cuda(), opt_level="O4", verbosity=0)
+    try:
+        y = nn.functional.interpolate(x, scale_factor=2, mode=mode, **options)
+        upstream = torch.randn(y.shape, generator=gen).to("cuda", torch.bfloat16)
+        y.backward(upstream.to(y.dtype))
+    finally:
+        amp.deinitialize()
+    assert y.dtype == torch.float32  # Apex's fp32 entry, not native autocast's bf16 kernel
+    reference = x.detach().float().requires_grad_()
+    nn.functional.interpolate(reference, scale_factor=2, mode=mode, **options).backward(upstream.float())
+    assert x.grad is not None and reference.grad is not None
+    assert ulp_difference(x.grad, reference.grad.to(torch.bfloat16), torch.bfloat16) <= 1
