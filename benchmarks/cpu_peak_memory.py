@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import platform
 import re
 from collections.abc import Callable, Iterator, Sequence
@@ -226,13 +225,16 @@ def live_difference(subject: PeakTrace, baseline: PeakTrace) -> list[dict[str, A
     return sorted(rows, key=lambda row: -abs(row["extra"]))
 
 
-def use_interpreted_kernels() -> None:
-    """Make amp's master step take its Triton kernels for CPU tensors, run by Triton's interpreter (read when a
-    kernel is decorated, so set before the kernel modules are imported): the allocations are the GPU path's."""
-    os.environ["TRITON_INTERPRET"] = "1"
-    from ampinit._masters import kernel_step
-
-    kernel_step.TRITON_ON_CPU = True
+def cpu_name() -> str:
+    """The CPU's model name as ``lscpu`` gives it (from /proc/cpuinfo), else the architecture."""
+    try:
+        with open("/proc/cpuinfo") as handle:
+            for line in handle:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -245,27 +247,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--top", type=int, default=8, help="rows of each variant's difference from pure bf16")
-    parser.add_argument(
-        "--kernels",
-        action="store_true",
-        help="step through amp's Triton kernels on CPU (the interpreter), the path a GPU takes, not the CPU fallback",
-    )
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args(argv)
     shape = GPTShape(args.layers, args.d_model, args.heads, args.seq, args.vocab)
-    if args.kernels:
-        use_interpreted_kernels()
     traces = {name: measure(name, shape, args.batch, args.steps) for name in ALLOWANCES}
     baseline, params = traces[PURE_BF16]
     report: dict[str, Any] = {
-        "machine": {"cpu": platform.processor() or platform.machine(), "torch": torch.__version__},
+        "machine": {"cpu": cpu_name(), "torch": torch.__version__},
         "shape": asdict(shape),
         "batch": args.batch,
         "steps": args.steps,
-        "step path": "amp's Triton kernels (interpreted)" if args.kernels else "CPU",
+        "step path": "CPU (amp's chunked step; a GPU takes the Triton kernels)",
         "params": params,
         "variants": {},
     }
+    print(f"{cpu_name()}, torch {torch.__version__}")
     print(f"{params} parameters, shape {asdict(shape)}, batch {args.batch}, build + {args.steps} steps")
     print(f"{'variant':28} {'peak bytes':>12} {'allowed':>12} {'over':>10}  peak at")
     for name, allowance in ALLOWANCES.items():
