@@ -239,6 +239,21 @@ def test_verdicts_meet_figures_at_the_issue_bounds() -> None:
     assert remainder["figure"] == "802 vs 802 MiB allowed (800 MiB + 2 B x 1048576 params)"
 
 
+def test_a_memory_figure_shows_the_requested_bytes_beside_the_allocated_blocks_it_is_judged_on() -> None:
+    # The caching allocator's blocks (judged) are over the bound, the bytes the tensors asked for are within it: the
+    # verdict stays "not met" and the figure says both.
+    rows, master = figures()
+    rows["O5 remainder"].update(peak_mib=820.0, requested_peak_mib=805.0)
+    rows[bench.PURE_BF16]["requested_peak_mib"] = 799.0
+    verdict = next(
+        v for v in bench.judge(rows, master) if v["target"] == "O5 remainder peak memory <= pure bf16 + 6 B/param"
+    )
+    assert verdict["status"] == "not met"
+    assert verdict["figure"] == (
+        "820 vs 806 MiB allowed (800 MiB + 6 B x 1048576 params); requested bytes 805 vs 805 MiB"
+    )
+
+
 @pytest.mark.parametrize(
     ("variant", "key", "value", "target"),
     [
