@@ -280,12 +280,22 @@ class OptimizerGrads:
         acc_src = _grads([p for p, _ in added])
         acc_dst = _grads([m for _, m in added])
         direct = list(filter(_IS_NOT_NONE, map(_GRAD, self.direct_params())))
-        half = copy_src + acc_src
-        kinds = set(zip(map(_DTYPE, half), map(_DEVICE_TYPE, half)))
-        before_widening = all(scaler.unscales_before_widening(dtype, device_type) for dtype, device_type in kinds)
         plan = self._half_grads_plan() if fresh and not added else None
+        key: _torch_kernels.GroupKey | None = None
+        if plan is not None and kernel_step.weights_read(plan) == len(copy_src):
+            # The plan reads every one of these grads and has checked each (a plain tensor on its device): only
+            # their dtypes are read again.
+            device = kernel_step.plan_device(plan)
+            dtypes = set(map(_DTYPE, copy_src))
+            kinds = {(dtype, device.type) for dtype in dtypes}
+            key = (device, (*dtypes,)) if len(dtypes) == 1 else None
+        else:
+            half = copy_src + acc_src
+            # The types of the few devices: a device's type read per tensor costs several times more.
+            kinds = {(dtype, device.type) for dtype, device in set(zip(map(_DTYPE, half), map(_DEVICE, half)))}
+        before_widening = all(scaler.unscales_before_widening(dtype, device_type) for dtype, device_type in kinds)
         if plan is not None:
-            scaler.check_(copy_src)
+            scaler.check_(copy_src, key)
             scaler.unscale_(direct)
             self._pending = PendingGrads(None if scaler.unit else scaler.inv_scale.clone(), before_widening, plan)
             self._merge_stash()
@@ -450,7 +460,7 @@ _PARAMS = operator.itemgetter("params")
 _IS_NONE = functools.partial(operator.is_, None)
 _IS_NOT_NONE = functools.partial(operator.is_not, None)
 _DTYPE = operator.attrgetter("dtype")
-_DEVICE_TYPE = operator.attrgetter("device.type")
+_DEVICE = operator.attrgetter("device")
 
 
 def _grads(params: list[torch.Tensor]) -> list[torch.Tensor]:

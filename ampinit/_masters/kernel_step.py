@@ -19,6 +19,7 @@ calls ``step``).
 from __future__ import annotations
 
 import functools
+import itertools
 import operator
 from collections.abc import Callable, Container, Iterator, Mapping, Sequence
 from itertools import repeat
@@ -299,6 +300,18 @@ def _launches(
 Plan = tuple[ModuleType, list[PlannedGroup]]
 
 
+def plan_device(planned: Plan) -> torch.device:
+    """The device of every tensor a plan launches on (a plan has a parameter with a grad)."""
+    return next(group.params[0].device for group in planned[1] if group.params)
+
+
+def weights_read(planned: Plan) -> int:
+    """How many model weights' grads a plan reads (each weight has one master, so each counts once)."""
+    return sum(
+        len(launch.masters) for group in planned[1] for launch in group.launches if launch.weight_dtype is not None
+    )
+
+
 def half_grads_plan(
     opt: torch.optim.Optimizer, update: Update | None, model_of: Mapping[int, torch.Tensor]
 ) -> Plan | None:
@@ -369,7 +382,7 @@ def _plan(
         snapshot = list(group["params"])
         sources = snapshot
         if half_grads:
-            sources = [p if w is None else w for p, w in zip(snapshot, map(model_of.get, map(id, snapshot)))]
+            sources = list(map(model_of.get, map(id, snapshot), snapshot))  # a master's weight, else the param
         read = list(map(_GRAD, sources))
         if any(map(operator.is_, read, repeat(None))):
             taken = [i for i, g in enumerate(read) if g is not None]
@@ -377,8 +390,12 @@ def _plan(
         else:
             params, grads = snapshot, cast(list[torch.Tensor], read)
         plan.append(PlannedGroup(group, snapshot, sources, read, params, grads, _launches(params, grads, model_of)))
-    params = [p for planned in plan for p in planned.params]
-    kernels = kernels_taking(params, found_inf, model_of, (), [g for planned in plan for g in planned.grads])
+    if len(plan) == 1:
+        params, grads = plan[0].params, plan[0].grads
+    else:
+        params = list(itertools.chain.from_iterable(planned.params for planned in plan))
+        grads = list(itertools.chain.from_iterable(planned.grads for planned in plan))
+    kernels = kernels_taking(params, found_inf, model_of, (), grads)
     if kernels is None:
         return None
     for planned in plan:
