@@ -181,13 +181,18 @@ def kernels_taking(
     weights: Mapping[int, torch.Tensor],
     remainders: Container[int],
     grads: Sequence[torch.Tensor | None] | None = None,
+    *,
+    model: Sequence[torch.Tensor | None] | None = None,
+    grads_of_weights: bool = False,
 ) -> ModuleType | None:
     """The kernels, if they take every one of ``params`` (the optimizer's, each with a grad), else None.
 
     Every parameter is on one device (the flag's, when there is one) and is an fp32 master, or a bf16 weight
     whose id is in ``remainders``; it and its grad are dense and contiguous, and so is the model weight
     ``weights`` maps its id to, if any. ``grads`` are what the kernels will read (default: each parameter's own
-    grad, of its dtype); a master's may be its model weight's half grad.
+    grad, of its dtype); a master's may be its model weight's half grad. A caller that has them gives ``model``
+    (each parameter's weight by ``weights``, or None) and says with ``grads_of_weights`` that it read the grad
+    of every parameter with a weight from that weight, rather than have them found again.
     """
     if not params:
         return None
@@ -199,10 +204,18 @@ def kernels_taking(
     if any(map(operator.is_, read, repeat(None))):
         return None
     present = cast(list[torch.Tensor], read)
-    ids = list(map(id, params))
-    model = list(map(weights.get, ids))
+    if model is None:
+        model = list(map(weights.get, map(id, params)))
+    # A grad of its master's dtype, or a master's weight's own (half) grad.
+    if grads_of_weights:
+        own_grads = map(operator.is_not, model, repeat(None))
+    else:
+        own_grads = map(operator.is_, present, map(getattr, model, repeat("grad"), repeat(None)))
     model_weights = cast(list[torch.Tensor], list(filter(_IS_NOT_NONE, model)))
-    master_dtypes = list(map(_MASTER_DTYPES.__getitem__, map(remainders.__contains__, ids)))
+    if remainders:
+        master_dtypes = list(map(_MASTER_DTYPES.__getitem__, map(remainders.__contains__, map(id, params))))
+    else:
+        master_dtypes = [torch.float32] * len(params)
     if not (
         # Plain tensors only: the kernels take raw data pointers, and a tensor subclass may have none (an
         # FSDP2 / tensor-parallel DTensor's data_ptr() is 0) or lay its data out otherwise.
@@ -216,14 +229,7 @@ def kernels_taking(
         and _all_contiguous(params)
         and _all_contiguous(present)
         and _all_contiguous(model_weights)
-        # A grad of its master's dtype, or a master's weight's own (half) grad.
-        and all(
-            map(
-                operator.or_,
-                map(operator.eq, map(_DTYPE, present), map(_DTYPE, params)),
-                map(operator.is_, present, map(getattr, model, repeat("grad"), repeat(None))),
-            )
-        )
+        and all(map(operator.or_, map(operator.eq, map(_DTYPE, present), map(_DTYPE, params)), own_grads))
     ):
         return None
     return kernels
@@ -278,9 +284,9 @@ class Launch(NamedTuple):
 
 
 def _launches(
-    params: list[torch.Tensor], grads: list[torch.Tensor], model_of: Mapping[int, torch.Tensor]
+    params: list[torch.Tensor], grads: list[torch.Tensor], weight_of: list[torch.Tensor | None]
 ) -> list[Launch]:
-    weight_of = list(map(model_of.get, map(id, params)))
+    """A group's launches: ``params`` with ``grads`` split by the dtype of their model weights ``weight_of``."""
     dtype_of = list(map(getattr, weight_of, repeat("dtype"), repeat(None)))
     kinds = set(dtype_of)
     if len(kinds) == 1:  # the common case: one launch, no lists to split
@@ -378,24 +384,27 @@ def _plan(
     """The kernels and each group's parameters with a grad and those grads (a master's is its weight's with
     ``half_grads``), or None when any of them is beyond the kernels."""
     plan = []
+    model: list[torch.Tensor | None] = []  # each planned parameter's model weight, or None
     for group in opt.param_groups:
         snapshot = list(group["params"])
-        sources = snapshot
-        if half_grads:
-            sources = list(map(model_of.get, map(id, snapshot), snapshot))  # a master's weight, else the param
+        ids = list(map(id, snapshot))
+        weight_of = list(map(model_of.get, ids))
+        sources = list(map(model_of.get, ids, snapshot)) if half_grads else snapshot  # a master's weight, or itself
         read = list(map(_GRAD, sources))
         if any(map(operator.is_, read, repeat(None))):
             taken = [i for i, g in enumerate(read) if g is not None]
             params, grads = [snapshot[i] for i in taken], [cast(torch.Tensor, read[i]) for i in taken]
+            weights = [weight_of[i] for i in taken]
         else:
-            params, grads = snapshot, cast(list[torch.Tensor], read)
-        plan.append(PlannedGroup(group, snapshot, sources, read, params, grads, _launches(params, grads, model_of)))
+            params, grads, weights = snapshot, cast(list[torch.Tensor], read), weight_of
+        plan.append(PlannedGroup(group, snapshot, sources, read, params, grads, _launches(params, grads, weights)))
+        model += weights
     if len(plan) == 1:
         params, grads = plan[0].params, plan[0].grads
     else:
         params = list(itertools.chain.from_iterable(planned.params for planned in plan))
         grads = list(itertools.chain.from_iterable(planned.grads for planned in plan))
-    kernels = kernels_taking(params, found_inf, model_of, (), grads)
+    kernels = kernels_taking(params, found_inf, model_of, (), grads, model=model, grads_of_weights=half_grads)
     if kernels is None:
         return None
     for planned in plan:
