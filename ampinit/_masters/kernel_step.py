@@ -206,11 +206,6 @@ def kernels_taking(
     present = cast(list[torch.Tensor], read)
     if model is None:
         model = list(map(weights.get, map(id, params)))
-    # A grad of its master's dtype, or a master's weight's own (half) grad.
-    if grads_of_weights:
-        own_grads = map(operator.is_not, model, repeat(None))
-    else:
-        own_grads = map(operator.is_, present, map(getattr, model, repeat("grad"), repeat(None)))
     model_weights = cast(list[torch.Tensor], list(filter(_IS_NOT_NONE, model)))
     if remainders:
         master_dtypes = list(map(_MASTER_DTYPES.__getitem__, map(remainders.__contains__, map(id, params))))
@@ -229,10 +224,27 @@ def kernels_taking(
         and _all_contiguous(params)
         and _all_contiguous(present)
         and _all_contiguous(model_weights)
-        and all(map(operator.or_, map(operator.eq, map(_DTYPE, present), map(_DTYPE, params)), own_grads))
+        and _grads_are_theirs(params, present, model, grads_of_weights)
     ):
         return None
     return kernels
+
+
+def _grads_are_theirs(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    model: Sequence[torch.Tensor | None],
+    grads_of_weights: bool,
+) -> bool:
+    """Whether each grad has its parameter's dtype or is the parameter's model weight's own (half) grad."""
+    if grads_of_weights:
+        from_weights = list(map(operator.is_not, model, repeat(None)))
+        if all(from_weights):
+            return True  # the usual plan: every grad was read from its master's weight
+        weights_own: Iterator[bool] = iter(from_weights)
+    else:
+        weights_own = map(operator.is_, grads, map(getattr, model, repeat("grad"), repeat(None)))
+    return all(map(operator.or_, map(operator.eq, map(_DTYPE, grads), map(_DTYPE, params)), weights_own))
 
 
 def takes_device_flag(opt: torch.optim.Optimizer, update: Update | None) -> bool:
