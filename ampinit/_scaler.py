@@ -170,11 +170,13 @@ class LossScaler:
         elif grads:
             _torch_kernels.unscale_and_check_(grads, self.found_inf, self.inv_scale)
 
-    def check_(self, grads: list[torch.Tensor]) -> None:
-        """Raise the overflow flag if any of ``grads`` is inf/NaN, leaving their values as they are (times 1)."""
+    def check_(self, grads: list[torch.Tensor], key: _torch_kernels.GroupKey | None = None) -> None:
+        """Raise the overflow flag if any of ``grads`` is inf/NaN, leaving their values as they are (times 1).
+
+        ``key``: the one (device, (dtype,)) of every grad, where the caller knows it (see ``check_finite_``)."""
         if grads:
             assert self._one is not None, "materialize() first"
-            _torch_kernels.check_finite_(grads, self.found_inf, self._one)
+            _torch_kernels.check_finite_(grads, self.found_inf, self._one, key)
 
     def unscale_unchecked_(self, grads: list[torch.Tensor]) -> None:
         """Unscale ``grads`` in place without touching the overflow flag (values already checked elsewhere)."""

@@ -318,8 +318,12 @@ def unscale_and_check_(grads: Sequence[Tensor], found_inf: Tensor, inv_scale: Te
 _SUM_CHECK_MIN_NUMEL = 1 << 15
 
 
-def check_finite_(grads: Sequence[Tensor], found_inf: Tensor, one: Tensor) -> None:
+def check_finite_(grads: Sequence[Tensor], found_inf: Tensor, one: Tensor, key: GroupKey | None = None) -> None:
     """Set ``found_inf`` to 1.0 if any grad is inf or NaN, leaving every grad's value as it is (no scale).
+
+    ``key``: the ``(device, (dtype,))`` that every one of ``grads`` (plain tensors) is known to have, so that they
+    are not grouped again (the kernel step's plan has just checked each of them: reading a device per tensor is
+    most of this function's host time).
 
     Mostly the unscale kernel with ``one`` (a persistent one-element 1.0, so the step allocates nothing) as its
     multiplier. Where that kernel refuses the dtype (bf16 on CUDA: :data:`KERNEL_DTYPES`), one inf-norm
@@ -332,7 +336,8 @@ def check_finite_(grads: Sequence[Tensor], found_inf: Tensor, one: Tensor) -> No
     step that no optimizer would survive, skipped instead. So large bf16 CPU grads are summed, one reduction
     per tensor: from 32768 elements on, the Python call costs under a tenth of what the sum saves.
     """
-    for (device, (dtype,)), (group,) in grouped(grads):
+    groups = grouped(grads) if key is None else [(key, [list(grads)])]
+    for (device, (dtype,)), (group,) in groups:
         flag = _flag_on(found_inf, device)
         if not takes(UNSCALE, device, dtype):
             _check_by_norms(group, flag)

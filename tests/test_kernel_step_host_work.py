@@ -12,18 +12,24 @@ lookup) and every C function Python calls; a loop in C (``map``) is one call, as
 
 from __future__ import annotations
 
+import functools
 import gc
+import operator
 import sys
-from collections.abc import Callable
-from types import FrameType, ModuleType
-from typing import Any
+from collections import Counter
+from collections.abc import Callable, Sequence
+from types import FrameType, GetSetDescriptorType, ModuleType
+from typing import Any, TypeVar
 
 import pytest
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from ampinit import amp
 from tests._host_work import NoLaunch, aten_ops, third_step
+
+_M = TypeVar("_M")
 
 pytest.importorskip("triton", reason="triton is not installed (pip install triton); the kernel path needs it")
 
@@ -68,9 +74,10 @@ def test_the_kernel_step_runs_the_same_aten_ops_for_any_number_of_tensors(level:
     assert few == many
 
 
-def iteration_calls(level: str, tensors: int, make_opt: Any) -> int:
-    """The calls of one steady-state iteration (the fourth) of an O2/O5 session over ``tensors`` half parameters,
-    whose backward hands each parameter a grad (the same tensors every iteration, set by plain assignments)."""
+def steady_iterations(level: str, tensors: int, make_opt: Any, measure: Callable[[Callable[[], None]], _M]) -> list[_M]:
+    """``measure`` of three steady-state iterations (the fourth to sixth) of an O2/O5 session over ``tensors`` half
+    parameters, whose backward hands each parameter a grad (the same tensors every iteration, set by plain
+    assignments)."""
     gen = torch.Generator().manual_seed(0)
     params = nn.ParameterList([nn.Parameter(torch.randn(16, generator=gen)) for _ in range(tensors)])
     opt = make_opt(params.parameters())
@@ -92,12 +99,16 @@ def iteration_calls(level: str, tensors: int, make_opt: Any) -> int:
     try:
         for _ in range(3):
             iteration()
-        # The least of three steady-state iterations: a one-time event of the process (a cache filled, a collection
-        # of cycles running finalizers) lands in one of them, a per-tensor call in every one (seen once under torch
-        # 2.14 in the full suite: 447 calls at 32 tensors against 443 at 8, equal when the test ran alone).
-        return min(_calls(iteration) for _ in range(3))
+        return [measure(iteration) for _ in range(3)]
     finally:
         session.close()
+
+
+def iteration_calls(level: str, tensors: int, make_opt: Any) -> int:
+    # The least of three steady-state iterations: a one-time event of the process (a cache filled, a collection
+    # of cycles running finalizers) lands in one of them, a per-tensor call in every one (seen once under torch
+    # 2.14 in the full suite: 447 calls at 32 tensors against 443 at 8, equal when the test ran alone).
+    return min(steady_iterations(level, tensors, make_opt, _calls))
 
 
 @pytest.mark.usefixtures("no_launches")
@@ -108,3 +119,48 @@ def test_a_steady_state_iteration_makes_the_same_calls_for_any_number_of_tensors
     # with the tensors would be amp's (on main: a genexpr per data pointer, Tensor.__hash__ per state lookup...).
     few, many = (iteration_calls(level, n, OPTIMIZERS[name]) for n in (8, 32))
     assert few == many
+
+
+class _TensorReads(TorchFunctionMode):
+    """Counts, by name, the tensor properties read (``t.grad``, ``t.device``...) and the tensor methods called
+    (``t.data_ptr()``...) while it is active: torch routes each through the active function mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: Counter[str] = Counter()
+
+    def __torch_function__(
+        self, func: Callable[..., Any], types: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        owner = getattr(func, "__self__", None)
+        if isinstance(owner, GetSetDescriptorType):  # a property's __get__ or __set__
+            self.reads[f"{owner.__name__}.{func.__name__}"] += 1
+        else:
+            self.reads[func.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _tensor_reads(iteration: Callable[[], None]) -> Counter[str]:
+    with _TensorReads() as mode:
+        iteration()
+    return mode.reads
+
+
+#: What a steady-state iteration may read of each tensor (the half weights and their grads, the masters): the
+#: grad of a weight by amp's scale_loss exit (with the master's, to tell a fresh backward), the plan and the step's
+#: check of it, and torch's zero_grad of a master; the dtypes of the masters and of the grads checked once and of the
+#: weights for the launches' split; the devices of the masters and the grads once.
+READS_PER_TENSOR = {"grad.__get__": 5, "dtype.__get__": 3, "device.__get__": 2}
+
+
+@pytest.mark.usefixtures("no_launches")
+@pytest.mark.parametrize("level", ["O2", "O5"])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_a_steady_state_iteration_reads_each_tensor_a_few_times(level: str, name: str) -> None:
+    # Deterministic (no clock): each read is a Python-visible step over every tensor, the unit of the iteration's
+    # host time once every loop runs in C (benchmarks/kernel_step_host.py).
+    few, many = (
+        functools.reduce(operator.and_, steady_iterations(level, n, OPTIMIZERS[name], _tensor_reads)) for n in (8, 32)
+    )
+    per_tensor = {key: (many[key] - few[key]) / 24 for key in READS_PER_TENSOR}
+    assert all(per_tensor[key] <= budget for key, budget in READS_PER_TENSOR.items()), per_tensor

@@ -28,6 +28,8 @@ what was written, read once; from the first backward on the masters are the trut
 
 from __future__ import annotations
 
+import functools
+import itertools
 import operator
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
@@ -72,6 +74,7 @@ class OptimizerGrads:
         self._agreed: dict[int, tuple[int, int]] | None = {}
         self._loaded: set[int] = set()  # ids of the model params whose masters a load wrote since (follow_model)
         self._pending: PendingGrads | None = None  # master grads still in the half grads (see the module docstring)
+        self._pairs_listed: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # see _pair_lists
 
     # -- masters --------------------------------------------------------------------------------------------
     def create_masters(self, fp32_values: dict[int, torch.Tensor] | None = None) -> None:
@@ -95,6 +98,7 @@ class OptimizerGrads:
             master = torch.nn.Parameter(source.detach().clone().float(), requires_grad=True)
             params[index] = master
             self._master_of[id(param)] = (param, master)
+            self._pairs_listed = None
             self._model_of[id(master)] = param
             self._note_agreement(id(param), param, master)
             if param in self.optimizer.state:
@@ -180,11 +184,19 @@ class OptimizerGrads:
     def pairs(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         return iter(self._master_of.values())
 
+    def _pair_lists(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The model weights and their masters as two lists, kept until the pairs change (the lists are read with
+        ``map``, each a loop in C, where iterating the pairs is bytecode per pair)."""
+        if self._pairs_listed is None:
+            pairs = list(self._master_of.values())
+            self._pairs_listed = [p for p, _ in pairs], [m for _, m in pairs]
+        return self._pairs_listed
+
     def direct_params(self) -> list[torch.Tensor]:
         """Parameters whose own ``.grad`` the optimizer reads (no separate master)."""
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        params = list(itertools.chain.from_iterable(map(_PARAMS, self.optimizer.param_groups)))
         masters = self._model_of
-        return [p for p, param_id in zip(params, map(id, params)) if param_id not in masters]
+        return list(itertools.compress(params, map(operator.not_, map(masters.__contains__, map(id, params)))))
 
     def restore_model_params(self) -> None:
         """Undo :meth:`create_masters`: the model parameters go back into the param groups, with their state."""
@@ -203,6 +215,7 @@ class OptimizerGrads:
                     # step would have used the master's, unscaled.
                     model_param.grad = master.grad.detach().to(model_param.dtype)
         self._master_of.clear()
+        self._pairs_listed = None
         self._model_of.clear()
         self._grad_buffers.clear()
         self._zeroed = {}
@@ -253,25 +266,43 @@ class OptimizerGrads:
     def post_backward(self, scaler: LossScaler) -> None:
         """Unscale this backward's grads into the optimizer's parameters and check them for inf/NaN; when the
         step's kernels will read the half grads themselves, only check them (see the module docstring)."""
-        fresh = [(p, m) for p, m in self.pairs() if p.grad is not None and m.grad is None]
-        added = [(p, m) for p, m in self.pairs() if p.grad is not None and m.grad is not None]
-        copy_src = _grads([p for p, _ in fresh])
+        models, masters = self._pair_lists()
+        model_grads = list(map(_GRAD, models))
+        master_grads = list(map(_GRAD, masters))
+        if all(map(_IS_NONE, master_grads)) and not any(map(_IS_NONE, model_grads)):
+            # The usual backward (every weight a fresh grad, no master grad kept): one walk, each test a loop in C.
+            fresh, copy_src = masters, model_grads
+            added: list[tuple[torch.Tensor, torch.Tensor]] = []
+        else:
+            fresh = [m for p, m in zip(models, masters) if p.grad is not None and m.grad is None]
+            copy_src = [g for g, m in zip(model_grads, masters) if g is not None and m.grad is None]
+            added = [(p, m) for p, m in zip(models, masters) if p.grad is not None and m.grad is not None]
         acc_src = _grads([p for p, _ in added])
         acc_dst = _grads([m for _, m in added])
-        direct = [p.grad for p in self.direct_params() if p.grad is not None]
-        half = copy_src + acc_src
-        kinds = set(zip(map(_DTYPE, half), map(_DEVICE_TYPE, half)))
-        before_widening = all(scaler.unscales_before_widening(dtype, device_type) for dtype, device_type in kinds)
+        direct = list(filter(_IS_NOT_NONE, map(_GRAD, self.direct_params())))
         plan = self._half_grads_plan() if fresh and not added else None
+        key: _torch_kernels.GroupKey | None = None
+        if plan is not None and kernel_step.weights_read(plan) == len(copy_src):
+            # The plan reads every one of these grads and has checked each (a plain tensor on its device): only
+            # their dtypes are read again.
+            device = kernel_step.plan_device(plan)
+            dtypes = set(map(_DTYPE, copy_src))
+            kinds = {(dtype, device.type) for dtype in dtypes}
+            key = (device, (*dtypes,)) if len(dtypes) == 1 else None
+        else:
+            half = copy_src + acc_src
+            # The types of the few devices: a device's type read per tensor costs several times more.
+            kinds = {(dtype, device.type) for dtype, device in set(zip(map(_DTYPE, half), map(_DEVICE, half)))}
+        before_widening = all(scaler.unscales_before_widening(dtype, device_type) for dtype, device_type in kinds)
         if plan is not None:
-            scaler.check_(copy_src)
+            scaler.check_(copy_src, key)
             scaler.unscale_(direct)
             self._pending = PendingGrads(None if scaler.unit else scaler.inv_scale.clone(), before_widening, plan)
             self._merge_stash()
             return
-        for _, master in fresh:
+        for master in fresh:
             master.grad = self._grad_buffer(master)
-        copy_dst = [_grad(m) for _, m in fresh]
+        copy_dst = list(map(_GRAD, fresh))
         if before_widening:
             # Unscale and check the half grads before widening them: half the bytes, the same result (a scale of
             # 1, or a power of two on bf16 off CPU: see unscales_before_widening). The model's half grads are
@@ -425,8 +456,11 @@ def _grad(param: torch.Tensor) -> torch.Tensor:
 
 
 _GRAD = operator.attrgetter("grad")
+_PARAMS = operator.itemgetter("params")
+_IS_NONE = functools.partial(operator.is_, None)
+_IS_NOT_NONE = functools.partial(operator.is_not, None)
 _DTYPE = operator.attrgetter("dtype")
-_DEVICE_TYPE = operator.attrgetter("device.type")
+_DEVICE = operator.attrgetter("device")
 
 
 def _grads(params: list[torch.Tensor]) -> list[torch.Tensor]:

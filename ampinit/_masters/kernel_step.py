@@ -18,6 +18,8 @@ calls ``step``).
 
 from __future__ import annotations
 
+import functools
+import itertools
 import operator
 from collections.abc import Callable, Container, Iterator, Mapping, Sequence
 from itertools import repeat
@@ -162,6 +164,11 @@ _GRAD = operator.attrgetter("grad")
 _IS_SPARSE = operator.attrgetter("is_sparse")
 _BASE = operator.attrgetter("_base")
 _CONTIGUOUS = torch.Tensor.is_contiguous
+_IS_NOT_NONE = functools.partial(operator.is_not, None)
+_STEP = operator.itemgetter("step")
+_EXP_AVG = operator.itemgetter("exp_avg")
+_EXP_AVG_SQ = operator.itemgetter("exp_avg_sq")
+_MASTER_DTYPES = (torch.float32, torch.bfloat16)  # by whether the parameter is a remainder's bf16 weight
 
 
 def _all_contiguous(tensors: Sequence[torch.Tensor]) -> bool:
@@ -174,13 +181,18 @@ def kernels_taking(
     weights: Mapping[int, torch.Tensor],
     remainders: Container[int],
     grads: Sequence[torch.Tensor | None] | None = None,
+    *,
+    model: Sequence[torch.Tensor | None] | None = None,
+    grads_of_weights: bool = False,
 ) -> ModuleType | None:
     """The kernels, if they take every one of ``params`` (the optimizer's, each with a grad), else None.
 
     Every parameter is on one device (the flag's, when there is one) and is an fp32 master, or a bf16 weight
     whose id is in ``remainders``; it and its grad are dense and contiguous, and so is the model weight
     ``weights`` maps its id to, if any. ``grads`` are what the kernels will read (default: each parameter's own
-    grad, of its dtype); a master's may be its model weight's half grad.
+    grad, of its dtype); a master's may be its model weight's half grad. A caller that has them gives ``model``
+    (each parameter's weight by ``weights``, or None) and says with ``grads_of_weights`` that it read the grad
+    of every parameter with a weight from that weight, rather than have them found again.
     """
     if not params:
         return None
@@ -192,9 +204,13 @@ def kernels_taking(
     if any(map(operator.is_, read, repeat(None))):
         return None
     present = cast(list[torch.Tensor], read)
-    model = list(map(weights.get, map(id, params)))
-    model_weights = [w for w in model if w is not None]
-    master_dtypes = [torch.bfloat16 if i in remainders else torch.float32 for i in map(id, params)]
+    if model is None:
+        model = list(map(weights.get, map(id, params)))
+    model_weights = cast(list[torch.Tensor], list(filter(_IS_NOT_NONE, model)))
+    if remainders:
+        master_dtypes = list(map(_MASTER_DTYPES.__getitem__, map(remainders.__contains__, map(id, params))))
+    else:
+        master_dtypes = [torch.float32] * len(params)
     if not (
         # Plain tensors only: the kernels take raw data pointers, and a tensor subclass may have none (an
         # FSDP2 / tensor-parallel DTensor's data_ptr() is 0) or lay its data out otherwise.
@@ -208,11 +224,27 @@ def kernels_taking(
         and _all_contiguous(params)
         and _all_contiguous(present)
         and _all_contiguous(model_weights)
-        # A grad of its master's dtype, or a master's weight's own (half) grad.
-        and all([g.dtype == p.dtype or (w is not None and g is w.grad) for g, p, w in zip(present, params, model)])
+        and _grads_are_theirs(params, present, model, grads_of_weights)
     ):
         return None
     return kernels
+
+
+def _grads_are_theirs(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    model: Sequence[torch.Tensor | None],
+    grads_of_weights: bool,
+) -> bool:
+    """Whether each grad has its parameter's dtype or is the parameter's model weight's own (half) grad."""
+    if grads_of_weights:
+        from_weights = list(map(operator.is_not, model, repeat(None)))
+        if all(from_weights):
+            return True  # the usual plan: every grad was read from its master's weight
+        weights_own: Iterator[bool] = iter(from_weights)
+    else:
+        weights_own = map(operator.is_, grads, map(getattr, model, repeat("grad"), repeat(None)))
+    return all(map(operator.or_, map(operator.eq, map(_DTYPE, grads), map(_DTYPE, params)), weights_own))
 
 
 def takes_device_flag(opt: torch.optim.Optimizer, update: Update | None) -> bool:
@@ -250,11 +282,52 @@ class PlannedGroup(NamedTuple):
     read: list[torch.Tensor | None]  # those grads when planned
     params: list[torch.Tensor]  # the parameters with a grad
     grads: list[torch.Tensor]  # their grads
+    launches: list[Launch]  # the group's launches, one per model weight dtype
+
+
+class Launch(NamedTuple):
+    """One launch of a group's step: the masters whose model weights have one dtype (None: masters without a model
+    weight, which write nothing back), those weights and the grads read."""
+
+    weight_dtype: torch.dtype | None
+    masters: list[torch.Tensor]
+    weights: list[torch.Tensor]
+    grads: list[torch.Tensor]
+
+
+def _launches(
+    params: list[torch.Tensor], grads: list[torch.Tensor], weight_of: list[torch.Tensor | None]
+) -> list[Launch]:
+    """A group's launches: ``params`` with ``grads`` split by the dtype of their model weights ``weight_of``."""
+    dtype_of = list(map(getattr, weight_of, repeat("dtype"), repeat(None)))
+    kinds = set(dtype_of)
+    if len(kinds) == 1:  # the common case: one launch, no lists to split
+        (weight_dtype,) = kinds
+        weights = [] if weight_dtype is None else cast(list[torch.Tensor], weight_of)
+        return [Launch(weight_dtype, params, weights, grads)]
+    launches = []
+    for weight_dtype in kinds:
+        chosen = [i for i, dtype in enumerate(dtype_of) if dtype == weight_dtype]
+        chosen_weights = [] if weight_dtype is None else [cast(torch.Tensor, weight_of[i]) for i in chosen]
+        launches.append(Launch(weight_dtype, [params[i] for i in chosen], chosen_weights, [grads[i] for i in chosen]))
+    return launches
 
 
 #: What a kernel step launches on: the kernels, and per param group its parameters with a grad and those grads (a
 #: master's: its weight's half grad, with ``half_grads``).
 Plan = tuple[ModuleType, list[PlannedGroup]]
+
+
+def plan_device(planned: Plan) -> torch.device:
+    """The device of every tensor a plan launches on (a plan has a parameter with a grad)."""
+    return next(group.params[0].device for group in planned[1] if group.params)
+
+
+def weights_read(planned: Plan) -> int:
+    """How many model weights' grads a plan reads (each weight has one master, so each counts once)."""
+    return sum(
+        len(launch.masters) for group in planned[1] for launch in group.launches if launch.weight_dtype is not None
+    )
 
 
 def half_grads_plan(
@@ -301,32 +374,14 @@ def step_fp32_masters(
     kernels, plan = planned
     opt._opt_called = True  # type: ignore[attr-defined]  # what an lr scheduler's step wrapper records
     for planned_group in plan:
-        group, params, grads = planned_group.group, planned_group.params, planned_group.grads
-        # One launch per weight dtype; masters without a model weight (None) write nothing back.
-        weight_of = list(map(model_of.get, map(id, params)))
-        dtype_of = [None if w is None else w.dtype for w in weight_of]
-        for weight_dtype in set(dtype_of):
-            if dtype_of.count(weight_dtype) == len(dtype_of):  # the common case: one launch, no lists to split
-                masters, chosen_weights, chosen_grads = params, weight_of, grads
-            else:
-                chosen = [i for i, dtype in enumerate(dtype_of) if dtype == weight_dtype]
-                masters = [params[i] for i in chosen]
-                chosen_weights = [weight_of[i] for i in chosen]
-                chosen_grads = [grads[i] for i in chosen]
-            weights = [] if weight_dtype is None else cast(list[torch.Tensor], chosen_weights)
+        group = planned_group.group
+        for weight_dtype, masters, weights, grads in planned_group.launches:
             scaled = half_grads and weight_dtype is not None
             run_kernels(
-                update,
-                kernels,
-                opt,
-                group,
-                masters,
-                Masters.fp32(masters, weights),
-                found_inf,
-                chosen_grads,
+                update, kernels, opt, group, masters, Masters.fp32(masters, weights), found_inf, grads,
                 inv_scale if scaled else None,
-            )
-        if params:
+            )  # fmt: skip
+        if planned_group.params:
             count_group_step(opt, update, group, found_inf)
     return True
 
@@ -341,20 +396,27 @@ def _plan(
     """The kernels and each group's parameters with a grad and those grads (a master's is its weight's with
     ``half_grads``), or None when any of them is beyond the kernels."""
     plan = []
+    model: list[torch.Tensor | None] = []  # each planned parameter's model weight, or None
     for group in opt.param_groups:
         snapshot = list(group["params"])
-        sources = snapshot
-        if half_grads:
-            sources = [p if w is None else w for p, w in zip(snapshot, map(model_of.get, map(id, snapshot)))]
+        ids = list(map(id, snapshot))
+        weight_of = list(map(model_of.get, ids))
+        sources = list(map(model_of.get, ids, snapshot)) if half_grads else snapshot  # a master's weight, or itself
         read = list(map(_GRAD, sources))
         if any(map(operator.is_, read, repeat(None))):
             taken = [i for i, g in enumerate(read) if g is not None]
             params, grads = [snapshot[i] for i in taken], [cast(torch.Tensor, read[i]) for i in taken]
+            weights = [weight_of[i] for i in taken]
         else:
-            params, grads = snapshot, cast(list[torch.Tensor], read)
-        plan.append(PlannedGroup(group, snapshot, sources, read, params, grads))
-    params = [p for planned in plan for p in planned.params]
-    kernels = kernels_taking(params, found_inf, model_of, (), [g for planned in plan for g in planned.grads])
+            params, grads, weights = snapshot, cast(list[torch.Tensor], read), weight_of
+        plan.append(PlannedGroup(group, snapshot, sources, read, params, grads, _launches(params, grads, weights)))
+        model += weights
+    if len(plan) == 1:
+        params, grads = plan[0].params, plan[0].grads
+    else:
+        params = list(itertools.chain.from_iterable(planned.params for planned in plan))
+        grads = list(itertools.chain.from_iterable(planned.grads for planned in plan))
+    kernels = kernels_taking(params, found_inf, model_of, (), grads, model=model, grads_of_weights=half_grads)
     if kernels is None:
         return None
     for planned in plan:
@@ -479,13 +541,16 @@ def adam_inputs(
         exp_avgs, exp_avg_sqs, steps = cast(KernelAdamState, own).kernel_adam_state(group, params)
     else:
         found = _states_of(opt, params)
-        states = [state or adam_state(opt, group, p) for p, state in zip(params, found)]
+        if all(found):  # every state made (each step but the first): no Python call per parameter
+            states = cast(list[dict[str, Any]], found)
+        else:
+            states = [state or adam_state(opt, group, p) for p, state in zip(params, found)]
         steps = packed_steps(states, params[0].device)
         steps.add_(1.0)
         if found_inf is not None:
             steps.sub_(found_inf.reshape(()))
         settings = AdamSettings.of(opt, group)
-        exp_avgs, exp_avg_sqs = [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
+        exp_avgs, exp_avg_sqs = list(map(_EXP_AVG, states)), list(map(_EXP_AVG_SQ, states))
     scalars = reference.adam_step_scalars(steps, settings.beta1, settings.beta2, settings.lr)
     return exp_avgs, exp_avg_sqs, scalars.to(params[0].device), settings
 
@@ -504,7 +569,7 @@ def packed_steps(states: list[dict[str, Any]], device: torch.device) -> torch.Te
     the host per step, and a device overflow flag can hold a count back. torch's own Adam takes counts on the
     device in any mode (``state_dict`` keeps them there; loading keeps a count where it was saved).
     """
-    views = [state["step"] for state in states]
+    views = list(map(_STEP, states))
     base: torch.Tensor | None = views[0]._base
     if (
         base is not None
