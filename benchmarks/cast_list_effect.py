@@ -442,8 +442,14 @@ class EntryResult:
 
 
 def op_level(
-    device: torch.device, dtype: torch.dtype, entries: dict[torch._ops.OpOverload, Policy], probes: list[Probe]
+    device: torch.device,
+    dtype: torch.dtype,
+    entries: dict[torch._ops.OpOverload, Policy],
+    probes: list[Probe],
+    after_each: Callable[[list[EntryResult]], None] | None = None,
 ) -> list[EntryResult]:
+    """Each entry's verdict from the probes that reach it; ``after_each`` gets the results so far after every
+    entry (a run cut by its time limit keeps the entries it finished)."""
     with cast_policy(device, dtype, []):
         native = {p.name: _run_with_grads(p, device, dtype) for p in probes}
     results = []
@@ -470,6 +476,8 @@ def op_level(
             changed = any(not row["equal"] or not row.get("grad_equal", True) for row in result.probes)
             result.verdict = "changes" if changed else "no change"
         results.append(result)
+        if after_each is not None:
+            after_each(results)
     return results
 
 
@@ -689,7 +697,8 @@ def main(argv: list[str] | None = None) -> int:
     }
 
     def save(results: list[EntryResult]) -> None:
-        # Rewritten after each phase: a run cut by its time limit keeps what it measured.
+        # Rewritten after each entry of the op level and after each phase: a run cut by its time limit keeps what
+        # it measured (an entry the op level did not reach yet is absent).
         report["entries"] = [vars(r) for r in results]
         report["candidates"] = [r.entry for r in results if r.verdict == "no change"]
         report["not_reached"] = [r.entry for r in results if r.verdict == "not reached"]
@@ -697,8 +706,7 @@ def main(argv: list[str] | None = None) -> int:
         stem.with_suffix(".md").write_text(markdown(report))
 
     log.info("%d entries beyond native autocast on %s; op level...", len(planned), device.type)
-    results = op_level(device, dtype, planned, probes)
-    save(results)
+    results = op_level(device, dtype, planned, probes, after_each=save)
     log.info("model level...")
     report["models"] = model_level(workloads(device, args.tiny), level, results, by_name, steps)
     save(results)

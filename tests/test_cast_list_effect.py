@@ -149,3 +149,16 @@ def test_an_entry_that_changes_only_the_backward_changes() -> None:
     for row in (r.probes[0] for r in reached):
         assert row["equal"] and row["max_ulp"] == 0  # the forward is unchanged
         assert row["grad_equal"] is False and row["grad_max_ulp"] > 0
+
+
+def test_op_level_hands_over_its_results_after_every_entry() -> None:
+    # A run cut by the GPU check's time limit keeps the entries it finished: the caller saves after each one.
+    seen: list[list[str]] = []
+    probe = effect.Probe("rows.sum(-1)", lambda d, t: _half_rows(d, t).sum(-1), "fp32")
+    entries = {SUM_DIM: "fp32", **dict.fromkeys(NEAREST, "fp32")}
+    effect.op_level(
+        torch.device("cpu"), torch.bfloat16, entries, [probe],  # type: ignore[arg-type]
+        after_each=lambda results: seen.append([r.entry for r in results]),
+    )  # fmt: skip
+    names = [str(SUM_DIM), *map(str, NEAREST)]
+    assert seen == [names[:1], names[:2], names[:3]]
