@@ -4,6 +4,7 @@ docs/design.md names only modules that exist, places every module, and draws lay
 from __future__ import annotations
 
 import ast
+import inspect
 import re
 import subprocess
 import sys
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+import ampinit
 from ampinit import amp
 from tests.test_import_structure import MODULES, PACKAGE, imports_of
 
@@ -227,3 +229,27 @@ def test_the_layer_check_sees_an_upward_import() -> None:
     rows = layer_rows()
     raised = [["_registry.py"], *[[b for b in row if b != "_registry.py"] for row in rows]]
     assert {"_api.py -> _registry.py", "_session.py -> _registry.py"} <= set(imports_against_rows(raised)[1])
+
+
+def test_the_api_page_gives_initialize_its_real_signature() -> None:
+    """docs/api.md opens with ``initialize``'s signature: every parameter, in order, with its default, as the
+    function has them (a changed default, ``sync_free``'s once, must not leave the page behind)."""
+    page = (ROOT / "docs" / "api.md").read_text(encoding="utf-8")
+    block = re.search(r"```python\n(initialize\(.*?\))\n```", page, re.S)
+    assert block is not None, "docs/api.md lost its signature block"
+    tree = ast.parse("def " + block.group(1) + ": ...").body[0]
+    assert isinstance(tree, ast.FunctionDef)
+    documented = tree.args
+    names = [a.arg for a in documented.args] + ["*"] + [a.arg for a in documented.kwonlyargs]
+    defaults = dict(zip([a.arg for a in documented.args][-len(documented.defaults) :], documented.defaults))
+    defaults |= {a.arg: d for a, d in zip(documented.kwonlyargs, documented.kw_defaults) if d is not None}
+
+    real = inspect.signature(ampinit.initialize).parameters.values()
+    keyword_only = inspect.Parameter.KEYWORD_ONLY
+    real_names = [p.name for p in real if p.kind is not keyword_only] + ["*"]
+    real_names += [p.name for p in real if p.kind is keyword_only]
+    assert names == real_names
+    # Evaluated without builtins: the defaults are literals and one power (``2.**24``).
+    assert {name: eval(ast.unparse(d), {"__builtins__": {}}) for name, d in defaults.items()} == {
+        p.name: p.default for p in real if p.default is not inspect.Parameter.empty
+    }
