@@ -1,6 +1,7 @@
 """What only a CUDA device can show: no host sync in sync-free mode under CUDA's sync-debug mode, a CUDA-graph
 captured FusedAdam step, cuDNN RNNs after teardown, an NCCL job, parameters split between the CPU and CUDA,
-amp.init() casting CUDA only, and the fp32 interpolations that "auto" keeps for their backward. Every test here skips unless the suite runs with ``--device cuda``."""
+amp.init() casting CUDA only, and the fp32 interpolations that "auto" keeps for their backward. Every test here
+skips unless the suite runs with ``--device cuda``."""
 
 from __future__ import annotations
 
