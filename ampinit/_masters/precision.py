@@ -69,9 +69,11 @@ import torch
 QBLOCK = 256
 """Elements per block of the 8-bit moments (one fp32 absmax each)."""
 
-SLICE_ELEMENTS = 1 << 20
+SLICE_ELEMENTS = 1 << 18
 """The most elements an encoder or decoder takes at once (see "Slices" above): a multiple of :data:`QBLOCK`, so
-that no 8-bit block straddles two slices. Read at each call."""
+that no 8-bit block straddles two slices. Read at each call. 2**18 bounds the random bits' temporaries at 12 MiB
+while a GPU without Triton (where the chunked step also runs) launches each op once per 2**18 elements, not per
+few thousand."""
 
 _MASK32 = 0xFFFFFFFF
 _MIX_MULTIPLIERS = (0x7FEB352D, 0x846CA68B)
