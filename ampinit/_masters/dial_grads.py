@@ -145,10 +145,10 @@ class StateStore:
         self._handles.clear()
 
     # -- random bits ------------------------------------------------------------------------------------------
-    def bits(self, step: torch.Tensor, stream: int, like: torch.Tensor) -> torch.Tensor:
-        """The random bits of every element of ``like``, for a tensor at ``step`` (after this step) and ``stream``."""
-        key = precision.keys(self.seed, step.detach().reshape(()), torch.tensor(stream, dtype=torch.int64))
-        return precision.tensor_bits(key, like)
+    def random_key(self, step: torch.Tensor, stream: int) -> torch.Tensor:
+        """The random key of a tensor at ``step`` (after this step) and ``stream``: the encoders draw each slice's
+        bits from it (``precision.tensor_bits``), never the whole tensor's at once."""
+        return precision.keys(self.seed, step.detach().reshape(()), torch.tensor(stream, dtype=torch.int64))
 
     # -- moments ----------------------------------------------------------------------------------------------
     def open(self, state: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -199,7 +199,9 @@ class StateStore:
         if self.dial.state == "fp32":
             return {key: value}
         if self.dial.state == "bf16":
-            return {key: precision.round_bf16_stochastic(value, self.bits(step, stream, value))}
+            stored = torch.empty(value.shape, dtype=torch.bfloat16, device=value.device)
+            precision.encode_bf16_keyed_(stored, value, self.random_key(step, stream))
+            return {key: stored}
         codes, absmax = precision.quantize_blockwise(value, self.quant_map(key, value.device))
         return {key: codes, key + ABSMAX_SUFFIX: absmax}
 
@@ -323,6 +325,9 @@ class _DialStep(abc.ABC):
         flag: torch.Tensor | None,
         write_back: Callable[[list[torch.Tensor]], None],
     ) -> Iterator[MasterChunk]:
+        # A chunk holds whole parameters: the update needs each one's fp32 master, grad and moments at once (16 B
+        # per element of the largest tensor). Only the decoding and encoding around it go in bounded slices
+        # (``precision.SLICE_ELEMENTS``); slicing the update itself would need the optimizer's update per slice.
         for some in _in_chunks(params):
             if self.update == "adam":
                 for p in some:
@@ -592,9 +597,9 @@ class DialGrads(_DialStep, RemainderGrads):
         if self.dial.masters == "remainder":
             encoding.split_(master, weight, storage)
         elif self.dial.masters == "remainder8":
-            precision.split8_(master, weight, storage, self.store.bits(step, 4 * position, master))
+            precision.split8_keyed_(master, weight, storage, self.store.random_key(step, 4 * position))
         else:
-            precision.encode_bf16_(weight, master, self.store.bits(step, 4 * position, master))
+            precision.encode_bf16_keyed_(weight, master, self.store.random_key(step, 4 * position))
 
     def _joined(self, param: torch.Tensor) -> torch.Tensor:
         entry = self._remainders.get(id(param))

@@ -49,17 +49,31 @@ decade of the block, relatively larger for smaller ones (about 7% of the element
 growing as the decades thin out), and elements below ``absmax * 2.75e-7`` (signed; ``absmax * 1.4e-7`` unsigned)
 become 0. The map's entries are computed in float64 and rounded once to fp32 (bitsandbytes computes them in fp32,
 so an entry may differ from its in the last bit). Inputs must be finite (a skipped step never encodes).
+
+**Slices.** The encoders and decoders that a step runs on whole tensors (:func:`encode_bf16_keyed_`,
+:func:`split8_keyed_`, :func:`join8`, :func:`quantize_blockwise`, :func:`dequantize_blockwise`) work through the
+flat tensor :data:`SLICE_ELEMENTS` elements at a time, writing their output slice by slice: their int64 and float64
+temporaries (48 B per element for the random bits alone) are bounded by a slice, not by the largest tensor. Element
+``i`` of a slice is element ``i`` of the whole tensor for its random bits and its 8-bit block, so the result does
+not depend on the slice size.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
 QBLOCK = 256
 """Elements per block of the 8-bit moments (one fp32 absmax each)."""
+
+SLICE_ELEMENTS = 1 << 18
+"""The most elements an encoder or decoder takes at once (see "Slices" above): a multiple of :data:`QBLOCK`, so
+that no 8-bit block straddles two slices. Read at each call. 2**18 bounds the random bits' temporaries at 12 MiB
+while a GPU without Triton (where the chunked step also runs) launches each op once per 2**18 elements, not per
+few thousand."""
 
 _MASK32 = 0xFFFFFFFF
 _MIX_MULTIPLIERS = (0x7FEB352D, 0x846CA68B)
@@ -108,10 +122,31 @@ def random_bits(key: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return mix32(key ^ index)
 
 
-def tensor_bits(key: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """The random bits of every element of ``like`` (a tensor with ``key``), shaped as it, indexed row-major."""
-    index = torch.arange(like.numel(), device=like.device, dtype=torch.int64).reshape(like.shape)
+def tensor_bits(key: torch.Tensor, like: torch.Tensor, start: int = 0) -> torch.Tensor:
+    """The random bits of every element of ``like``, shaped as it: those of the flat (row-major) elements
+    ``start``, ``start + 1``, ... of a tensor with ``key`` (``like`` is that tensor, or a slice of it flat)."""
+    index = torch.arange(start, start + like.numel(), device=like.device, dtype=torch.int64).reshape(like.shape)
     return random_bits(key.to(like.device).reshape(()), index)
+
+
+def flat_slices(numel: int) -> Iterator[slice]:
+    """``range(numel)`` in consecutive slices of at most :data:`SLICE_ELEMENTS` elements."""
+    size = SLICE_ELEMENTS
+    if size <= 0 or size % QBLOCK:
+        raise ValueError(f"SLICE_ELEMENTS must be a positive multiple of QBLOCK ({QBLOCK}), got {size}")
+    return (slice(start, min(start + size, numel)) for start in range(0, numel, size))
+
+
+def _flat(out: torch.Tensor) -> torch.Tensor:
+    """``out`` flat, for writing slice by slice: a view of it, or for a strided ``out`` (a channels_last weight,
+    whose flat reshape would be a copy that writes are lost in) a row-major copy that :func:`_written_back` copies
+    back."""
+    return out.contiguous().view(-1)
+
+
+def _written_back(out: torch.Tensor, flat: torch.Tensor) -> None:
+    if not out.is_contiguous():
+        out.copy_(flat.view(out.shape))
 
 
 def _signed_bits(x: torch.Tensor) -> torch.Tensor:
@@ -136,6 +171,14 @@ def encode_bf16_(out: torch.Tensor, x: torch.Tensor, bits: torch.Tensor) -> None
     out.copy_(round_bf16_stochastic(x, bits))
 
 
+def encode_bf16_keyed_(out: torch.Tensor, x: torch.Tensor, key: torch.Tensor) -> None:
+    """:func:`encode_bf16_` with the bits of a tensor with ``key`` (:func:`tensor_bits`), a slice at a time."""
+    flat_out, flat_x = _flat(out), x.reshape(-1)
+    for part in flat_slices(flat_x.numel()):
+        encode_bf16_(flat_out[part], flat_x[part], tensor_bits(key, flat_x[part], part.start))
+    _written_back(out, flat_out)
+
+
 def decode_bf16(stored: torch.Tensor) -> torch.Tensor:
     """The fp32 value of a bf16 weight or moment: exact (widening)."""
     return stored.float()
@@ -153,6 +196,16 @@ def split8_(master: torch.Tensor, weight: torch.Tensor, remainder: torch.Tensor,
     remainder.copy_(c24 - (w << 8))
 
 
+def split8_keyed_(master: torch.Tensor, weight: torch.Tensor, remainder: torch.Tensor, key: torch.Tensor) -> None:
+    """:func:`split8_` with the bits of a tensor with ``key`` (:func:`tensor_bits`), a slice at a time."""
+    flat_master, flat_weight, flat_remainder = master.reshape(-1), _flat(weight), _flat(remainder)
+    for part in flat_slices(flat_master.numel()):
+        bits = tensor_bits(key, flat_master[part], part.start)
+        split8_(flat_master[part], flat_weight[part], flat_remainder[part], bits)
+    _written_back(weight, flat_weight)
+    _written_back(remainder, flat_remainder)
+
+
 def join8(weight: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
     """The fp32 master of a bf16 ``weight`` and its int8 ``remainder``: exactly what :func:`split8_` stored."""
     if weight.dtype != torch.bfloat16 or remainder.dtype != REMAINDER8_DTYPE or weight.shape != remainder.shape:
@@ -160,8 +213,13 @@ def join8(weight: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
             f"join8 needs a bfloat16 weight and an int8 remainder of one shape, got {weight.dtype} "
             f"{tuple(weight.shape)} and {remainder.dtype} {tuple(remainder.shape)}"
         )
-    w = weight.view(torch.int16).to(torch.int64)
-    return _narrow(((w << 8) + remainder.to(torch.int64)) << 8, torch.float32)
+    master = torch.empty(weight.shape, dtype=torch.float32, device=weight.device)
+    flat_master, flat_weight, flat_remainder = master.view(-1), weight.reshape(-1), remainder.reshape(-1)
+    for part in flat_slices(master.numel()):
+        w = flat_weight[part].view(torch.int16).to(torch.int64)
+        joined = ((w << 8) + flat_remainder[part].to(torch.int64)) << 8
+        flat_master[part] = _narrow(joined, torch.float32)
+    return master
 
 
 @dataclass(frozen=True)
@@ -212,19 +270,31 @@ def _blocks(x: torch.Tensor) -> torch.Tensor:
 
 def quantize_blockwise(x: torch.Tensor, qmap: QuantMap) -> tuple[torch.Tensor, torch.Tensor]:
     """``(codes, absmax)`` of fp32 ``x``: uint8 codes of ``x``'s shape and one fp32 absmax per block."""
-    blocks = _blocks(x.float())
-    absmax = blocks.abs().amax(dim=1)
-    scale = absmax.unsqueeze(1)
-    # Through float64 the quotient is correctly rounded (torch's fp32 division by a broadcast value may not be).
-    y = torch.where(scale == 0, 0.0, (blocks.double() / scale.double()).float())
-    codes = torch.searchsorted(qmap.mids, y.reshape(-1))
-    return codes[: x.numel()].to(torch.uint8).reshape(x.shape), absmax
+    codes = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
+    absmax = torch.empty(absmax_blocks(x.numel()), dtype=torch.float32, device=x.device)
+    flat_x, flat_codes = x.reshape(-1), codes.view(-1)
+    for part in flat_slices(flat_x.numel()):
+        blocks = _blocks(flat_x[part].float())
+        scale = blocks.abs().amax(dim=1)
+        first = part.start // QBLOCK
+        absmax[first : first + scale.numel()] = scale
+        divisor = scale.unsqueeze(1)
+        # Through float64 the quotient is correctly rounded (torch's fp32 division by a broadcast value may not be).
+        y = torch.where(divisor == 0, 0.0, (blocks.double() / divisor.double()).float())
+        flat_codes[part] = torch.searchsorted(qmap.mids, y.reshape(-1))[: part.stop - part.start]
+    return codes, absmax
 
 
 def dequantize_blockwise(codes: torch.Tensor, absmax: torch.Tensor, qmap: QuantMap) -> torch.Tensor:
     """The fp32 tensor (``codes``' shape) that :func:`quantize_blockwise` encoded."""
-    scaled = qmap.values[_blocks(codes.to(torch.int64))] * absmax.unsqueeze(1)
-    return scaled.reshape(-1)[: codes.numel()].reshape(codes.shape)
+    out = torch.empty(codes.shape, dtype=torch.float32, device=codes.device)
+    flat_out, flat_codes = out.view(-1), codes.reshape(-1)
+    for part in flat_slices(flat_codes.numel()):
+        blocks = _blocks(flat_codes[part].to(torch.int64))
+        first = part.start // QBLOCK
+        scaled = qmap.values[blocks] * absmax[first : first + blocks.shape[0]].unsqueeze(1)
+        flat_out[part] = scaled.reshape(-1)[: part.stop - part.start]
+    return out
 
 
 def absmax_blocks(numel: int) -> int:

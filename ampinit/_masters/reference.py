@@ -142,15 +142,15 @@ class Masters:
         if self.kind == "remainder":
             encoding.split_(master, self.weights[i], self.remainders[i])
         elif self.kind == "remainder8":
-            precision.split8_(master, self.weights[i], self.remainders[i], self._bits(i, master))
+            precision.split8_keyed_(master, self.weights[i], self.remainders[i], self._key(i))
         elif self.kind == "stochastic":
-            precision.encode_bf16_(self.weights[i], master, self._bits(i, master))
+            precision.encode_bf16_keyed_(self.weights[i], master, self._key(i))
         elif self.weights:
             self.weights[i].copy_(master)
 
-    def _bits(self, i: int, like: torch.Tensor) -> torch.Tensor:
+    def _key(self, i: int) -> torch.Tensor:
         assert self.keys is not None  # the constructors of the stochastic kinds take keys
-        return precision.tensor_bits(self.keys[i], like)
+        return self.keys[i]
 
 
 @dataclass(frozen=True)
@@ -204,7 +204,7 @@ class Moments:
         """Keep the fp32 ``value`` of moment ``i``, encoded in this format."""
         if self.format == "bf16":
             assert self.keys is not None
-            precision.encode_bf16_(self.values[i], value, precision.tensor_bits(self.keys[i], value))
+            precision.encode_bf16_keyed_(self.values[i], value, self.keys[i])
         elif self.format == "8bit":
             assert self.qmap is not None
             codes, absmax = precision.quantize_blockwise(value, self.qmap)
