@@ -269,18 +269,24 @@ class OptimizerGrads:
         models, masters = self._pair_lists()
         model_grads = list(map(_GRAD, models))
         master_grads = list(map(_GRAD, masters))
+        acc_src: list[torch.Tensor] = []  # grads added to master grads kept from an earlier backward
+        acc_dst: list[torch.Tensor] = []
         if all(map(_IS_NONE, master_grads)) and not any(map(_IS_NONE, model_grads)):
             # The usual backward (every weight a fresh grad, no master grad kept): one walk, each test a loop in C.
             fresh, copy_src = masters, model_grads
-            added: list[tuple[torch.Tensor, torch.Tensor]] = []
         else:
-            fresh = [m for p, m in zip(models, masters) if p.grad is not None and m.grad is None]
-            copy_src = [g for g, m in zip(model_grads, masters) if g is not None and m.grad is None]
-            added = [(p, m) for p, m in zip(models, masters) if p.grad is not None and m.grad is not None]
-        acc_src = _grads([p for p, _ in added])
-        acc_dst = _grads([m for _, m in added])
+            fresh, copy_src = [], []
+            for master, grad, master_grad in zip(masters, model_grads, master_grads):
+                if grad is None:
+                    continue
+                if master_grad is None:
+                    fresh.append(master)
+                    copy_src.append(grad)
+                else:
+                    acc_src.append(grad)
+                    acc_dst.append(master_grad)
         direct = list(filter(_IS_NOT_NONE, map(_GRAD, self.direct_params())))
-        plan = self._half_grads_plan() if fresh and not added else None
+        plan = self._half_grads_plan() if fresh and not acc_src else None
         key: _torch_kernels.GroupKey | None = None
         if plan is not None and kernel_step.weights_read(plan) == len(copy_src):
             # The plan reads every one of these grads and has checked each (a plain tensor on its device): only
@@ -461,9 +467,3 @@ _IS_NONE = functools.partial(operator.is_, None)
 _IS_NOT_NONE = functools.partial(operator.is_not, None)
 _DTYPE = operator.attrgetter("dtype")
 _DEVICE = operator.attrgetter("device")
-
-
-def _grads(params: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The grads of ``params``, each known to have one (read in one ``map``: no Python call per tensor)."""
-    grads: list[torch.Tensor] = list(map(_GRAD, params))
-    return grads

@@ -411,11 +411,8 @@ def _plan(
             params, grads, weights = snapshot, cast(list[torch.Tensor], read), weight_of
         plan.append(PlannedGroup(group, snapshot, sources, read, params, grads, _launches(params, grads, weights)))
         model += weights
-    if len(plan) == 1:
-        params, grads = plan[0].params, plan[0].grads
-    else:
-        params = list(itertools.chain.from_iterable(planned.params for planned in plan))
-        grads = list(itertools.chain.from_iterable(planned.grads for planned in plan))
+    params = list(itertools.chain.from_iterable(planned.params for planned in plan))
+    grads = list(itertools.chain.from_iterable(planned.grads for planned in plan))
     kernels = kernels_taking(params, found_inf, model_of, (), grads, model=model, grads_of_weights=half_grads)
     if kernels is None:
         return None
