@@ -1,6 +1,6 @@
-"""``ampinit._masters.triton_kernels`` (and ``triton_dial``, built on its helpers) built for Triton's interpreter,
-and built back: for the tests that run their kernels on CPU tensors (``TRITON_INTERPRET=1`` is read when a kernel is
-decorated, so the modules are reloaded both ways)."""
+"""``ampinit._masters.triton_kernels`` (and ``triton_dial`` and ``ampinit._casting.triton_gelu``, built on its
+helpers) built for Triton's interpreter, and built back: for the tests that run their kernels on CPU tensors
+(``TRITON_INTERPRET=1`` is read when a kernel is decorated, so the modules are reloaded both ways)."""
 
 from __future__ import annotations
 
@@ -22,15 +22,17 @@ def interpreted(module: ModuleType) -> bool:
 def interpreted_kernels() -> Iterator[ModuleType]:
     """Inside, ``ampinit._masters.triton_kernels`` runs on Triton's interpreter; on the way out (also on an error)
     the flag is as it was and the module is rebuilt under it."""
+    import ampinit._casting.triton_gelu as gelu
     import ampinit._masters.triton_dial as dial
     import ampinit._masters.triton_kernels as module
 
     previous = os.environ.get(FLAG)
     os.environ[FLAG] = "1"
     try:
-        # triton_dial takes its jit helpers from triton_kernels when imported: rebuilt after it, both ways.
+        # triton_dial and triton_gelu take jit helpers from triton_kernels when imported: rebuilt after it, both ways.
         interpreted_module = importlib.reload(module)
         importlib.reload(dial)
+        importlib.reload(gelu)
         yield interpreted_module
     finally:
         if previous is None:
@@ -39,3 +41,4 @@ def interpreted_kernels() -> Iterator[ModuleType]:
             os.environ[FLAG] = previous
         importlib.reload(module)
         importlib.reload(dial)
+        importlib.reload(gelu)

@@ -1,7 +1,7 @@
 """What only a CUDA device can show: no host sync in sync-free mode under CUDA's sync-debug mode, a CUDA-graph
 captured FusedAdam step, cuDNN RNNs after teardown, an NCCL job, parameters split between the CPU and CUDA,
-amp.init() casting CUDA only, and the fp32 interpolations that "auto" keeps for their backward. Every test here
-skips unless the suite runs with ``--device cuda``."""
+amp.init() casting CUDA only, the fp32 interpolations that "auto" keeps for their backward, and the fused fp32
+gelu reproducing CUDA's bits. Every test here skips unless the suite runs with ``--device cuda``."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ampinit import _torch_kernels, amp
+from ampinit._casting import fused_gelu
 from ampinit.compat.apex import amp as apex_amp
 from ampinit.optimizers import FusedAdam
 from benchmarks.cast_list_effect import ulp_difference
@@ -216,3 +217,65 @@ def test_auto_keeps_apex_fp32_interpolation_whose_cuda_backward_rounds_in_half(
     nn.functional.interpolate(reference, scale_factor=2, mode=mode, **options).backward(upstream.float())
     assert x.grad is not None and reference.grad is not None
     assert ulp_difference(x.grad, reference.grad.to(torch.bfloat16), torch.bfloat16) <= 1
+
+
+@requires_cuda("the fused fp32 gelu is exact only where it reproduces CUDA's kernel")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_the_fused_fp32_gelu_reproduces_torchs_bits_on_this_gpu(dtype: torch.dtype) -> None:
+    """The check behind Apex's fp32 gelu in one pass: on every value of the half dtype, forward and backward, some
+    variant of the kernels gives the bits of ``gelu(x.float())`` and of its backward rounded to half. If none does,
+    O1/O4 with Apex's lists stay correct (the unfused path) but keep the unfused path's time and memory."""
+    fused_gelu.forget()
+    try:
+        choice = fused_gelu._check(torch.device("cuda", torch.cuda.current_device()), dtype)
+        assert choice is not None, "no variant of triton_gelu reproduced torch's CUDA gelu bit for bit"
+    finally:
+        fused_gelu.forget()
+
+
+def _train_gelu_net(monkeypatch: pytest.MonkeyPatch, *, fused: bool) -> list[torch.Tensor]:
+    if not fused:
+        monkeypatch.setattr(fused_gelu, "gelu", lambda x, approximate: None)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 8)).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O4", cast_policy="apex", verbosity=0)
+    data = torch.randn(32, 64, generator=torch.Generator().manual_seed(1)).cuda()
+    try:
+        for _ in range(3):
+            opt.zero_grad()
+            with amp.scale_loss(model(data).float().pow(2).mean(), opt) as scaled:
+                scaled.backward()
+            opt.step()
+    finally:
+        amp.deinitialize()
+        monkeypatch.undo()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@requires_cuda("the fused fp32 gelu runs on CUDA only")
+def test_o4_with_apex_lists_trains_through_the_fused_gelu_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
+    fused_gelu.forget()
+    try:
+        fused = _train_gelu_net(monkeypatch, fused=True)
+        device = f"cuda:{torch.cuda.current_device()}"
+        assert fused_gelu.status()[f"{device} bfloat16"].startswith("fused"), fused_gelu.status()
+        unfused = _train_gelu_net(monkeypatch, fused=False)
+    finally:
+        fused_gelu.forget()
+    for got, want in zip(fused, unfused, strict=True):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.filterwarnings("ignore:Synchronization debug mode is a prototype feature:UserWarning")
+@requires_cuda("torch.cuda.set_sync_debug_mode")
+def test_an_unchecked_gelu_under_sync_debug_mode_takes_the_unfused_path_without_a_sync() -> None:
+    fused_gelu.forget()
+    x = torch.randn(8, 8, device="cuda").to(torch.bfloat16)
+    previous = torch.cuda.get_sync_debug_mode()
+    try:
+        torch.cuda.set_sync_debug_mode("error")
+        assert fused_gelu.gelu(x, "none") is None
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    assert fused_gelu.status() == {}  # left undecided: the first call outside the mode checks

@@ -561,3 +561,66 @@ def test_compiling_with_fp_fusion_on_is_caught(
     fused = Launch(adam.kernel, adam.args, {**adam.kwargs, "enable_fp_fusion": True})
     ops = float_ops(_compile(fused, 90).asm["ptx"])
     assert any(problem.startswith("fma.") for problem in bitwise_violations(ops))
+
+
+# -- Apex's fp32 gelu on a half input (ampinit._casting.triton_gelu) -----------------------------------------------
+@pytest.fixture(scope="module")
+def gelu_launches(compiled_modules: tuple[ModuleType, ModuleType]) -> list[Launch]:
+    """Every launch of ``triton_gelu``'s public functions, each variant and half dtype, in a private copy built for
+    the compiler on the kernels' copy, with the libdevice functions a CUDA tensor gets."""
+    import ampinit._casting.triton_gelu as gelu
+
+    kernels, _ = compiled_modules
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+        monkeypatch.setitem(sys.modules, "ampinit._masters.triton_kernels", kernels)
+        module = _private_copy(gelu, "_ampinit_triton_gelu_compiled")
+        monkeypatch.setattr(module, "_libdevice", lambda x: True)
+        launches = _record(module, ("_forward_kernel", "_backward_kernel"), monkeypatch)
+        for dtype in (torch.bfloat16, torch.float16):
+            x = torch.zeros(2048, dtype=dtype)
+            for variant in module.FORWARD_VARIANTS:
+                module.forward(x, variant)
+            for variant in module.BACKWARD_VARIANTS:
+                module.backward(torch.zeros(2048), x, variant)
+    return launches
+
+
+def _compile_as_launched(launch: Launch, capability: int) -> Any:
+    """As ``_compile``, with what Triton's launcher adds for these arguments: that each pointer starting on 16
+    bytes, and each integer divisible by 16, is (the gelu kernels take their tensors directly, not by a table)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature, constexprs = launch.signature()
+    params = launch.kernel.params
+    attrs = {
+        (index,): [["tt.divisibility", 16]]
+        for index, value in enumerate(launch.args)
+        if not params[index].is_constexpr
+        and (
+            (isinstance(value, torch.Tensor) and value.data_ptr() % 16 == 0) or (type(value) is int and value % 16 == 0)
+        )
+    }
+    options = {k: v for k, v in launch.kwargs.items() if k in LAUNCH_OPTIONS}
+    source = ASTSource(fn=launch.kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options)
+
+
+@pytest.mark.slow
+def test_the_gelu_kernels_compile_for_the_gpu_with_cudas_math_functions(gelu_launches: list[Launch]) -> None:
+    """Each variant builds for an H100 with libdevice's erff/expf linked in (the functions nvcc's ``::erf`` and
+    ``expf`` are; their bits are checked on the GPU itself, fused_gelu's check), moves whole blocks in vector
+    accesses, and rounds fp32 -> bf16 by the kernels' integer rounding, fp32 -> fp16 to nearest even."""
+    assert len(gelu_launches) == 2 * (2 + 4)
+    assert {launch.args[-1] for launch in gelu_launches} == {True}  # LIBDEVICE, the last argument
+    for launch in gelu_launches:
+        kernel = _compile_as_launched(launch, 90)
+        assert kernel.asm.get("cubin"), launch.key()
+        ptx = kernel.asm["ptx"]
+        assert "%__nv_erff" in ptx and not re.search(r"\bcall(\.uni)?\s", ptx), "libdevice's erff is not inlined"
+        vectors = VECTOR_ACCESS.findall(ptx)
+        assert any(v.startswith("ld") for v in vectors) and any(v.startswith("st") for v in vectors), launch.key()
+        narrowing = {op for op in float_ops(ptx) if op.startswith("cvt") and op.endswith(".f32")}
+        assert not any("bf16" in op for op in narrowing), narrowing
+        assert all(".rn." in op for op in narrowing if ".f16." in op), narrowing

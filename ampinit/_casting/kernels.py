@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 from torch._C import DispatchKey, DispatchKeySet
 
-from ampinit._casting import arguments, scopes
+from ampinit._casting import arguments, fused_gelu, scopes
 from ampinit._casting.lists import (
     BANNED_BCE_MESSAGE,
     DEFAULT_LISTS,
@@ -99,7 +99,12 @@ def make_kernel(op: torch._ops.OpOverload, policy: Policy, device_type: str) -> 
         return _promote_kernel(run)
     if policy == "banned":
         return _banned_kernel(run)
+    if op is _GELU and policy == "fp32":
+        return _fp32_gelu_kernel(run)
     return _fixed_dtype_kernel(run, lower=policy == "lower")
+
+
+_GELU = torch.ops.aten.gelu.default
 
 
 class _Runner(NamedTuple):
@@ -146,6 +151,20 @@ def _fixed_dtype_kernel(run: _Runner, *, lower: bool) -> Callable[..., Any]:
         if _apex_policy() is None or (explicit_dtype is not None and explicit_dtype(args, kwargs)):
             return below(args, kwargs)
         return cast(torch.get_autocast_dtype(device_type) if lower else torch.float32, lower, args, kwargs)
+
+    return kernel
+
+
+def _fp32_gelu_kernel(run: _Runner) -> Callable[..., Any]:
+    """Apex's fp32 ``gelu``: for a half input, by ``fused_gelu``'s one-pass kernels where they give these bits."""
+    unfused = _fixed_dtype_kernel(run, lower=False)
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        if _apex_policy() is not None and len(args) == 1:
+            result = fused_gelu.gelu(args[0], kwargs.get("approximate", "none"))
+            if result is not None:
+                return result
+        return unfused(*args, **kwargs)
 
     return kernel
 
@@ -297,10 +316,15 @@ def _register(
             # the point; the dispatcher warns about it, once per process, and restores the native kernel when
             # the library is destroyed. The plan overrides no other native kernel.
             warnings.filterwarnings("ignore", message=r"(?s).*Overriding a previously registered kernel")
+            registered: dict[torch._ops.OpOverload, Policy] = {}
             for op, policy in plan(key, lists).items():
                 if (only is not None and op not in only) or str(op) in left_out:
                     continue
                 library.impl(op, make_kernel(op, policy, device_type), key)  # type: ignore[no-untyped-call]
+                registered[op] = policy
+        if registered.get(_GELU) == "fp32":
+            # Now, at initialize(), rather than at the first gelu: the check reads its verdict on the host.
+            fused_gelu.prepare(device_type)
     except BaseException:
         library._destroy()  # type: ignore[no-untyped-call]
         raise

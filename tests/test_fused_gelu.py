@@ -1,0 +1,281 @@
+"""Apex's fp32 ``gelu`` of a half tensor by one-pass kernels (``ampinit._casting.fused_gelu`` / ``triton_gelu``).
+
+On CPU the kernels run on Triton's interpreter, whose math functions are not CUDA's: the kernels' arithmetic is
+checked against a re-implementation of torch's CUDA kernel written here with the interpreter's erf and exp, the
+check's choice against references built to match one variant or none, and the fused path in training against the
+unfused one (close, since their erf differ, and exact where both run the same torch ops). tests/test_cuda.py checks
+on a GPU that the check finds a variant with torch's bits, and that training gives the unfused path's bits.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from types import ModuleType
+
+import numpy as np
+import pytest
+import torch
+import torch.autograd.forward_ad as fwAD
+import torch.nn.functional as F
+from torch import nn
+
+import ampinit
+from ampinit._casting import fused_gelu
+
+HALF = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")]
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def gelu_kernels(triton_interpreter: ModuleType, monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
+    """``triton_gelu`` on the interpreter, the fused path taking CPU tensors, and no decision left behind."""
+    import ampinit._casting.triton_gelu as kernels
+
+    monkeypatch.setattr(fused_gelu, "ON_CPU", True)
+    fused_gelu.forget()
+    # The interpreter runs the kernels in numpy, which warns where IEEE arithmetic gives inf or NaN (gelu(-inf)).
+    numpy_errors = np.seterr(all="ignore")
+    try:
+        yield kernels
+    finally:
+        np.seterr(**numpy_errors)
+        fused_gelu.forget()
+
+
+# -- a re-implementation of torch's CUDA kernel (GeluCUDAKernelImpl, exact erf), with the interpreter's erf/exp ----
+ALPHA = torch.tensor(math.sqrt(0.5), dtype=torch.float32)  # M_SQRT1_2, as a float
+BETA = torch.tensor(2.0 / math.sqrt(math.pi) * math.sqrt(0.5) * 0.5, dtype=torch.float32)  # kBeta, as a float
+
+
+def erf32(v: torch.Tensor) -> torch.Tensor:
+    return torch.erf(v.double()).float()  # the interpreter: math.erf in double, rounded to float
+
+
+def exp32(v: torch.Tensor) -> torch.Tensor:
+    return torch.from_numpy(np.exp(v.numpy()))  # the interpreter: numpy's float32 exp
+
+
+def fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """a * b + c rounded once to float. The product is exact in double; the sum is rounded there first, which gives
+    the once-rounded float except where it lands within 2**-29 of a float's half-way point: there the emulation
+    would disagree with a true fused multiply-add, and the test fail rather than pass."""
+    return (a.double() * b.double() + c.double()).float()
+
+
+def reference_forward(x: torch.Tensor) -> torch.Tensor:
+    w = x.float()
+    return w * 0.5 * (1.0 + erf32(w * ALPHA))
+
+
+def reference_backward(dy: torch.Tensor, x: torch.Tensor, variant: int) -> torch.Tensor:
+    w = x.float()
+    one_plus_erf = 1.0 + erf32(w * ALPHA)
+    pdf = exp32(-0.5 * w * w) * BETA
+    if variant == 1:
+        slope = fma32(w, pdf, 0.5 * one_plus_erf)
+    elif variant == 2:
+        slope = fma32(torch.full_like(w, 0.5), one_plus_erf, w * pdf)
+    else:
+        slope = 0.5 * one_plus_erf + w * pdf
+    return (dy * slope).to(x.dtype)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per element: equal bits, or both NaN."""
+    assert a.dtype == b.dtype and a.shape == b.shape
+    bits = {4: torch.int32, 2: torch.int16}[a.element_size()]
+    return (a.view(bits) == b.view(bits)) | (a.isnan() & b.isnan())
+
+
+# -- the kernels ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", HALF)
+def test_each_variant_computes_torchs_cuda_arithmetic_in_its_order(
+    gelu_kernels: ModuleType, dtype: torch.dtype
+) -> None:
+    x = fused_gelu.every_value(dtype, CPU)
+    assert torch.equal(x.view(torch.int16).sort().values, torch.arange(-(2**15), 2**15).to(torch.int16))
+    expected = reference_forward(x)
+    for variant in gelu_kernels.FORWARD_VARIANTS:
+        assert same_bits(gelu_kernels.forward(x, variant), expected).all(), variant
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(1))
+    for variant in gelu_kernels.BACKWARD_VARIANTS:
+        got = gelu_kernels.backward(dy, x, variant)
+        assert got.dtype == dtype
+        assert same_bits(got, reference_backward(dy, x, variant[0])).all(), variant
+
+
+def test_the_variants_differ_where_a_fused_multiply_add_rounds_once(gelu_kernels: ModuleType) -> None:
+    # Otherwise the check could not tell them apart, and the test above would not pin which is which.
+    x = fused_gelu.every_value(torch.float16, CPU)
+    dy = torch.ones(x.shape)
+    written = gelu_kernels.backward(dy, x, (0, False))
+    fused_at_x = gelu_kernels.backward(dy, x, (1, False))
+    assert not same_bits(written, fused_at_x).all()
+
+
+def test_a_large_tensor_is_covered_block_by_block(gelu_kernels: ModuleType) -> None:
+    x = torch.randn(3 * gelu_kernels.BLOCK + 5, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    assert same_bits(gelu_kernels.forward(x, (0, False)), reference_forward(x)).all()
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(3))
+    assert same_bits(gelu_kernels.backward(dy, x, (0, False)), reference_backward(dy, x, 0)).all()
+
+
+# -- the check -----------------------------------------------------------------------------------------------------
+def kernel_reference(kernels: ModuleType, dtype: torch.dtype, forward: tuple[int, bool], backward: tuple[int, bool]):
+    """A reference that is the kernels' ``forward``/``backward`` variants (in the check's fp32 terms)."""
+    return fused_gelu.Reference(
+        lambda wide: kernels.forward(wide.to(dtype), forward),
+        lambda dy, wide: kernels.backward(dy, wide.to(dtype), backward).float(),
+    )
+
+
+def test_the_check_takes_the_first_variant_that_gives_the_references_bits(gelu_kernels: ModuleType) -> None:
+    # fp16: on the interpreter the variants' last-bit differences survive rounding to fp16's 11 significant bits
+    # (test_the_variants_differ_...), not always to bf16's 8.
+    dtype = torch.float16
+    reference = kernel_reference(gelu_kernels, dtype, (0, False), (1, False))
+    # On the interpreter the fusion flag changes nothing, so the first forward variant matches; backward, only the
+    # variant with the multiply-add at x * pdf does.
+    assert fused_gelu._check(CPU, dtype, reference) == fused_gelu.Choice((0, True), (1, False))
+
+
+def test_one_differing_value_refuses_the_kernels(gelu_kernels: ModuleType) -> None:
+    exact = kernel_reference(gelu_kernels, torch.bfloat16, (0, False), (0, False))
+    assert fused_gelu._check(CPU, torch.bfloat16, exact) is not None
+
+    def one_off(wide: torch.Tensor) -> torch.Tensor:
+        y = exact.forward(wide)
+        y[1234] = torch.nextafter(y[1234], torch.tensor(math.inf))
+        return y
+
+    assert fused_gelu._check(CPU, torch.bfloat16, fused_gelu.Reference(one_off, exact.backward)) is None
+
+
+def test_where_no_variant_gives_torchs_bits_apex_unfused_gelu_runs(gelu_kernels: ModuleType) -> None:
+    # The interpreter's erf is not torch's CPU erf: the check against torch refuses, and a gelu is Apex's own.
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    assert fused_gelu.gelu(x, "none") is None
+    assert fused_gelu.status() == {"cpu bfloat16": "unfused"}
+
+
+def test_initialize_decides_for_both_half_dtypes(gelu_kernels: ModuleType) -> None:
+    model = nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ampinit.initialize(model, optimizer, opt_level="O4", cast_policy="apex", verbosity=0)
+    try:
+        assert set(fused_gelu.status()) == {"cpu bfloat16", "cpu float16"}
+    finally:
+        session = ampinit.session_of(model)
+        assert session is not None
+        session.close()
+
+
+# -- the fused path ------------------------------------------------------------------------------------------------
+@pytest.fixture
+def fused_on_cpu(gelu_kernels: ModuleType, monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    """The fused path taken on CPU: the check told to accept the interpreted kernels' first variants."""
+    accepted = fused_gelu.Choice((0, False), (0, False))
+    monkeypatch.setattr(fused_gelu, "_check", lambda device, dtype, reference=None: accepted)
+    return gelu_kernels
+
+
+class GeluNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, 32)
+        self.fc2 = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+def train_o4_apex(fused: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Two O4 steps with Apex's lists; the grads of the last and the saved tensors' dtypes and shapes."""
+    if not fused:
+        monkeypatch.setattr(fused_gelu, "gelu", lambda x, approximate: None)
+    torch.manual_seed(0)
+    model = GeluNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ampinit.initialize(model, optimizer, opt_level="O4", cast_policy="apex", verbosity=0)
+    saved: list[torch.Tensor] = []
+    data = torch.randn(16, 8, generator=torch.Generator().manual_seed(5))
+    try:
+        for _ in range(2):
+            optimizer.zero_grad()
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+                loss = model(data).float().pow(2).mean()
+            with ampinit.scale_loss(loss, optimizer) as scaled:
+                scaled.backward()
+            optimizer.step()
+    finally:
+        session = ampinit.session_of(model)
+        assert session is not None
+        session.close()
+    return [p.grad.clone() for p in model.parameters() if p.grad is not None], saved
+
+
+def test_o4_with_apex_lists_trains_through_the_fused_gelu_as_through_apexs(
+    fused_on_cpu: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[int] = []
+    forward = fused_on_cpu.forward
+    monkeypatch.setattr(fused_on_cpu, "forward", lambda x, v: calls.append(x.numel()) or forward(x, v))
+    fused_grads, fused_saved = train_o4_apex(True, monkeypatch)
+    assert calls == [16 * 32, 16 * 32]
+    unfused_grads, unfused_saved = train_o4_apex(False, monkeypatch)
+    # The interpreter's erf differs from torch's CPU erf by an fp32 ulp here and there; nothing else differs.
+    for got, want in zip(fused_grads, unfused_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=1e-3)
+    # Apex's path saves an fp32 copy of gelu's input; the fused one the bf16 input itself, as native autocast.
+    hidden = torch.Size([16, 32])
+    assert [t.dtype for t in unfused_saved if t.shape == hidden].count(torch.float32) == 2
+    assert [t.dtype for t in fused_saved if t.shape == hidden].count(torch.float32) == 0
+
+
+# Forward-mode AD loads torch's decompositions, which call torch.jit.script: torch's own deprecation warning.
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+def test_double_backward_and_forward_mode_give_the_unfused_paths_values(fused_on_cpu: ModuleType) -> None:
+    x = torch.randn(6, 5, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16).requires_grad_()
+    y = fused_gelu.gelu(x, "none")
+    assert y is not None and y.dtype == torch.float32
+    (first,) = torch.autograd.grad(y.sum(), x, create_graph=True)
+    (second,) = torch.autograd.grad(first.float().pow(2).sum(), x)
+    x_ref = x.detach().clone().requires_grad_()
+    y_ref = F.gelu(x_ref.float())
+    (first_ref,) = torch.autograd.grad(y_ref.sum(), x_ref, create_graph=True)
+    (second_ref,) = torch.autograd.grad(first_ref.float().pow(2).sum(), x_ref)
+    assert torch.equal(first, first_ref) and torch.equal(second, second_ref)
+
+    tangent = torch.randn(6, 5, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    with fwAD.dual_level():
+        out = fused_gelu.gelu(fwAD.make_dual(x.detach(), tangent), "none")
+        assert out is not None
+        got = fwAD.unpack_dual(out).tangent
+        want = fwAD.unpack_dual(F.gelu(fwAD.make_dual(x.detach(), tangent).float())).tangent
+    assert torch.equal(got, want)
+
+
+class Marked(torch.Tensor):
+    """A tensor subclass (as FakeTensor, DTensor, FunctionalTensor are)."""
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["tanh", "fp32", "strided", "subclass", "vmap"],
+)
+def test_what_the_fused_path_leaves_to_apexs(fused_on_cpu: ModuleType, case: str) -> None:
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    if case == "tanh":
+        assert fused_gelu.gelu(x, "tanh") is None
+    elif case == "fp32":
+        assert fused_gelu.gelu(x.float(), "none") is None
+    elif case == "strided":
+        assert fused_gelu.gelu(x.t(), "none") is None
+    elif case == "subclass":
+        assert fused_gelu.gelu(x.as_subclass(Marked), "none") is None
+    else:
+        seen: list[object] = []
+        torch.vmap(lambda row: seen.append(fused_gelu.gelu(row, "none")) or row)(x)
+        assert seen == [None]
+    assert fused_gelu.gelu(x, "none") is not None  # the same tensor, plain: fused
