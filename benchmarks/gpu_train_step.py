@@ -69,6 +69,7 @@ from torch.autograd import DeviceType
 from torch.nn import functional as F
 
 import ampinit
+from ampinit._casting import fused_gelu
 from ampinit._types import OptLevel
 from ampinit.compat.apex import amp as apex_amp
 from ampinit.optimizers import FusedAdam
@@ -698,26 +699,71 @@ def profile_pass(names: Iterable[str], run: Passes, steps: int) -> dict[str, Any
     return results
 
 
-def profile_text(profiles: dict[str, Any], device: torch.device, steps: int) -> str:
+def _summary_lines(name: str, summary: dict[str, Any], gap: str) -> list[str]:
+    lines = [f"== {name}"]
+    if "error" in summary:
+        return [*lines, f"failed: {summary['error']}", ""]
+    lines.append(
+        f"{summary['activities_per_step']:.0f} per step; {gap}: {summary['idle_us_per_step'] / 1e3:.3f} ms per step"
+    )
+    lines.append(f"{'us/step':>10} {'calls/step':>10} {'share':>6}  name")
+    for entry in summary["top"]:
+        lines.append(
+            f"{entry['us_per_step']:>10.1f} {entry['calls_per_step']:>10.1f} {entry['share']:>6.1%}  "
+            f"{entry['name'][:100]}"
+        )
+    return [*lines, ""]
+
+
+def profile_text(
+    profiles: dict[str, Any], device: torch.device, steps: int, master: dict[str, Any] | None = None
+) -> str:
     what = "device kernels, copies and memsets" if device.type == "cuda" else "CPU operators (self time)"
     gap = "device idle between them" if device.type == "cuda" else "host time outside any operator"
     lines = [f"torch.profiler over {steps} steps per variant on {device}: {what}", ""]
     for name, summary in profiles.items():
-        lines.append(f"== {name}")
-        if "error" in summary:
-            lines += [f"failed: {summary['error']}", ""]
-            continue
-        lines.append(
-            f"{summary['activities_per_step']:.0f} per step; {gap}: {summary['idle_us_per_step'] / 1e3:.3f} ms per step"
-        )
-        lines.append(f"{'us/step':>10} {'calls/step':>10} {'share':>6}  name")
-        for entry in summary["top"]:
-            lines.append(
-                f"{entry['us_per_step']:>10.1f} {entry['calls_per_step']:>10.1f} {entry['share']:>6.1%}  "
-                f"{entry['name'][:100]}"
-            )
-        lines.append("")
+        lines += _summary_lines(name, summary, gap)
+    if master:
+        lines += [f"Master step alone, {steps} iterations per variant: {what}, then the host's operators", ""]
+        for name, sides in master.items():
+            if "error" in sides:
+                lines += _summary_lines(f"master step: {name}", sides, gap)
+                continue
+            lines += _summary_lines(f"master step: {name} (device)", sides["device"], gap)
+            lines += _summary_lines(f"master step: {name} (host)", sides["host"], "host time outside any operator")
     return "\n".join(lines)
+
+
+def profile_master_pass(device: torch.device, params: int, tensors: int, steps: int) -> dict[str, Any]:
+    """``torch.profiler`` over ``steps`` iterations of each master-step variant, built alone after a warm-up: the
+    device's kernels (where the device idles) and the host's operators (what keeps it idle: the master step alone
+    is host-bound on an H100, docs/gpu.md)."""
+    sizes = [params // tensors + (1 if i < params % tensors else 0) for i in range(tensors)]
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    results: dict[str, Any] = {}
+    for name in (PLAIN_ADAMW, "O2", "O5"):
+        variant = None
+        try:
+            variant = _master_variant(name, sizes, device)
+            for _ in range(2):
+                variant.step()
+            synchronize(device)
+            with torch.profiler.profile(activities=activities) as prof:
+                for _ in range(steps):
+                    variant.step()
+                synchronize(device)
+            events = prof.events()
+            results[name] = {
+                "device": trace_summary(recorded(events, device), steps),
+                "host": trace_summary(recorded(events, torch.device("cpu")), steps),
+            }
+        except Exception as error:
+            results[name] = _failed(error)
+        finally:
+            _release(variant, device)
+    return results
 
 
 # -- verdicts ----------------------------------------------------------------------------------------------------
@@ -836,6 +882,9 @@ def markdown(report: dict[str, Any]) -> str:
         else:
             ratio = ms / plain if isinstance(plain, float) else None
             lines.append(f"| {name} | {ms:.3f} | {_fmt(ratio, '.3f')} |")
+    if report.get("fused_gelu"):
+        lines += ["", "## Apex's fp32 gelu (O1/O4 with Apex's lists)", ""]
+        lines += [f"- {where}: {decision}" for where, decision in report["fused_gelu"].items()]
     lines += ["", "## Targets (issue 24)", "", "| target | figure | verdict |", "| --- | --- | --- |"]
     for verdict in report["verdicts"]:
         why = f" ({verdict['why']})" if "why" in verdict else ""
@@ -904,10 +953,16 @@ def main(argv: list[str] | None = None) -> int:
     memory_pass(list(variants), run, sync_steps=1 if args.tiny else 3)
     time_pass([name for name in variants if name in TIMED], run)
     master_step(device, 200_000 if args.tiny else 124_000_000, 20 if args.tiny else 150, run, master)
+    # Which (device, dtype) ran Apex's fp32 gelu fused (O1/O4 with Apex's lists), checked at initialize.
+    report["fused_gelu"] = fused_gelu.status()
     if args.profile:
         profiles = profile_pass([name for name in PROFILED if name in variants], run, steps=min(3, run.steps))
         report["profile"] = profiles
-        (args.out / "gpu_train_step_profile.txt").write_text(profile_text(profiles, device, min(3, run.steps)))
+        params, tensors = (200_000, 20) if args.tiny else (124_000_000, 150)
+        report["profile_master_step"] = profile_master_pass(device, params, tensors, min(3, run.steps))
+        (args.out / "gpu_train_step_profile.txt").write_text(
+            profile_text(profiles, device, min(3, run.steps), report["profile_master_step"])
+        )
     report["complete"] = True
     save()
     print(markdown(report))

@@ -52,6 +52,10 @@ def test_tiny_benchmark_measures_every_pass_and_calls_nothing_a_verdict(tmp_path
     profile = (tmp_path / "gpu_train_step_profile.txt").read_text()
     assert "== O5 AdamW fused" in profile and "== native autocast bf16" in profile
     assert "aten::mm" in profile  # the top of the trace: the matrix products lead on CPU too
+    # The master step alone's iteration, profiled per variant on both sides: what its host does per step.
+    assert set(report["profile_master_step"]) == {"plain fused AdamW (fp32)", "O2", "O5"}
+    assert "== master step: O5 (host)" in profile and "aten::_fused_adamw_" in profile
+    assert report["fused_gelu"] == {}  # no Apex-list run here, and the fused gelu never runs on the CPU
 
 
 def test_hand_written_masters_train_exactly_as_o5() -> None:
