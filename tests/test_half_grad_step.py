@@ -282,7 +282,7 @@ def test_a_direct_parameter_new_to_the_groups_is_unscaled(kernels_on_cpu: Module
         if change == "parameter replaced":
             opt.add_param_group({"params": [first]})
         x = torch.randn(8, 8, generator=torch.Generator().manual_seed(0)).half()
-        for seed in range(2):
+        for _ in range(2):
             opt.zero_grad()
             with amp.scale_loss(model(x).float().pow(2).mean() + first.sum(), opt) as scaled:
                 scaled.backward()
