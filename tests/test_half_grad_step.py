@@ -239,3 +239,62 @@ def test_a_grad_replaced_after_the_exit_is_planned_again(
         for a, b in zip(ours, run(monkeypatch, False, "O5", inside_block)):
             assert a is not None and b is not None
             torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("order", ["as made", "reversed"])
+def test_each_group_steps_on_its_own_weights_grads(
+    kernels_on_cpu: ModuleType, monkeypatch: pytest.MonkeyPatch, order: str
+) -> None:
+    """The exit hands the plan the weights' grads in the order the masters were made; the groups' own order
+    (reversed after initialize) decides which grad each master steps on: the bits of the step with the kernels off."""
+
+    def train(kernels: bool) -> list[torch.Tensor | None]:
+        monkeypatch.setattr(kernel_step, "TRITON_ON_CPU", kernels)
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        groups = [{"params": list(model[0].parameters()), "lr": 1e-2}, {"params": list(model[2].parameters())}]
+        opt = torch.optim.AdamW(groups, lr=3e-2)
+        model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
+        if order == "reversed":
+            opt.param_groups.reverse()
+        try:
+            for seed in range(3):
+                opt.zero_grad()
+                _backward(model, opt, "O2", seed)
+                opt.step()
+            return _bits(list(model.parameters()))
+        finally:
+            amp.deinitialize()
+
+    assert_same(train(True), train(False))
+
+
+@pytest.mark.parametrize("change", ["group added", "parameter replaced"])
+def test_a_direct_parameter_new_to_the_groups_is_unscaled(kernels_on_cpu: ModuleType, change: str) -> None:
+    """An fp32 parameter (stepped directly, no master) that enters the groups after steps, by a new group or in
+    place of another, gets its grad unscaled at the exit: the grad of the unscaled loss."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    first, second = nn.Parameter(torch.randn(4)), nn.Parameter(torch.randn(4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0, loss_scale=128.0)
+    try:
+        if change == "parameter replaced":
+            opt.add_param_group({"params": [first]})
+        x = torch.randn(8, 8, generator=torch.Generator().manual_seed(0)).half()
+        for _ in range(2):
+            opt.zero_grad()
+            with amp.scale_loss(model(x).float().pow(2).mean() + first.sum(), opt) as scaled:
+                scaled.backward()
+            opt.step()
+        if change == "group added":
+            opt.add_param_group({"params": [second]})
+        else:
+            opt.param_groups[-1]["params"][0] = second
+        opt.zero_grad()
+        with amp.scale_loss(model(x).float().pow(2).mean() + (second * second).sum(), opt) as scaled:
+            scaled.backward()
+        assert second.grad is not None
+        assert torch.equal(second.grad, 2 * second.detach())
+    finally:
+        amp.deinitialize()

@@ -3,7 +3,7 @@ built again when any tensor the step touches is reallocated (a checkpoint load g
 tensors, a new param group brings new tensors), so a cached table never points at memory the step no longer owns.
 The grads, which a backward may put anywhere, have a pointer table of their own: fresh grads rebuild only it.
 And the optimizer's per-parameter step counts, packed into one tensor for the step (``kernel_step.packed_steps``),
-are packed again when the state is replaced."""
+are packed again when the state is replaced or a count is given other memory."""
 
 from __future__ import annotations
 
@@ -114,6 +114,24 @@ def test_step_counts_are_packed_in_torch_layout_and_again_after_a_load(kernels_o
         assert [s.item() for s in stepped] == [2.0] * len(stepped)  # the loaded counts advanced, once
         assert all(a is not b for a, b in zip(loaded, stepped))  # packed again: views of a new tensor
         assert len({id(s._base) for s in stepped}) == 1 and stepped[0]._base is not steps[0]._base
+    finally:
+        amp.deinitialize()
+
+
+@pytest.mark.parametrize("entry", [0, 2])
+def test_a_step_count_given_other_memory_is_packed_again(kernels_on_cpu: ModuleType, entry: int) -> None:
+    """A count whose ``.data`` was assigned keeps its identity and (for a view) its ``_base``, not its memory: the
+    step advances the count the state holds, from its new value, as torch's step would."""
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    amp.initialize(model, opt, opt_level="O2", verbosity=0, loss_scale=1.0)
+    try:
+        one_step(model, opt, 0)
+        state = opt.state[opt.param_groups[0]["params"][entry]]
+        state["step"].data = torch.tensor(5.0)
+        one_step(model, opt, 1)
+        counts = [s["step"].item() for s in opt.state.values()]
+        assert counts == [6.0 if i == entry else 2.0 for i in range(len(counts))]
     finally:
         amp.deinitialize()
 

@@ -28,6 +28,7 @@ what was written, read once; from the first backward on the masters are the trut
 
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
 import operator
@@ -75,6 +76,7 @@ class OptimizerGrads:
         self._loaded: set[int] = set()  # ids of the model params whose masters a load wrote since (follow_model)
         self._pending: PendingGrads | None = None  # master grads still in the half grads (see the module docstring)
         self._pairs_listed: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # see _pair_lists
+        self._direct_listed: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # see direct_params
 
     # -- masters --------------------------------------------------------------------------------------------
     def create_masters(self, fp32_values: dict[int, torch.Tensor] | None = None) -> None:
@@ -193,10 +195,19 @@ class OptimizerGrads:
         return self._pairs_listed
 
     def direct_params(self) -> list[torch.Tensor]:
-        """Parameters whose own ``.grad`` the optimizer reads (no separate master)."""
+        """Parameters whose own ``.grad`` the optimizer reads (no separate master).
+
+        Kept with the parameters they were found among, and found again when those are not the same objects in the
+        same order: the masters change only by replacing parameters in the groups (made, restored, a group added),
+        and comparing identities is one loop in C, where finding them is three."""
         params = list(itertools.chain.from_iterable(map(_PARAMS, self.optimizer.param_groups)))
+        listed = self._direct_listed
+        if listed is not None and len(listed[0]) == len(params) and all(map(operator.is_, listed[0], params)):
+            return listed[1]
         masters = self._model_of
-        return list(itertools.compress(params, map(operator.not_, map(masters.__contains__, map(id, params)))))
+        direct = list(itertools.compress(params, map(operator.not_, map(masters.__contains__, map(id, params)))))
+        self._direct_listed = params, direct
+        return direct
 
     def restore_model_params(self) -> None:
         """Undo :meth:`create_masters`: the model parameters go back into the param groups, with their state."""
@@ -215,7 +226,7 @@ class OptimizerGrads:
                     # step would have used the master's, unscaled.
                     model_param.grad = master.grad.detach().to(model_param.dtype)
         self._master_of.clear()
-        self._pairs_listed = None
+        self._pairs_listed = self._direct_listed = None
         self._model_of.clear()
         self._grad_buffers.clear()
         self._zeroed = {}
@@ -235,8 +246,7 @@ class OptimizerGrads:
             self.adopt_trainable()
             direct = self.direct_params()
         self._zeroed = {}
-        for model_param, _ in self.pairs():
-            model_param.grad = None
+        _clear_grads(self._pair_lists()[0])
         self._stash = []
         for param in direct:
             if param.grad is not None:
@@ -286,7 +296,9 @@ class OptimizerGrads:
                     acc_src.append(grad)
                     acc_dst.append(master_grad)
         direct = list(filter(_IS_NOT_NONE, map(_GRAD, self.direct_params())))
-        plan = self._half_grads_plan() if fresh and not acc_src else None
+        # The usual backward hands the plan the weights' grads just read (every master's, in the pairs' order).
+        known = (masters, models, model_grads) if fresh is masters else None
+        plan = self._half_grads_plan(known) if fresh and not acc_src else None
         key: _torch_kernels.GroupKey | None = None
         if plan is not None and kernel_step.weights_read(plan) == len(copy_src):
             # The plan reads every one of these grads and has checked each (a plain tensor on its device): only
@@ -331,12 +343,13 @@ class OptimizerGrads:
                 scaler.unscale_unchecked_(acc_dst)
         self._merge_stash()
 
-    def _half_grads_plan(self) -> kernel_step.Plan | None:
+    def _half_grads_plan(self, known: kernel_step.WeightGrads | None) -> kernel_step.Plan | None:
         """The plan of the next step if it will be this class's kernel step reading the half grads, else None (a
-        subclass with a step of its own reads the master grads)."""
+        subclass with a step of its own reads the master grads). ``known``: every master, its weight and that
+        weight's grad, as just read."""
         if type(self).step_in_amp_kernels is not OptimizerGrads.step_in_amp_kernels:
             return None
-        return kernel_step.half_grads_plan(self.optimizer, self.update, self._model_of)
+        return kernel_step.half_grads_plan(self.optimizer, self.update, self._model_of, known)
 
     def skips_on_device(self) -> bool:
         """Whether the next step is meant for this class's kernel step, which takes a device overflow flag (so the
@@ -437,18 +450,16 @@ class OptimizerGrads:
         ``weights_written``: amp's kernels already wrote the half weights.
         """
         self._pending = None
-        pairs = list(self.pairs())
-        if stepped and pairs and not weights_written:
-            _torch_kernels.copy_([p for p, _ in pairs], [m for _, m in pairs])
-        for _, master in pairs:
-            master.grad = None
+        models, masters = self._pair_lists()
+        if stepped and masters and not weights_written:
+            _torch_kernels.copy_(models, masters)
+        _clear_grads(masters)
 
     def zero_model_grads(self, set_to_none: bool) -> None:
         """The half model grads, which the optimizer's own ``zero_grad`` cannot see."""
         self._zeroed = {}
         if set_to_none:
-            for model_param, _ in self.pairs():
-                model_param.grad = None
+            _clear_grads(self._pair_lists()[0])
             return
         grads = [p.grad for p, _ in self.pairs() if p.grad is not None]
         if grads:
@@ -459,6 +470,11 @@ class OptimizerGrads:
 def _grad(param: torch.Tensor) -> torch.Tensor:
     assert param.grad is not None
     return param.grad
+
+
+def _clear_grads(params: list[torch.Tensor]) -> None:
+    # ``map`` over setattr: a loop in C, where a ``for`` statement is bytecode per parameter.
+    collections.deque(map(setattr, params, itertools.repeat("grad"), itertools.repeat(None)), maxlen=0)
 
 
 _GRAD = operator.attrgetter("grad")

@@ -162,7 +162,6 @@ _DEVICE = operator.attrgetter("device")
 _DTYPE = operator.attrgetter("dtype")
 _GRAD = operator.attrgetter("grad")
 _IS_SPARSE = operator.attrgetter("is_sparse")
-_BASE = operator.attrgetter("_base")
 _CONTIGUOUS = torch.Tensor.is_contiguous
 _IS_NOT_NONE = functools.partial(operator.is_not, None)
 _STEP = operator.itemgetter("step")
@@ -330,8 +329,16 @@ def weights_read(planned: Plan) -> int:
     )
 
 
+#: Masters, their model weights and those weights' grads, three lists in one order (as a ``scale_loss`` exit read
+#: them).
+WeightGrads = tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor | None]]
+
+
 def half_grads_plan(
-    opt: torch.optim.Optimizer, update: Update | None, model_of: Mapping[int, torch.Tensor]
+    opt: torch.optim.Optimizer,
+    update: Update | None,
+    model_of: Mapping[int, torch.Tensor],
+    known: WeightGrads | None = None,
 ) -> Plan | None:
     """The plan of ``opt``'s next step, as it stands after a backward, if that step will take the kernels reading
     the half grads of the model weights (``model_of``: id(master) -> weight) with ``1/scale``: then no fp32 master
@@ -340,10 +347,12 @@ def half_grads_plan(
     A prediction for ``scale_loss``'s exit: a step that turns out otherwise (a wrapped ``step``, a hook added
     since) makes the master grads first (``OptimizerGrads.materialize_master_grads``). The step takes the plan back
     (``step_fp32_masters(planned=...)``) where the same grads still stand, rather than checking every tensor again.
+    ``known``: the weights' grads as the caller just read them, taken where the groups hold exactly those masters in
+    that order (the grads are not read again).
     """
     if not takes_device_flag(opt, update):
         return None
-    return _plan(opt, kernel_update(opt, update), model_of, None, half_grads=True)
+    return _plan(opt, kernel_update(opt, update), model_of, None, half_grads=True, known=known)
 
 
 def step_fp32_masters(
@@ -392,17 +401,29 @@ def _plan(
     model_of: Mapping[int, torch.Tensor],
     found_inf: torch.Tensor | None,
     half_grads: bool,
+    known: WeightGrads | None = None,
 ) -> Plan | None:
     """The kernels and each group's parameters with a grad and those grads (a master's is its weight's with
-    ``half_grads``), or None when any of them is beyond the kernels."""
+    ``half_grads``), or None when any of them is beyond the kernels. ``known``: see :func:`half_grads_plan`."""
     plan = []
     model: list[torch.Tensor | None] = []  # each planned parameter's model weight, or None
-    for group in opt.param_groups:
-        snapshot = list(group["params"])
-        ids = list(map(id, snapshot))
-        weight_of = list(map(model_of.get, ids))
-        sources = list(map(model_of.get, ids, snapshot)) if half_grads else snapshot  # a master's weight, or itself
-        read = list(map(_GRAD, sources))
+    groups = opt.param_groups
+    snapshots = [list(group["params"]) for group in groups]
+    if half_grads and known is not None and _holds_in_order(snapshots, known[0]):
+        _, weights_known, grads_known = known
+        bounds = list(itertools.accumulate(map(len, snapshots), initial=0))
+        slices = [(weights_known[a:b], grads_known[a:b]) for a, b in itertools.pairwise(bounds)]
+    else:
+        slices = None
+    for index, (group, snapshot) in enumerate(zip(groups, snapshots)):
+        if slices is not None:  # every parameter a master: its weight is its source
+            sources, read = slices[index]
+            weight_of: list[torch.Tensor | None] = list(sources)
+        else:
+            ids = list(map(id, snapshot))
+            weight_of = list(map(model_of.get, ids))
+            sources = list(map(model_of.get, ids, snapshot)) if half_grads else snapshot  # a master's weight, or itself
+            read = list(map(_GRAD, sources))
         if any(map(operator.is_, read, repeat(None))):
             taken = [i for i, g in enumerate(read) if g is not None]
             params, grads = [snapshot[i] for i in taken], [cast(torch.Tensor, read[i]) for i in taken]
@@ -420,6 +441,13 @@ def _plan(
         if _first_momentum_may_skip(opt, update, planned.group, planned.params, found_inf):
             return None  # a first step that may be skipped on the device: torch's path handles it
     return kernels, plan
+
+
+def _holds_in_order(snapshots: list[list[torch.Tensor]], tensors: list[torch.Tensor]) -> bool:
+    """Whether the groups' parameters ``snapshots``, one after another, are ``tensors`` (the same objects)."""
+    if sum(map(len, snapshots)) != len(tensors):
+        return False
+    return all(map(operator.is_, itertools.chain.from_iterable(snapshots), tensors))
 
 
 def _first_momentum_may_skip(
@@ -545,7 +573,7 @@ def adam_inputs(
         steps = packed_steps(states, params[0].device)
         steps.add_(1.0)
         if found_inf is not None:
-            steps.sub_(found_inf.reshape(()))
+            steps.sub_(found_inf)  # a one-element flag broadcasts: no reshape op
         settings = AdamSettings.of(opt, group)
         exp_avgs, exp_avg_sqs = list(map(_EXP_AVG, states)), list(map(_EXP_AVG_SQ, states))
     scalars = reference.adam_step_scalars(steps, settings.beta1, settings.beta2, settings.lr)
@@ -583,9 +611,10 @@ def packed_steps(states: list[dict[str, Any]], device: torch.device) -> torch.Te
 
 
 def _views_in_order(views: list[torch.Tensor], base: torch.Tensor) -> bool:
-    if not all(map(operator.is_, map(_BASE, views), repeat(base))):
-        return False
-    return list(map(torch.Tensor.storage_offset, views)) == list(range(len(views)))
+    # Each entry's data where base's element of its index lies: then advancing base advances the entries (an
+    # entry given other memory, ``.data`` assigned or reallocated, has another address). One read per entry.
+    start, size = base.data_ptr(), base.element_size()
+    return list(map(torch.Tensor.data_ptr, views)) == list(range(start, start + size * len(views), size))
 
 
 def _states_of(opt: torch.optim.Optimizer, params: list[torch.Tensor]) -> list[dict[str, Any] | None]:
