@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ampinit._casting import kernels, scopes, user_functions
+from ampinit._casting import fused_gelu, kernels, scopes, user_functions
 from ampinit._casting import lists as cast_lists
 from ampinit.compat.apex import _alias
 from tests import _device, _triton
@@ -68,6 +68,12 @@ def _cast_policy_state() -> dict[str, Any]:
         "activated cast policies": [id(p) for p in scopes.activated()],
         # Edits to apex.amp.lists persist for the process, as in Apex: a test that makes one must undo it.
         "Apex's O1 lists (apex.amp.lists)": cast_lists.current_lists(),
+        # The fused gelu on CPU tensors is a test's own (the interpreter), and so are its CPU decisions; a GPU's
+        # decisions are the process's cache, kept on purpose.
+        "fused gelu on the CPU": (
+            fused_gelu.ON_CPU,
+            {where: decision for where, decision in fused_gelu.status().items() if where.startswith("cpu")},
+        ),
     }
 
 
