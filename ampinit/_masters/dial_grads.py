@@ -175,7 +175,10 @@ class StateStore:
         position: int,
         flag: torch.Tensor | None,
     ) -> None:
-        """Encode ``state``'s fp32 moments into the dial's format; where ``flag`` is set, keep ``stored``."""
+        """Encode ``state``'s fp32 moments into the dial's format; where ``flag`` is set, keep ``stored``.
+
+        Each moment's fp32 value and its previous stored form are let go as soon as it is encoded (``stored`` is
+        emptied as it is read), so that encoding the next moment does not find them still live."""
         if self.dial.state == "fp32":
             return
         for key, purpose in MOMENT_PURPOSES.items():
@@ -184,14 +187,17 @@ class StateStore:
                 continue
             stream = 4 * position + purpose
             encoded = self.encode(key, value, step, stream)
-            if flag is not None and key in stored:
-                kept = stored
-                if stored[key].dtype != encoded[key].dtype:
-                    # Not yet in the dial's format: the fp32 zeros this step's update created (a first step). A
-                    # skipped step keeps them encoded; mixing them in raw would store fp32 (code numbers, for 8 bits).
-                    kept = self.encode(key, stored[key].float(), step, stream)
+            kept = {name: stored.pop(name) for name in (key, key + ABSMAX_SUFFIX) if name in stored}
+            if flag is not None and key in kept:
+                if kept[key].dtype != encoded[key].dtype:
+                    # Not in the dial's format: fp32 moments the optimizer held before this session (stepped
+                    # before initialize, or under another setting). A skipped step keeps them encoded; mixing them
+                    # in raw would store fp32 (code numbers, for 8 bits).
+                    kept = self.encode(key, kept[key].float(), step, stream)
                 raised = flag.to(value.device) != 0
-                encoded = {name: torch.where(raised, kept[name], new) for name, new in encoded.items()}
+                for name, new in encoded.items():
+                    torch.where(raised, kept[name], new, out=new)  # in place: no second copy of the moment
+            del value, kept
             state.update(encoded)
 
     def encode(self, key: str, value: torch.Tensor, step: torch.Tensor, stream: int) -> dict[str, torch.Tensor]:
@@ -203,6 +209,15 @@ class StateStore:
             precision.encode_bf16_keyed_(stored, value, self.random_key(step, stream))
             return {key: stored}
         codes, absmax = precision.quantize_blockwise(value, self.quant_map(key, value.device))
+        return {key: codes, key + ABSMAX_SUFFIX: absmax}
+
+    def zeros(self, key: str, like: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Moment ``key`` at zero, ``like``'s shape and device, in the dial's format, as state entries: what
+        :meth:`encode` gives for fp32 zeros (rounding keeps a zero, and an all-zero block quantizes to the code of
+        0 with absmax 0), made without them. Only for bf16 or 8-bit moments (fp32 ones are stored as they are)."""
+        if self.dial.state == "bf16":
+            return {key: torch.zeros_like(like, dtype=torch.bfloat16)}
+        codes, absmax = precision.quantized_zeros(like.shape, self.quant_map(key, like.device))
         return {key: codes, key + ABSMAX_SUFFIX: absmax}
 
     def quant_map(self, key: str, device: torch.device) -> precision.QuantMap:
@@ -331,7 +346,7 @@ class _DialStep(abc.ABC):
         for some in _in_chunks(params):
             if self.update == "adam":
                 for p in some:
-                    adam_state(self.optimizer, group, p)
+                    self._adam_state(group, p)
             stored = [self.store.open(self.optimizer.state[p]) for p in some]
             chunk = MasterChunk(some, [self._decode_master(p) for p in some], [self._step_grad(p) for p in some])
             yield chunk
@@ -341,6 +356,22 @@ class _DialStep(abc.ABC):
                 self.store.close(state, old, step, positions[id(param)], flag)
                 self._encode_master(param, master, step, positions[id(param)])
             write_back(some)
+
+    def _adam_state(self, group: dict[str, Any], param: torch.Tensor) -> None:
+        """``param``'s state in torch's Adam layout (``kernel_step.adam_state``), its moments in the dial's format
+        from the start.
+
+        torch's layout makes them fp32 zeros; stored at once as the dial stores zeros (exactly what encoding them
+        would store), one parameter at a time before anything of the chunk is decoded, so that a first step does
+        not hold fp32 zeros beside their decoded copies (8 B per element of its largest tensor beyond a later
+        step, whose stored moments are 16-bit or 8-bit)."""
+        state = self.optimizer.state[param]
+        if state:
+            return
+        adam_state(self.optimizer, group, param)
+        if self.dial.state != "fp32":
+            for key in ("exp_avg", "exp_avg_sq"):
+                state.update(self.store.zeros(key, state[key]))
 
     # -- the one-pass kernels ---------------------------------------------------------------------------------
     def _dial_kernels_step(

@@ -297,6 +297,18 @@ def dequantize_blockwise(codes: torch.Tensor, absmax: torch.Tensor, qmap: QuantM
     return out
 
 
+def quantized_zeros(shape: torch.Size, qmap: QuantMap) -> tuple[torch.Tensor, torch.Tensor]:
+    """What :func:`quantize_blockwise` gives for fp32 zeros of ``shape`` (every block's absmax 0, so every ``y`` 0:
+    one code, the search's for 0), without an fp32 tensor of zeros to quantize: the 8-bit moments a first step
+    starts from, at 1 B per element where the zeros would take 4 (and their float64 quotients, slice by slice)."""
+    device = qmap.mids.device
+    zero_code = torch.searchsorted(qmap.mids, torch.zeros(1, device=device)).to(torch.uint8).reshape(())
+    codes = torch.empty(shape, dtype=torch.uint8, device=device)
+    codes.copy_(zero_code)  # broadcast from a 0-d tensor on the device: no host sync for the code
+    absmax = torch.zeros(absmax_blocks(codes.numel()), dtype=torch.float32, device=device)
+    return codes, absmax
+
+
 def absmax_blocks(numel: int) -> int:
     """How many absmax values (blocks) an 8-bit moment of ``numel`` elements keeps."""
     return -(-numel // QBLOCK)
