@@ -53,12 +53,15 @@ def third_step(
     session = amp.current_session()
     assert session is not None
     anchor = torch.zeros((), requires_grad=True)
+    # The same grad tensors every step: fresh ones would land at addresses the allocator reuses in no fixed order,
+    # so the grads' launch table would be found in its cache in one run and built again in another.
+    grads = [torch.full_like(p, 0.01) for p in params]
     try:
         for step in range(3):
             with session.scale_loss(anchor * 1.0, opt) as scaled:
                 scaled.backward()
-                for p in params:
-                    p.grad = torch.full_like(p, 0.01)
+                for p, g in zip(params, grads):
+                    p.grad = g
             if step < 2:
                 opt.step()
         return measure(opt.step)
