@@ -1,6 +1,7 @@
-"""The precision dial's first chunked step (CPU, or any device without the Triton kernels): the moments start in the
-dial's stored format, so that the step that creates them peaks no higher than a later one, with bitwise the results
-of starting from torch's fp32 zero moments.
+"""The precision dial's first step: the moments start in the dial's stored format, so that the step that creates
+them peaks no higher than a later one (the chunked step: CPU, or any device without the Triton kernels) or holds one
+parameter's fp32 zeros at a time (the kernel step), with bitwise the results of starting from torch's fp32 zero
+moments.
 
 References: the stored zeros written out here (bf16 +0, the 8-bit map's code of 0 with absmax 0) and the encoder run
 on fp32 zeros; for whole runs, the same run whose optimizer state was first made in torch's layout (fp32 zeros, as
@@ -12,8 +13,10 @@ from __future__ import annotations
 
 import copy
 import io
+from types import ModuleType
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -23,6 +26,7 @@ from ampinit import amp
 from ampinit._masters import precision
 from ampinit._masters.dial_grads import Dial, StateStore
 from benchmarks.cpu_peak_memory import trace_peak
+from tests._host_work import NoLaunch
 
 SEED = 1234
 
@@ -188,3 +192,65 @@ def test_the_first_step_peaks_no_higher_than_a_later_one(
     elements = LARGE[0] * LARGE[1]
     assert kept >= {"bf16": 4, "8bit": 2}[state] * elements  # the stored moments: the bound is not slack
     assert first <= later + kept + ONCE
+
+
+# -- the kernel step (Triton; on CPU through its interpreter) ----------------------------------------------------
+@pytest.mark.parametrize(
+    ("masters", "state", "skip_first"),
+    [("remainder", "bf16", True), ("remainder8", "8bit", False), ("stochastic", "bf16", False)],
+)
+def test_a_first_kernel_step_is_bitwise_the_one_from_fp32_zero_moments(
+    kernels_on_cpu: ModuleType, monkeypatch: pytest.MonkeyPatch, masters: Any, state: str, skip_first: bool
+) -> None:
+    from ampinit._masters import triton_dial
+
+    launches: list[int] = []
+    adam_dial = triton_dial.adam_dial_
+    monkeypatch.setattr(triton_dial, "adam_dial_", lambda *a, **k: launches.append(1) or adam_dial(*a, **k))
+    # The interpreter runs the kernels in numpy, which warns at inf/inf in the lanes an overflowed step masks out.
+    with np.errstate(all="ignore"):
+        want = train(masters, state, True, skip_first, torch_zeros=True)
+        taken = len(launches)
+        got = train(masters, state, True, skip_first, torch_zeros=False)
+    assert taken == len(launches) - taken > 0  # both runs stepped through the kernels, as often
+    for moment in ("mid", "end"):
+        for name in ("weights", "masters"):
+            assert all(same_bits(g, w) for g, w in zip(got[moment][name], want[moment][name], strict=True))
+        for index, entry in want[moment]["state"].items():
+            assert same_entries(got[moment]["state"][index], entry), (moment, index)
+
+
+@pytest.mark.parametrize("state", ["bf16", "8bit"])
+def test_a_first_kernel_step_holds_one_parameters_fp32_zeros_at_a_time(
+    kernels_on_cpu: ModuleType, monkeypatch: pytest.MonkeyPatch, state: str
+) -> None:
+    """The kernel step's first step makes each parameter's state with its moments in the dial's format before the
+    next one's (main made every parameter's fp32 zeros first: 8 B per parameter of the model at once). The kernels
+    are stand-ins that do nothing: what is traced is the step's own memory."""
+    from ampinit._masters import triton_dial
+
+    stand_in = NoLaunch()
+    monkeypatch.setattr(triton_dial, "_adam_dial_kernel", stand_in)
+    torch.manual_seed(0)
+    width, layers = 256, 16
+    net = nn.Sequential(*(nn.Linear(width, width, bias=False) for _ in range(layers)))
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3, fused=True)
+    net, opt = amp.initialize(net, opt, opt_level="O5", master_weights="remainder", optimizer_state=state, verbosity=0)
+    x = torch.randn(2, width)
+    try:
+
+        def backward() -> None:
+            opt.zero_grad(set_to_none=True)
+            with amp.scale_loss(net(x).float().square().mean(), opt) as scaled:
+                scaled.backward()
+
+        backward()
+        first = trace_peak(opt.step).peak
+        backward()
+        kept = sum(v.nbytes for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor))
+        later = trace_peak(opt.step).peak
+    finally:
+        ampinit.deinitialize()
+    assert stand_in.launches == 2
+    assert kept >= {"bf16": 4, "8bit": 2}[state] * width * width * layers  # the bound is not slack
+    assert first <= later + kept + 8 * width * width + ONCE

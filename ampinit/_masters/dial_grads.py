@@ -440,6 +440,12 @@ class _DialStep(abc.ABC):
         positions: dict[int, int],
         found_inf: torch.Tensor | None,
     ) -> None:
+        if kernel_step._kernel_optimizer(self.optimizer) is None:
+            # A first step's state made one parameter at a time with its moments already in the dial's format:
+            # made by adam_inputs, all the parameters' fp32 zeros would be alive at once (8 B per parameter of the
+            # model, beyond the steady state's 2 or 4) until re-stored below.
+            for p in params:
+                self._adam_state(group, p)
         # The state exists in the optimizer's own layout after this (torch's, with the per-parameter step counts
         # advanced on the device; a KernelOptimizer's, whose group count advances after the launches).
         _, _, scalars, settings = kernel_step.adam_inputs(self.optimizer, group, params, found_inf)
