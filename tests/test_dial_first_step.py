@@ -160,21 +160,12 @@ PEAK_SLICE = 1 << 16
 ONCE = 8 << 10
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["fused-flag", "host-skip"])
-@pytest.mark.parametrize("state", ["bf16", "8bit"])
-def test_the_first_step_peaks_no_higher_than_a_later_one(
-    monkeypatch: pytest.MonkeyPatch, state: str, fused: bool
-) -> None:
-    """A later step's peak, with the stored state it started with (allocated before its trace, all of it live
-    at the peak, which comes before the first moment's stored form is replaced), bounds the first step's, which
-    allocates that state itself. main held torch's fp32 zero moments beside their decoded copies through the first
-    step, 8 B per element more (and a fused step's skip select copied each moment once more)."""
-    monkeypatch.setattr(precision, "SLICE_ELEMENTS", PEAK_SLICE)
-    torch.manual_seed(0)
-    net = nn.Linear(LARGE[1], LARGE[0], bias=False)
+def first_and_later_peaks(net: nn.Module, width: int, fused: bool, state: str) -> tuple[int, int, int]:
+    """O5 with remainder masters and ``state`` moments over ``net`` (inputs of ``width`` features): the traced peak
+    of its first step, the bytes of the optimizer state the second step starts with, and the second step's peak."""
     opt = torch.optim.AdamW(net.parameters(), lr=1e-3, fused=fused)
     net, opt = amp.initialize(net, opt, opt_level="O5", master_weights="remainder", optimizer_state=state, verbosity=0)
-    x = torch.randn(2, LARGE[1])
+    x = torch.randn(2, width)
     try:
 
         def backward() -> None:
@@ -189,6 +180,21 @@ def test_the_first_step_peaks_no_higher_than_a_later_one(
         later = trace_peak(opt.step).peak
     finally:
         ampinit.deinitialize()
+    return first, kept, later
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-flag", "host-skip"])
+@pytest.mark.parametrize("state", ["bf16", "8bit"])
+def test_the_first_step_peaks_no_higher_than_a_later_one(
+    monkeypatch: pytest.MonkeyPatch, state: str, fused: bool
+) -> None:
+    """A later step's peak, with the stored state it started with (allocated before its trace, all of it live
+    at the peak, which comes before the first moment's stored form is replaced), bounds the first step's, which
+    allocates that state itself. main held torch's fp32 zero moments beside their decoded copies through the first
+    step, 8 B per element more (and a fused step's skip select copied each moment once more)."""
+    monkeypatch.setattr(precision, "SLICE_ELEMENTS", PEAK_SLICE)
+    torch.manual_seed(0)
+    first, kept, later = first_and_later_peaks(nn.Linear(LARGE[1], LARGE[0], bias=False), LARGE[1], fused, state)
     elements = LARGE[0] * LARGE[1]
     assert kept >= {"bf16": 4, "8bit": 2}[state] * elements  # the stored moments: the bound is not slack
     assert first <= later + kept + ONCE
@@ -234,23 +240,7 @@ def test_a_first_kernel_step_holds_one_parameters_fp32_zeros_at_a_time(
     torch.manual_seed(0)
     width, layers = 256, 16
     net = nn.Sequential(*(nn.Linear(width, width, bias=False) for _ in range(layers)))
-    opt = torch.optim.AdamW(net.parameters(), lr=1e-3, fused=True)
-    net, opt = amp.initialize(net, opt, opt_level="O5", master_weights="remainder", optimizer_state=state, verbosity=0)
-    x = torch.randn(2, width)
-    try:
-
-        def backward() -> None:
-            opt.zero_grad(set_to_none=True)
-            with amp.scale_loss(net(x).float().square().mean(), opt) as scaled:
-                scaled.backward()
-
-        backward()
-        first = trace_peak(opt.step).peak
-        backward()
-        kept = sum(v.nbytes for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor))
-        later = trace_peak(opt.step).peak
-    finally:
-        ampinit.deinitialize()
+    first, kept, later = first_and_later_peaks(net, width, True, state)
     assert stand_in.launches == 2
     assert kept >= {"bf16": 4, "8bit": 2}[state] * width * width * layers  # the bound is not slack
     assert first <= later + kept + 8 * width * width + ONCE
