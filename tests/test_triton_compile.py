@@ -583,6 +583,7 @@ def gelu_launches(compiled_modules: tuple[ModuleType, ModuleType]) -> list[Launc
                 module.forward(x, variant)
             for variant in module.BACKWARD_VARIANTS:
                 module.backward(torch.zeros(2048), x, variant)
+                module.backward(torch.zeros(2048), x, variant, torch.float32)  # the check's unrounded slope
     return launches
 
 
@@ -612,7 +613,7 @@ def test_the_gelu_kernels_compile_for_the_gpu_with_cudas_math_functions(gelu_lau
     """Each variant builds for an H100 with libdevice's erff/expf linked in (the functions nvcc's ``::erf`` and
     ``expf`` are; their bits are checked on the GPU itself, fused_gelu's check), moves whole blocks in vector
     accesses, and rounds fp32 -> bf16 by the kernels' integer rounding, fp32 -> fp16 to nearest even."""
-    assert len(gelu_launches) == 2 * (2 + 4)
+    assert len(gelu_launches) == 2 * (2 + 4 + 4)
     assert {launch.args[-1] for launch in gelu_launches} == {True}  # LIBDEVICE, the last argument
     for launch in gelu_launches:
         kernel = _compile_as_launched(launch, 90)
@@ -622,5 +623,6 @@ def test_the_gelu_kernels_compile_for_the_gpu_with_cudas_math_functions(gelu_lau
         vectors = VECTOR_ACCESS.findall(ptx)
         assert any(v.startswith("ld") for v in vectors) and any(v.startswith("st") for v in vectors), launch.key()
         narrowing = {op for op in float_ops(ptx) if op.startswith("cvt") and op.endswith(".f32")}
+        assert not any(".f16." in op for op in narrowing) or launch.args[2].dtype == torch.float16
         assert not any("bf16" in op for op in narrowing), narrowing
         assert all(".rn." in op for op in narrowing if ".f16." in op), narrowing

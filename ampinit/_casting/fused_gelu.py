@@ -8,11 +8,12 @@ combination of torch's kernels removes it exactly: CUDA's elementwise kernels co
 fp32 copy, as native autocast's bf16 ``gelu`` does.
 
 It is used only where it is exact. For each (device, half dtype) it is tried once on every value of the dtype (65,536
-inputs: all of them) against torch's own ``gelu`` and ``gelu_backward`` in fp32 on that device, forward and with two
-sets of upstream grads backward; the first of the kernels' ways of writing the arithmetic (``triton_gelu.*_VARIANTS``)
-that matches bit for bit (NaN payloads aside) is kept, and if none does, that device and dtype keep the unfused path.
-Since each output element is a function of its own input value (and, backward, of one product with its upstream
-grad), agreement on every input value is agreement everywhere.
+inputs: all of them) against torch's own ``gelu`` and ``gelu_backward`` in fp32 on that device: the forward's fp32
+output, the backward's fp32 slope (its result for an upstream grad of 1, left unrounded) and its half result for
+random upstream grads. The first of the kernels' ways of writing the arithmetic (``triton_gelu.*_VARIANTS``) that
+matches bit for bit (NaN payloads aside) is kept, and if none does, that device and dtype keep the unfused path.
+Each output element is a function of its own input value, and backward of one IEEE product of the slope with its
+upstream grad, then one rounding: so agreement on every input value is agreement everywhere.
 
 The check runs when O1/O4 with Apex's ``gelu`` entry registers its CUDA kernels (``initialize``/``init``), for the
 current device; a ``gelu`` on another device runs it at its first call, except under CUDA graph capture or
@@ -144,14 +145,19 @@ def _check(device: torch.device, dtype: torch.dtype, reference: Reference = TORC
             wide = x.float()
             expected_y = reference.forward(wide)
             forward = next((v for v in kernels.FORWARD_VARIANTS if _same_bits(kernels.forward(x, v), expected_y)), None)
+            # Backward: the slope (the fp32 result for an upstream grad of 1), so that one IEEE product with any
+            # upstream grad, then one rounding, gives the same bits; and the half result itself for random grads.
+            ones = torch.ones_like(wide)
+            expected_slope = reference.backward(ones, wide)
             generator = torch.Generator().manual_seed(0)
-            upstream = (torch.ones_like(wide), torch.randn(x.shape, generator=generator).to(device))
-            expected_dx = [reference.backward(dy, wide).to(dtype) for dy in upstream]
+            upstream = torch.randn(x.shape, generator=generator).to(device)
+            expected_dx = reference.backward(upstream, wide).to(dtype)
             backward = next(
                 (
                     v
                     for v in kernels.BACKWARD_VARIANTS
-                    if all(_same_bits(kernels.backward(dy, x, v), dx) for dy, dx in zip(upstream, expected_dx))
+                    if _same_bits(kernels.backward(ones, x, v, torch.float32), expected_slope)
+                    and _same_bits(kernels.backward(upstream, x, v), expected_dx)
                 ),
                 None,
             )
