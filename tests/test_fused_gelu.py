@@ -219,16 +219,20 @@ def test_where_no_variant_gives_torchs_bits_apex_unfused_gelu_runs(gelu_kernels:
     assert fused_gelu.status() == {"cpu bfloat16": "unfused"}
 
 
-def test_initialize_decides_for_both_half_dtypes(gelu_kernels: ModuleType) -> None:
+@pytest.mark.parametrize(("level", "where"), [("O4", "cpu bfloat16"), ("O1", "cpu float16")])
+def test_initialize_decides_for_the_sessions_half_dtype(gelu_kernels: ModuleType, level: str, where: str) -> None:
     model = nn.Linear(4, 4)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    ampinit.initialize(model, optimizer, opt_level="O4", cast_policy="apex", verbosity=0)
+    ampinit.initialize(model, optimizer, opt_level=level, cast_policy="apex", verbosity=0)
     try:
-        assert set(fused_gelu.status()) == {"cpu bfloat16", "cpu float16"}
+        assert set(fused_gelu.status()) == {where}  # the other half dtype waits for a gelu of it
     finally:
         session = ampinit.session_of(model)
         assert session is not None
         session.close()
+    x = torch.randn(3, 4).to(torch.float16 if where.endswith("bfloat16") else torch.bfloat16)
+    fused_gelu.gelu(x, "none")
+    assert len(fused_gelu.status()) == 2
 
 
 # -- the fused path ------------------------------------------------------------------------------------------------

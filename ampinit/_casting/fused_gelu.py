@@ -15,8 +15,9 @@ matches bit for bit (NaN payloads aside) is kept, and if none does, that device 
 Each output element is a function of its own input value, and backward of one IEEE product of the slope with its
 upstream grad, then one rounding: so agreement on every input value is agreement everywhere.
 
-The check runs when O1/O4 with Apex's ``gelu`` entry registers its CUDA kernels (``initialize``/``init``), for the
-current device; a ``gelu`` on another device runs it at its first call, except under CUDA graph capture or
+The check runs when an O1/O4 session with Apex's ``gelu`` entry takes its CUDA kernels (``initialize``/``init``), for
+the current device and the session's half dtype; a ``gelu`` on another device or of the other dtype runs it at its
+first call, except under CUDA graph capture or
 ``torch.cuda.set_sync_debug_mode`` (it reads its verdict on the host), where that call takes the unfused path.
 ``status()`` says what was decided.
 """
@@ -71,8 +72,13 @@ def forget() -> None:
         _choices.clear()
 
 
+def runs_on_type(device_type: str) -> bool:
+    """Whether the fused gelu may run on ``device_type`` (CUDA; the CPU only in tests)."""
+    return device_type == "cuda" or (ON_CPU and device_type == "cpu")
+
+
 def _runs_on(device: torch.device) -> bool:
-    return device.type == "cuda" or (ON_CPU and device.type == "cpu")
+    return runs_on_type(device.type)
 
 
 def _kernels() -> ModuleType | None:
@@ -91,17 +97,16 @@ def _host_reads_allowed(device: torch.device) -> bool:
     return not torch.cuda.is_current_stream_capturing() and torch.cuda.get_sync_debug_mode() == 0
 
 
-def prepare(device_type: str) -> None:
-    """Decide for the current device of ``device_type``, both half dtypes, now (at kernel registration)."""
+def prepare(device_type: str, dtype: torch.dtype) -> None:
+    """Decide for the current device of ``device_type`` and the half ``dtype`` a session casts to, now (when the
+    session takes the device's kernels; the other half dtype, if a gelu ever gets one, at its first call)."""
     if device_type == "cuda":
         if not torch.cuda.is_available():
             return
         device = torch.device("cuda", torch.cuda.current_device())
     else:
         device = torch.device(device_type)
-    if not _runs_on(device) or not _host_reads_allowed(device):
-        return
-    for dtype in HALF_DTYPES:
+    if dtype in HALF_DTYPES and _runs_on(device) and _host_reads_allowed(device):
         _choice(device, dtype)
 
 

@@ -261,12 +261,24 @@ class _Kernels:
         *,
         left_out: frozenset[str] = frozenset(),
         holder: str = "cast_policy='apex'",
+        dtype: torch.dtype | None = None,
     ) -> None:
         """Hold ``device_type``'s kernels: Apex's ``lists`` less the overloads named in ``left_out`` (``str(op)``).
 
         ``holder`` says which policy asks (``"cast_policy='auto' (torch.bfloat16)"``), for the refusal when the
-        kernels already registered differ.
+        kernels already registered differ; ``dtype`` is what it casts to, for the fused gelu's check.
         """
+        if (
+            dtype is not None
+            and fused_gelu.runs_on_type(device_type)
+            and _registers_fp32_gelu(device_type, lists, self._only, left_out)
+        ):
+            # Now, at initialize(), rather than at the first gelu: the check reads its verdict on the host. Before
+            # the kernels are taken, so that nothing is held if it fails.
+            fused_gelu.prepare(device_type, dtype)
+        self._acquire(device_type, lists, left_out, holder)
+
+    def _acquire(self, device_type: str, lists: ApexLists, left_out: frozenset[str], holder: str) -> None:
         with self._lock:
             held = self._libraries.get(device_type)
             if held is None:
@@ -305,6 +317,14 @@ class _Kernels:
             held.library._destroy()  # type: ignore[no-untyped-call]
 
 
+def _registers_fp32_gelu(device_type: str, lists: ApexLists, only: _Only, left_out: frozenset[str]) -> bool:
+    return (
+        plan(AUTOCAST_KEYS[device_type], lists).get(_GELU) == "fp32"
+        and (only is None or _GELU in only)
+        and str(_GELU) not in left_out
+    )
+
+
 def _register(
     device_type: str, lists: ApexLists, only: _Only = None, left_out: frozenset[str] = frozenset()
 ) -> torch.library.Library:
@@ -316,15 +336,10 @@ def _register(
             # the point; the dispatcher warns about it, once per process, and restores the native kernel when
             # the library is destroyed. The plan overrides no other native kernel.
             warnings.filterwarnings("ignore", message=r"(?s).*Overriding a previously registered kernel")
-            registered: dict[torch._ops.OpOverload, Policy] = {}
             for op, policy in plan(key, lists).items():
                 if (only is not None and op not in only) or str(op) in left_out:
                     continue
                 library.impl(op, make_kernel(op, policy, device_type), key)  # type: ignore[no-untyped-call]
-                registered[op] = policy
-        if registered.get(_GELU) == "fp32":
-            # Now, at initialize(), rather than at the first gelu: the check reads its verdict on the host.
-            fused_gelu.prepare(device_type)
     except BaseException:
         library._destroy()  # type: ignore[no-untyped-call]
         raise

@@ -94,7 +94,7 @@ class CastPolicy:
                 for device in self.device_types:
                     left_out = lists.unchanged(device, self.dtype, apex_lists) if self.policy == "auto" else frozenset()
                     holder = f"cast_policy={self.policy!r} ({self.dtype})"
-                    KERNELS.acquire(device, apex_lists, left_out=left_out, holder=holder)
+                    KERNELS.acquire(device, apex_lists, left_out=left_out, holder=holder, dtype=self.dtype)
                     self._acquired.append(device)
                 patches = lists.python_patches(apex_lists)
             self._restore_user_functions = user_functions.REGISTRY.apply(patches)
