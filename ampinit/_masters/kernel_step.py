@@ -296,26 +296,28 @@ class Launch(NamedTuple):
 
 
 def _launches(
-    params: list[torch.Tensor], grads: list[torch.Tensor], weight_of: list[torch.Tensor | None]
+    params: list[torch.Tensor], grads: list[torch.Tensor], weight_of: list[torch.Tensor | None], half_grads: bool
 ) -> list[Launch] | None:
-    """A group's launches: ``params`` with ``grads`` split by the dtype of their model weights ``weight_of``; None
-    where a weight's grad has another dtype than the weight (torch's grad setter and autograd never give one, but a
-    ``.data`` swap of the weight after its grad was set does): a launch reads its grads as one dtype, and its grad
-    table's cache knows only the first's."""
+    """A group's launches: ``params`` with ``grads`` split by the dtype of their model weights ``weight_of``.
+
+    ``half_grads``: a master's grad is its weight's, which must have the weight's dtype (None otherwise): a launch
+    reads its grads as one dtype, and its grad table's cache knows only the first's. torch's grad setter and
+    autograd never give a grad of another dtype, but a ``.data`` swap of the weight after its grad was set does.
+    (The masters' own grads were checked against the masters' dtype by :func:`kernels_taking`.)"""
     dtype_of = list(map(getattr, weight_of, repeat("dtype"), repeat(None)))
-    grad_dtypes = list(map(_DTYPE, grads))
+    grad_dtypes = list(map(_DTYPE, grads)) if half_grads else None
     kinds = set(dtype_of)
     if len(kinds) == 1:  # the common case: one launch, no lists to split
         (weight_dtype,) = kinds
         if weight_dtype is None:
             return [Launch(None, params, [], grads)]
-        if grad_dtypes != dtype_of:
+        if grad_dtypes is not None and grad_dtypes != dtype_of:
             return None
         return [Launch(weight_dtype, params, cast(list[torch.Tensor], weight_of), grads)]
     launches = []
     for weight_dtype in kinds:
         chosen = [i for i, dtype in enumerate(dtype_of) if dtype == weight_dtype]
-        if weight_dtype is not None and any(grad_dtypes[i] != weight_dtype for i in chosen):
+        if grad_dtypes is not None and weight_dtype is not None and any(grad_dtypes[i] != weight_dtype for i in chosen):
             return None
         chosen_weights = [] if weight_dtype is None else [cast(torch.Tensor, weight_of[i]) for i in chosen]
         launches.append(Launch(weight_dtype, [params[i] for i in chosen], chosen_weights, [grads[i] for i in chosen]))
@@ -445,7 +447,7 @@ def _plan(
             weights = [weight_of[i] for i in taken]
         else:
             params, grads, weights = snapshot, cast(list[torch.Tensor], read), weight_of
-        launches = _launches(params, grads, weights)
+        launches = _launches(params, grads, weights, half_grads)
         if launches is None:
             return None
         plan.append(PlannedGroup(group, snapshot, sources, read, params, grads, launches))
