@@ -25,8 +25,10 @@ import pytest
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ampinit import amp
+from ampinit._masters import kernel_step, reference
 from tests._host_work import NoLaunch, aten_ops, third_step
 
 _M = TypeVar("_M")
@@ -178,3 +180,59 @@ def test_a_steady_state_iteration_reads_each_tensor_a_few_times(level: str, name
     )
     per_tensor = {key: (many[key] - few[key]) / 24 for key in many.keys() | few.keys() if many[key] != few[key]}
     assert all(per_tensor[key] <= READS_PER_TENSOR.get(key, 0) for key in per_tensor), per_tensor
+
+
+_NO_LAUNCH = (torch.ops.aten.empty, torch.ops.aten.unbind)
+
+
+class _Launches(TorchDispatchMode):
+    """Counts the aten ops dispatched (outermost only) that would launch a kernel on a GPU: not views, not
+    allocations (on a GPU host each launch costs ~5 us of host time, more than most of the step's Python)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        if func.namespace == "aten" and not func.is_view and func.overloadpacket not in _NO_LAUNCH:
+            self.ops[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _launching_ops(iteration: Callable[[], None]) -> Counter[str]:
+    with _Launches() as mode:
+        iteration()
+    return mode.ops
+
+
+#: Kernel-launching ops of one steady-state iteration at the default dynamic scale (the few of the test's loss and
+#: backward included; none grows with the tensors): Adam's step scalars take five of them (ten before this bound).
+LAUNCHES_PER_ITERATION = {
+    ("O2", "adamw"): 19,
+    ("O2", "adamw-fused"): 19,
+    ("O2", "sgd"): 13,
+    ("O5", "adamw"): 16,
+    ("O5", "adamw-fused"): 16,
+    ("O5", "sgd"): 9,
+}
+
+
+@pytest.mark.usefixtures("no_launches")
+@pytest.mark.parametrize("level", ["O2", "O5"])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_a_steady_state_iteration_launches_few_kernels(level: str, name: str) -> None:
+    launches = min(sum(ops.values()) for ops in steady_iterations(level, 8, OPTIMIZERS[name], _launching_ops))
+    assert launches <= LAUNCHES_PER_ITERATION[level, name]
+
+
+@pytest.mark.parametrize(("beta1", "beta2", "lr"), [(0.9, 0.999, 1e-3), (0.8, 0.95, 3e-4), (0.0, 0.5, 1.0)])
+def test_the_kernels_step_scalars_are_the_references_bits(beta1: float, beta2: float, lr: float) -> None:
+    # The reference is the plain formula (float64 powers, lr / (1 - beta1**t) and sqrt(1 - beta2**t), each rounded
+    # once to fp32); the kernel step computes it in fewer ops, which must not move a bit at any step count.
+    gen = torch.Generator().manual_seed(0)
+    steps = torch.cat([torch.arange(1, 20001, dtype=torch.float32), torch.randint(1, 10**7, (5000,), generator=gen)])
+    got = kernel_step.step_scalars(steps, beta1, beta2, lr)
+    want = reference.adam_step_scalars(steps, beta1, beta2, lr)
+    assert got.dtype == want.dtype and torch.equal(got.view(torch.int32), want.view(torch.int32))

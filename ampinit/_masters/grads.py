@@ -301,10 +301,10 @@ class OptimizerGrads:
         plan = self._half_grads_plan(known) if fresh and not acc_src else None
         key: _torch_kernels.GroupKey | None = None
         if plan is not None and kernel_step.weights_read(plan) == len(copy_src):
-            # The plan reads every one of these grads and has checked each (a plain tensor on its device): only
-            # their dtypes are read again.
+            # The plan reads every one of these grads and has checked each (a plain tensor on its device, of its
+            # weight's dtype): nothing is read again.
             device = kernel_step.plan_device(plan)
-            dtypes = set(map(_DTYPE, copy_src))
+            dtypes = kernel_step.read_dtypes(plan)
             kinds = {(dtype, device.type) for dtype in dtypes}
             key = (device, (*dtypes,)) if len(dtypes) == 1 else None
         else:

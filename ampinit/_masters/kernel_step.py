@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import itertools
 import operator
+import weakref
 from collections.abc import Callable, Container, Iterator, Mapping, Sequence
 from itertools import repeat
 from types import ModuleType
@@ -29,7 +30,6 @@ from typing import Any, Literal, NamedTuple, Protocol, cast, runtime_checkable
 import torch
 import torch.optim.optimizer as optim_module
 
-from ampinit._masters import reference
 from ampinit._masters.reference import AdamSettings, Masters, SgdSettings
 from ampinit._masters.update import Update
 
@@ -157,7 +157,6 @@ _TENSOR = frozenset((torch.Tensor,))
 
 # Read with ``map`` (a loop in C): the checks below run over every tensor of a step, every step, and a Python
 # call per tensor was most of the step's host time (benchmarks/kernel_step_host.py).
-_CLASS = operator.attrgetter("__class__")
 _DEVICE = operator.attrgetter("device")
 _DTYPE = operator.attrgetter("dtype")
 _GRAD = operator.attrgetter("grad")
@@ -213,9 +212,11 @@ def kernels_taking(
     if not (
         # Plain tensors only: the kernels take raw data pointers, and a tensor subclass may have none (an
         # FSDP2 / tensor-parallel DTensor's data_ptr() is 0) or lay its data out otherwise.
-        _PLAIN.issuperset(map(_CLASS, params))
-        and _TENSOR.issuperset(map(_CLASS, present))
-        and _PLAIN.issuperset(map(_CLASS, model_weights))
+        # ``type``, not ``__class__``: a builtin, no attribute read through the tensor (a third of the time), and a
+        # subclass cannot dress up as a plain tensor by overriding ``__class__``.
+        _PLAIN.issuperset(map(type, params))
+        and _TENSOR.issuperset(map(type, present))
+        and _PLAIN.issuperset(map(type, model_weights))
         and list(map(_DTYPE, params)) == master_dtypes
         and set(map(_DEVICE, params)) == {device}
         and set(map(_DEVICE, present)) == {device}
@@ -295,18 +296,29 @@ class Launch(NamedTuple):
 
 
 def _launches(
-    params: list[torch.Tensor], grads: list[torch.Tensor], weight_of: list[torch.Tensor | None]
-) -> list[Launch]:
-    """A group's launches: ``params`` with ``grads`` split by the dtype of their model weights ``weight_of``."""
+    params: list[torch.Tensor], grads: list[torch.Tensor], weight_of: list[torch.Tensor | None], half_grads: bool
+) -> list[Launch] | None:
+    """A group's launches: ``params`` with ``grads`` split by the dtype of their model weights ``weight_of``.
+
+    ``half_grads``: a master's grad is its weight's, which must have the weight's dtype (None otherwise): a launch
+    reads its grads as one dtype, and its grad table's cache knows only the first's. torch's grad setter and
+    autograd never give a grad of another dtype, but a ``.data`` swap of the weight after its grad was set does.
+    (The masters' own grads were checked against the masters' dtype by :func:`kernels_taking`.)"""
     dtype_of = list(map(getattr, weight_of, repeat("dtype"), repeat(None)))
+    grad_dtypes = list(map(_DTYPE, grads)) if half_grads else None
     kinds = set(dtype_of)
     if len(kinds) == 1:  # the common case: one launch, no lists to split
         (weight_dtype,) = kinds
-        weights = [] if weight_dtype is None else cast(list[torch.Tensor], weight_of)
-        return [Launch(weight_dtype, params, weights, grads)]
+        if weight_dtype is None:
+            return [Launch(None, params, [], grads)]
+        if grad_dtypes is not None and grad_dtypes != dtype_of:
+            return None
+        return [Launch(weight_dtype, params, cast(list[torch.Tensor], weight_of), grads)]
     launches = []
     for weight_dtype in kinds:
         chosen = [i for i, dtype in enumerate(dtype_of) if dtype == weight_dtype]
+        if grad_dtypes is not None and weight_dtype is not None and any(grad_dtypes[i] != weight_dtype for i in chosen):
+            return None
         chosen_weights = [] if weight_dtype is None else [cast(torch.Tensor, weight_of[i]) for i in chosen]
         launches.append(Launch(weight_dtype, [params[i] for i in chosen], chosen_weights, [grads[i] for i in chosen]))
     return launches
@@ -320,6 +332,11 @@ Plan = tuple[ModuleType, list[PlannedGroup]]
 def plan_device(planned: Plan) -> torch.device:
     """The device of every tensor a plan launches on (a plan has a parameter with a grad)."""
     return next(group.params[0].device for group in planned[1] if group.params)
+
+
+def read_dtypes(planned: Plan) -> set[torch.dtype]:
+    """The dtypes of the model weights' grads a plan reads (each that of its weight, checked when planned)."""
+    return {launch.weight_dtype for group in planned[1] for launch in group.launches if launch.weight_dtype is not None}
 
 
 def weights_read(planned: Plan) -> int:
@@ -430,7 +447,10 @@ def _plan(
             weights = [weight_of[i] for i in taken]
         else:
             params, grads, weights = snapshot, cast(list[torch.Tensor], read), weight_of
-        plan.append(PlannedGroup(group, snapshot, sources, read, params, grads, _launches(params, grads, weights)))
+        launches = _launches(params, grads, weights, half_grads)
+        if launches is None:
+            return None
+        plan.append(PlannedGroup(group, snapshot, sources, read, params, grads, launches))
         model += weights
     params = list(itertools.chain.from_iterable(planned.params for planned in plan))
     grads = list(itertools.chain.from_iterable(planned.grads for planned in plan))
@@ -576,8 +596,37 @@ def adam_inputs(
             steps.sub_(found_inf)  # a one-element flag broadcasts: no reshape op
         settings = AdamSettings.of(opt, group)
         exp_avgs, exp_avg_sqs = list(map(_EXP_AVG, states)), list(map(_EXP_AVG_SQ, states))
-    scalars = reference.adam_step_scalars(steps, settings.beta1, settings.beta2, settings.lr)
+    scalars = step_scalars(steps, settings.beta1, settings.beta2, settings.lr)
     return exp_avgs, exp_avg_sqs, scalars.to(params[0].device), settings
+
+
+#: ``[[beta1], [beta2]]`` in float64 by ``(device, beta1, beta2)``, filled on the device (no host-to-device copy):
+#: made on an optimizer's first step, kept while its betas stay (a few optimizers' worth at most).
+_BETAS: dict[tuple[torch.device, float, float], torch.Tensor] = {}
+_MAX_BETAS = 16
+
+
+def step_scalars(steps: torch.Tensor, beta1: float, beta2: float, lr: float) -> torch.Tensor:
+    """``reference.adam_step_scalars(steps, ...)`` of the 1-D counts ``steps``, the same bits in five kernels where
+    the reference takes ten (each a launch, ~5 us of host time on a GPU): both powers in one ``pow`` (it widens the
+    counts to float64 exactly, as ``double()`` does), both corrections in one subtraction, and each column written
+    into the fp32 table by the op that computes it in float64 (rounded once on the store, as ``float()`` rounds),
+    with no ``stack`` or cast after."""
+    device = steps.device
+    betas = _BETAS.get((device, beta1, beta2))
+    if betas is None:
+        betas = torch.empty((2, 1), dtype=torch.float64, device=device)
+        betas[0].fill_(beta1)
+        betas[1].fill_(beta2)
+        if len(_BETAS) >= _MAX_BETAS:
+            _BETAS.clear()
+        _BETAS[device, beta1, beta2] = betas
+    bias_correction1, bias_correction2 = (1 - torch.pow(betas, steps)).unbind()
+    scalars = torch.empty((len(steps), 2), dtype=torch.float32, device=device)
+    step_size, bias_correction2_sqrt = scalars.unbind(1)
+    torch.mul(bias_correction1.reciprocal(), lr, out=step_size)  # what ``lr / bias_correction1`` runs
+    torch.sqrt(bias_correction2, out=bias_correction2_sqrt)
+    return scalars
 
 
 def packed_steps(states: list[dict[str, Any]], device: torch.device) -> torch.Tensor:
@@ -617,12 +666,46 @@ def _views_in_order(views: list[torch.Tensor], base: torch.Tensor) -> bool:
     return list(map(torch.Tensor.data_ptr, views)) == list(range(start, start + size * len(views), size))
 
 
+class _FoundStates(NamedTuple):
+    """What :func:`_states_of` found for ``params``, and ``opt.state``'s keys and values then."""
+
+    keys: list[torch.Tensor]
+    values: list[dict[str, Any]]
+    params: list[torch.Tensor]
+    found: list[dict[str, Any] | None]
+
+
+#: Per optimizer, the last :class:`_FoundStates` by the id of its first parameter (one per launch's list).
+_found_states: weakref.WeakKeyDictionary[torch.optim.Optimizer, dict[int, _FoundStates]] = weakref.WeakKeyDictionary()
+
+
 def _states_of(opt: torch.optim.Optimizer, params: list[torch.Tensor]) -> list[dict[str, Any] | None]:
     """``opt.state``'s entry of each of ``params`` (None where it has none), found by ``id``: a lookup by tensor
-    runs ``Tensor.__hash__``, a Python call per parameter per step."""
+    runs ``Tensor.__hash__``, a Python call per parameter per step.
+
+    Kept from the last step over the same parameters while ``opt.state`` holds the same keys mapped to the same
+    dicts, in the same order (compared by identity, which is all a lookup relies on: ``opt.state[p] = {}``, a
+    deleted entry, ``load_state_dict`` each change a value or a key): three loops in C instead of an index of all
+    state rebuilt each step. What the dicts hold is read again by the caller."""
     state = opt.state
+    kept = _found_states.get(opt)
+    if kept is None:
+        kept = _found_states[opt] = {}
+    first = id(params[0]) if params else 0
+    last = kept.get(first)
+    if (
+        last is not None
+        and len(state) == len(last.keys)
+        and len(params) == len(last.params)
+        and all(map(operator.is_, params, last.params))
+        and all(map(operator.is_, state, last.keys))
+        and all(map(operator.is_, state.values(), last.values))
+    ):
+        return last.found
     by_id: dict[int, dict[str, Any]] = dict(zip(map(id, state), state.values()))
-    return list(map(by_id.get, map(id, params)))
+    found = list(map(by_id.get, map(id, params)))
+    kept[first] = _FoundStates(list(state), list(state.values()), list(params), found)
+    return found
 
 
 def sgd_batches(
