@@ -84,3 +84,30 @@ def test_the_kernel_step_reads_the_state_opt_state_holds_now(kernels_on_cpu: Mod
         assert torch.equal(first_moment, torch.full_like(first_moment, (1 - BETA1) * grad))
     finally:
         session.close()
+
+
+def test_closing_the_session_lets_the_masters_go(kernels_on_cpu: ModuleType) -> None:
+    # The step keeps the parameters it found state for (the fp32 masters); once the session gives the optimizer
+    # its model parameters back, nothing of amp may keep the masters (4 B per parameter) alive.
+    import gc
+    import weakref
+
+    weights, opt = _session(3)
+    session = amp.current_session()
+    assert session is not None
+    anchor = torch.zeros((), requires_grad=True)
+    try:
+        for _ in range(2):
+            with session.scale_loss(anchor * 1.0, opt) as scaled:
+                scaled.backward()
+                for w in weights:
+                    w.grad = torch.full_like(w, 0.5)
+            opt.step()
+        masters = [weakref.ref(m) for m in opt.param_groups[0]["params"]]
+        assert all(m() is not None and m().dtype == torch.float32 for m in masters)
+    finally:
+        session.close()
+    del scaled
+    gc.collect()
+    assert [m() for m in masters] == [None, None, None]
+    assert all(p is w for p, w in zip(opt.param_groups[0]["params"], weights, strict=True))  # the model's, back

@@ -212,6 +212,7 @@ class OptimizerGrads:
     def restore_model_params(self) -> None:
         """Undo :meth:`create_masters`: the model parameters go back into the param groups, with their state."""
         self.materialize_master_grads()
+        kernel_step.forget_states(self.optimizer)  # it holds the masters
         for group in self.optimizer.param_groups:
             params = group["params"]
             for index, master in enumerate(params):

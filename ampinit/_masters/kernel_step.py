@@ -675,8 +675,16 @@ class _FoundStates(NamedTuple):
     found: list[dict[str, Any] | None]
 
 
-#: Per optimizer, the last :class:`_FoundStates` by the id of its first parameter (one per launch's list).
+#: Per optimizer, the last :class:`_FoundStates` by the id of its first parameter (one per launch's list). They hold
+#: the parameters (fp32 masters) and their state: :func:`forget_states` lets them go when the masters go, and an
+#: optimizer's entries are dropped past ``_MAX_FOUND`` (parameters replaced, new groups).
 _found_states: weakref.WeakKeyDictionary[torch.optim.Optimizer, dict[int, _FoundStates]] = weakref.WeakKeyDictionary()
+_MAX_FOUND = 16
+
+
+def forget_states(opt: torch.optim.Optimizer) -> None:
+    """Drop what :func:`_states_of` kept for ``opt`` (its masters are going back to the model's parameters)."""
+    _found_states.pop(opt, None)
 
 
 def _states_of(opt: torch.optim.Optimizer, params: list[torch.Tensor]) -> list[dict[str, Any] | None]:
@@ -704,6 +712,8 @@ def _states_of(opt: torch.optim.Optimizer, params: list[torch.Tensor]) -> list[d
         return last.found
     by_id: dict[int, dict[str, Any]] = dict(zip(map(id, state), state.values()))
     found = list(map(by_id.get, map(id, params)))
+    if first not in kept and len(kept) >= _MAX_FOUND:
+        kept.clear()
     kept[first] = _FoundStates(list(state), list(state.values()), list(params), found)
     return found
 
