@@ -17,9 +17,8 @@ upstream grad, then one rounding: so agreement on every input value is agreement
 
 The check runs when an O1/O4 session with Apex's ``gelu`` entry takes its CUDA kernels (``initialize``/``init``), for
 the current device and the session's half dtype; a ``gelu`` on another device or of the other dtype runs it at its
-first call, except under CUDA graph capture or
-``torch.cuda.set_sync_debug_mode`` (it reads its verdict on the host), where that call takes the unfused path.
-``status()`` says what was decided.
+first call, except under CUDA graph capture or ``torch.cuda.set_sync_debug_mode`` (the check reads its verdict on the
+host), where that call takes the unfused path. ``status()`` says what was decided.
 """
 
 from __future__ import annotations
