@@ -162,6 +162,8 @@ def bench_summary(logs: Path, rc: int) -> dict[str, Any]:
         "judged": bool(report and report.get("judged")),
         "targets": targets,
         "failed_variants": failed_rows,
+        # Apex's fp32 gelu (O1/O4 with Apex's lists): fused or not per device and dtype, as the check decided.
+        "fused_gelu": (report or {}).get("fused_gelu", {}),
     }
 
 
@@ -238,8 +240,15 @@ def markdown(summary: dict[str, Any]) -> str:
         "",
         *(f"- {target_text(t)}" for t in bench["targets"]),
         "",
-        f"overall: {'PASS' if summary['ok'] else 'FAIL'}",
     ]
+    if bench["fused_gelu"]:
+        lines += [
+            "## Apex's fp32 gelu (O1/O4 with Apex's lists)",
+            "",
+            *(f"- {where}: {decision}" for where, decision in bench["fused_gelu"].items()),
+            "",
+        ]
+    lines.append(f"overall: {'PASS' if summary['ok'] else 'FAIL'}")
     return "\n".join(lines) + "\n"
 
 

@@ -358,7 +358,13 @@ def write_run(out: Path, failures: int, all_met: bool) -> None:
                 for t in bench.TARGETS]  # fmt: skip
     if not all_met:
         verdicts[0].update(status="not met", figure="0.950x (105.00 vs 100.00 ms)")
-    report = {"verdicts": verdicts, "complete": True, "judged": True, "rows": {}}
+    report = {
+        "verdicts": verdicts,
+        "complete": True,
+        "judged": True,
+        "rows": {},
+        "fused_gelu": {"cuda:0 bfloat16": "fused (forward (0, True), backward (0, True))"},
+    }
     (logs / "gpu_train_step.json").write_text(json.dumps(report))
     (logs / "machine.txt").write_text("2.11.0 13.0 NVIDIA H100 80GB HBM3\n")
 
@@ -376,6 +382,8 @@ def test_summary_passes_only_a_green_suite_with_every_target_met(
     suite = summary["suite"]
     assert (suite["tests"], suite["passed"], suite["failures"], suite["skipped"]) == (10, 8 - failures, failures, 2)
     assert ("overall: PASS" in (tmp_path / "summary.md").read_text()) is ok
+    # Whether O4 with Apex's lists ran the fused gelu: the check's decision, where the GPU session reads first.
+    assert "- cuda:0 bfloat16: fused (forward (0, True), backward (0, True))" in (tmp_path / "summary.md").read_text()
     if failures:
         assert "- FAILURE tests.test_x::test_0: assert 0 == 0" in (tmp_path / "summary.md").read_text()
     verdict = (tmp_path / "verdict.txt").read_text()
