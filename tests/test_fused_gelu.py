@@ -297,8 +297,9 @@ def test_o4_with_apex_lists_trains_through_the_fused_gelu_as_through_apexs(
     assert [t.dtype for t in fused_saved if t.shape == hidden].count(torch.float32) == 0
 
 
-# Forward-mode AD loads torch's decompositions, which call torch.jit.script: torch's own deprecation warning.
-@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+# Forward-mode AD loads torch's decompositions, which call torch.jit.script: torch's own deprecation warning (a
+# DeprecationWarning in 2.13, a FutureWarning in 2.14).
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated")
 def test_double_backward_and_forward_mode_give_the_unfused_paths_values(fused_on_cpu: ModuleType) -> None:
     x = torch.randn(6, 5, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16).requires_grad_()
     y = fused_gelu.gelu(x, "none")

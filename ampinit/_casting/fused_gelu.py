@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any, NamedTuple
 
@@ -201,7 +202,7 @@ def gelu(x: Any, approximate: str) -> torch.Tensor | None:
     if choice is None:
         return None
     assert isinstance(choice, Choice)
-    result: torch.Tensor = _FusedGelu.apply(x, choice)  # type: ignore[no-untyped-call]
+    result: torch.Tensor = _apply_fused(x, choice)
     return result
 
 
@@ -239,3 +240,7 @@ class _FusedGelu(torch.autograd.Function):
         # Forward-mode AD, as the unfused path's: the cast's tangent is the tangent widened, gelu's is its backward.
         (x,) = ctx.saved_tensors
         return _unfused_backward(x_t, x)
+
+
+# torch 2.14 types ``Function.apply``, 2.13 does not: taken as a plain callable, the call type-checks under both.
+_apply_fused: Callable[..., Any] = _FusedGelu.apply
