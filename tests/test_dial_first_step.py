@@ -25,6 +25,7 @@ import ampinit
 from ampinit import amp
 from ampinit._masters import precision
 from ampinit._masters.dial_grads import Dial, StateStore
+from ampinit.optimizers import FusedAdam
 from benchmarks.cpu_peak_memory import trace_peak
 from tests._host_work import NoLaunch
 
@@ -160,10 +161,17 @@ PEAK_SLICE = 1 << 16
 ONCE = 8 << 10
 
 
-def first_and_later_peaks(net: nn.Module, width: int, fused: bool, state: str) -> tuple[int, int, int]:
-    """O5 with remainder masters and ``state`` moments over ``net`` (inputs of ``width`` features): the traced peak
-    of its first step, the bytes of the optimizer state the second step starts with, and the second step's peak."""
-    opt = torch.optim.AdamW(net.parameters(), lr=1e-3, fused=fused)
+def first_and_later_peaks(
+    net: nn.Module, width: int, fused: bool, state: str, optimizer: str = "AdamW"
+) -> tuple[int, int, int]:
+    """O5 with remainder masters and ``state`` moments over ``net`` (inputs of ``width`` features) stepped by torch's
+    AdamW or ampinit's FusedAdam (its own state layout): the traced peak of its first step, the bytes of the
+    optimizer state the second step starts with, and the second step's peak."""
+    opt: torch.optim.Optimizer = (
+        torch.optim.AdamW(net.parameters(), lr=1e-3, fused=fused)
+        if optimizer == "AdamW"
+        else FusedAdam(net.parameters(), lr=1e-3)
+    )
     net, opt = amp.initialize(net, opt, opt_level="O5", master_weights="remainder", optimizer_state=state, verbosity=0)
     x = torch.randn(2, width)
     try:
@@ -226,9 +234,10 @@ def test_a_first_kernel_step_is_bitwise_the_one_from_fp32_zero_moments(
             assert same_entries(got[moment]["state"][index], entry), (moment, index)
 
 
+@pytest.mark.parametrize("optimizer", ["AdamW", "FusedAdam"])
 @pytest.mark.parametrize("state", ["bf16", "8bit"])
 def test_a_first_kernel_step_holds_one_parameters_fp32_zeros_at_a_time(
-    kernels_on_cpu: ModuleType, monkeypatch: pytest.MonkeyPatch, state: str
+    kernels_on_cpu: ModuleType, monkeypatch: pytest.MonkeyPatch, state: str, optimizer: str
 ) -> None:
     """The kernel step's first step makes each parameter's state with its moments in the dial's format before the
     next one's (main made every parameter's fp32 zeros first: 8 B per parameter of the model at once). The kernels
@@ -240,7 +249,7 @@ def test_a_first_kernel_step_holds_one_parameters_fp32_zeros_at_a_time(
     torch.manual_seed(0)
     width, layers = 256, 16
     net = nn.Sequential(*(nn.Linear(width, width, bias=False) for _ in range(layers)))
-    first, kept, later = first_and_later_peaks(net, width, True, state)
+    first, kept, later = first_and_later_peaks(net, width, True, state, optimizer)
     assert stand_in.launches == 2
     assert kept >= {"bf16": 4, "8bit": 2}[state] * width * width * layers  # the bound is not slack
     assert first <= later + kept + 8 * width * width + ONCE

@@ -48,7 +48,7 @@ import warnings
 from collections.abc import Callable, Container, Iterator
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 
@@ -369,6 +369,10 @@ class _DialStep(abc.ABC):
         if state:
             return
         adam_state(self.optimizer, group, param)
+        self._stored_as_zeros(state)
+
+    def _stored_as_zeros(self, state: dict[str, Any]) -> None:
+        """A state's fp32 zero moments, just made, replaced by the dial's stored zeros (what encoding them stores)."""
         if self.dial.state != "fp32":
             for key in ("exp_avg", "exp_avg_sq"):
                 state.update(self.store.zeros(key, state[key]))
@@ -440,12 +444,17 @@ class _DialStep(abc.ABC):
         positions: dict[int, int],
         found_inf: torch.Tensor | None,
     ) -> None:
-        if kernel_step._kernel_optimizer(self.optimizer) is None:
-            # A first step's state made one parameter at a time with its moments already in the dial's format:
-            # made by adam_inputs, all the parameters' fp32 zeros would be alive at once (8 B per parameter of the
-            # model, beyond the steady state's 2 or 4) until re-stored below.
-            for p in params:
+        # A first step's state made one parameter at a time with its moments already in the dial's format: made by
+        # adam_inputs, all the parameters' fp32 zeros would be alive at once (8 B per parameter of the model, beyond
+        # the steady state's 2 or 4) until re-stored below.
+        own = kernel_step._kernel_optimizer(self.optimizer)
+        for p in params:
+            if own is None:
                 self._adam_state(group, p)
+            elif not self.optimizer.state[p]:
+                # The optimizer's own layout (an ampinit FusedAdam's), made for this parameter alone.
+                cast(kernel_step.KernelAdamState, own).kernel_adam_state(group, [p])
+                self._stored_as_zeros(self.optimizer.state[p])
         # The state exists in the optimizer's own layout after this (torch's, with the per-parameter step counts
         # advanced on the device; a KernelOptimizer's, whose group count advances after the launches).
         _, _, scalars, settings = kernel_step.adam_inputs(self.optimizer, group, params, found_inf)
