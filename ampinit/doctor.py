@@ -60,6 +60,9 @@ class DeviceReport:
     #: fp16 time / fp32 time per probed operation ("matmul", "conv fwd+bwd"); empty where not probed.
     fp16_probe: dict[str, float]
     fused_optimizers: dict[str, bool]
+    #: Apex's fp32 gelu (O1/O4 with Apex's lists) per half dtype: "fused" where its one-pass kernels give torch's
+    #: bits on this device, else "unfused"; empty where they never run (the CPU).
+    fused_gelu: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -198,6 +201,20 @@ def fp16_probe(device: str) -> dict[str, float]:
     return ratios
 
 
+def _fused_gelu(device: str) -> dict[str, str]:
+    from ampinit._casting import fused_gelu
+
+    where = torch.device(device)
+    if not fused_gelu.runs_on_type(where.type):
+        return {}
+    if where.type == "cuda" and where.index is None:
+        where = torch.device("cuda", torch.cuda.current_device())
+    return {
+        str(dtype).removeprefix("torch."): "unfused" if fused_gelu.decide(where, dtype) is None else "fused"
+        for dtype in (torch.bfloat16, torch.float16)
+    }
+
+
 def _fused_optimizers(device: str) -> dict[str, bool]:
     works = {}
     for name, make in (
@@ -271,6 +288,7 @@ def diagnose(
                 accuracy={r.level: r.accuracy for r in results},
                 fp16_probe=probe,
                 fused_optimizers=_fused_optimizers(device),
+                fused_gelu=_fused_gelu(device),
             )
         )
     spreads = {f"{dev.device} {level}": spread for dev in report.devices for level, spread in dev.step_spread.items()}
@@ -310,6 +328,9 @@ def format_report(report: Report) -> str:
             lines.append(f"  fp16 time / fp32: {probe}  [one thread; above {SLOW_FP16:.0f}x: emulated fp16]")
         fused = ", ".join(f"{n} {'yes' if ok else 'no'}" for n, ok in dev.fused_optimizers.items())
         lines.append(f"  fused optimizers: {fused}")
+        if dev.fused_gelu:
+            gelu = ", ".join(f"{dtype} {decision}" for dtype, decision in dev.fused_gelu.items())
+            lines.append(f"  Apex's fp32 gelu: {gelu}  [O1/O4 with Apex's lists; fused only where bit for bit torch's]")
     if report.busy:
         lines += ["", "!! THIS MACHINE IS BUSY: the timings above are not trustworthy; rerun when it is idle."]
         lines += [f"!!   - {reason}" for reason in report.busy]

@@ -19,7 +19,7 @@ import torch
 import ampinit.demo
 from ampinit.cli import add_doctor_parser, main
 from ampinit.demo.config import OPT_LEVELS
-from ampinit.doctor import DeviceReport, diagnose, format_report, recommend
+from ampinit.doctor import DeviceReport, Report, diagnose, format_report, recommend
 
 
 @pytest.fixture(autouse=True)
@@ -163,3 +163,26 @@ def test_the_demo_imports_nothing_of_the_doctor() -> None:
             if any(name == "ampinit.doctor" or name.startswith("ampinit.doctor.") for name in names):
                 reached[path.name] = node.lineno
     assert reached == {}
+
+
+def test_the_report_says_where_apexs_fp32_gelu_runs_fused(monkeypatch: pytest.MonkeyPatch) -> None:
+    # On the CPU the fused gelu never runs: no line. Where it may (CUDA; here the CPU made to stand in for it), the
+    # line gives the check's decision per half dtype.
+    from ampinit import doctor
+    from ampinit._casting import fused_gelu
+
+    assert doctor._fused_gelu("cpu") == {}
+    assert "Apex's fp32 gelu" not in format_report(Report("x", "y", "z", "cpu", 1, devices=[measured({}, {})]))
+    monkeypatch.setattr(fused_gelu, "ON_CPU", True)
+    exact = {torch.bfloat16: fused_gelu.Choice((0, True), (0, True)), torch.float16: None}
+    monkeypatch.setattr(fused_gelu, "_check", lambda device, dtype, reference=None: exact[dtype])
+    fused_gelu.forget()
+    try:
+        decided = doctor._fused_gelu("cpu")
+    finally:
+        fused_gelu.forget()
+    assert decided == {"bfloat16": "fused", "float16": "unfused"}
+    device = measured({}, {})
+    device.fused_gelu = decided
+    text = format_report(Report("x", "y", "z", "cpu", 1, devices=[device]))
+    assert "  Apex's fp32 gelu: bfloat16 fused, float16 unfused" in text

@@ -110,6 +110,14 @@ def prepare(device_type: str, dtype: torch.dtype) -> None:
         _choice(device, dtype)
 
 
+def decide(device: torch.device, dtype: torch.dtype) -> Choice | None:
+    """The variants to use on ``device`` for ``dtype``, checked now if not yet (None: the unfused path); for
+    ``ampinit doctor``."""
+    if dtype not in HALF_DTYPES or not _runs_on(device) or not _host_reads_allowed(device):
+        return None
+    return _choice(device, dtype)
+
+
 def _choice(device: torch.device, dtype: torch.dtype) -> Choice | None:
     with _lock:
         if (device, dtype) in _choices:
