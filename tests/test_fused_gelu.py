@@ -50,8 +50,9 @@ def gelu_kernels(triton_interpreter: ModuleType, monkeypatch: pytest.MonkeyPatch
 
 
 # -- a re-implementation of torch's CUDA kernel (GeluCUDAKernelImpl, exact erf), with the interpreter's erf/exp ----
-ALPHA = torch.tensor(math.sqrt(0.5), dtype=torch.float32)  # M_SQRT1_2, as a float
-BETA = torch.tensor(2.0 / math.sqrt(math.pi) * math.sqrt(0.5) * 0.5, dtype=torch.float32)  # kBeta, as a float
+# <cmath>'s M_SQRT1_2 and M_2_SQRTPI, and kBeta = M_2_SQRTPI * M_SQRT1_2 * 0.5 in double, each rounded to a float.
+ALPHA = torch.tensor(0.70710678118654752440, dtype=torch.float32)
+BETA = torch.tensor(1.12837916709551257390 * 0.70710678118654752440 * 0.5, dtype=torch.float32)
 
 
 def erf32(v: torch.Tensor) -> torch.Tensor:

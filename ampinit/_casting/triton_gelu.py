@@ -19,8 +19,6 @@ run, are ``tl.math``'s, so the interpreted kernels compute the same formula with
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
@@ -34,9 +32,12 @@ except ImportError:  # Triton before 3.0 kept the CUDA functions here only
 
 BLOCK = 1024
 
-# torch's constants, computed as its C++ does (in double, rounded to fp32 where the kernel uses them).
-_ALPHA = math.sqrt(0.5)  # M_SQRT1_2
-_BETA = (2.0 / math.sqrt(math.pi)) * math.sqrt(0.5) * 0.5  # M_2_SQRTPI * M_SQRT1_2 * 0.5
+# torch's constants, as its C++ computes them: <cmath>'s literals (parsed to the same doubles), their products in
+# double, rounded to fp32 where the kernel uses them (Triton rounds a Python float constant to nearest).
+_M_SQRT1_2 = 0.70710678118654752440
+_M_2_SQRTPI = 1.12837916709551257390
+_ALPHA = _M_SQRT1_2  # kAlpha
+_BETA = _M_2_SQRTPI * _M_SQRT1_2 * 0.5  # kBeta of the backward
 
 #: The ways of writing the backward's ``cdf + x * pdf`` the check tries, as (VARIANT, enable_fp_fusion): the
 #: expression as torch writes it with the compiler free to fuse (what nvcc does by default), the same with every
