@@ -224,7 +224,7 @@ LAUNCHES_PER_ITERATION = {
 @pytest.mark.parametrize("level", ["O2", "O5"])
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_a_steady_state_iteration_launches_few_kernels(level: str, name: str) -> None:
-    launches = min(sum(ops.values()) for ops in steady_iterations(level, 8, OPTIMIZERS[name], _launching_ops))
+    launches = max(sum(ops.values()) for ops in steady_iterations(level, 8, OPTIMIZERS[name], _launching_ops))
     assert launches <= LAUNCHES_PER_ITERATION[level, name]
 
 
