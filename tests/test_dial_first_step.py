@@ -28,15 +28,9 @@ from ampinit._masters.dial_grads import Dial, StateStore
 from ampinit.optimizers import FusedAdam
 from benchmarks.cpu_peak_memory import trace_peak
 from tests._host_work import NoLaunch
+from tests.test_dial_slices import same_bits
 
 SEED = 1234
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    view = {torch.float32: torch.int32, torch.bfloat16: torch.int16}
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    return torch.equal(a.view(view[a.dtype]), b.view(view[b.dtype])) if a.dtype in view else torch.equal(a, b)
 
 
 def same_entries(got: dict[str, Any], want: dict[str, Any]) -> bool:

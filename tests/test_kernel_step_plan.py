@@ -24,29 +24,35 @@ def _session(tensors: int) -> tuple[list[nn.Parameter], torch.optim.Optimizer]:
     return list(params), opt
 
 
-def _weights_after_two_steps(swap_grad_dtype: bool) -> list[torch.Tensor]:
-    """Two O2 steps over three fp16 weights whose grads are set by hand; ``swap_grad_dtype``: before the second,
-    one weight is given a bf16 grad by ``.data`` swaps (bf16 weight, its grad set, fp16 again)."""
-    weights, opt = _session(3)
+def _steps(weights: list[nn.Parameter], opt: torch.optim.Optimizer, count: int, swap_at: int | None = None) -> None:
+    """``count`` steps of the open session, each after a backward that sets every weight's grad to 0.5 by hand;
+    ``swap_at``: before that step, one weight is given a bf16 grad by ``.data`` swaps (bf16 weight, its grad set,
+    fp16 again)."""
     session = amp.current_session()
     assert session is not None
     anchor = torch.zeros((), requires_grad=True)
+    for step in range(count):
+        with session.scale_loss(anchor * 1.0, opt) as scaled:
+            scaled.backward()
+            for w in weights:
+                w.grad = torch.full_like(w, 0.5)
+            if step == swap_at:
+                odd = weights[1]
+                odd.data = odd.data.bfloat16()
+                odd.grad = torch.full_like(odd, 0.5)
+                odd.data = odd.data.half()
+                assert (odd.dtype, odd.grad.dtype) == (torch.float16, torch.bfloat16)
+        opt.step()
+
+
+def _weights_after_two_steps(swap_grad_dtype: bool) -> list[torch.Tensor]:
+    """Two O2 steps over three fp16 weights; with ``swap_grad_dtype``, the second with a bf16 grad among them."""
+    weights, opt = _session(3)
     try:
-        for step in range(2):
-            with session.scale_loss(anchor * 1.0, opt) as scaled:
-                scaled.backward()
-                for w in weights:
-                    w.grad = torch.full_like(w, 0.5)
-                if swap_grad_dtype and step == 1:
-                    odd = weights[1]
-                    odd.data = odd.data.bfloat16()
-                    odd.grad = torch.full_like(odd, 0.5)
-                    odd.data = odd.data.half()
-                    assert (odd.dtype, odd.grad.dtype) == (torch.float16, torch.bfloat16)
-            opt.step()
+        _steps(weights, opt, 2, swap_at=1 if swap_grad_dtype else None)
         return [w.detach().clone() for w in weights]
     finally:
-        session.close()
+        amp.deinitialize()
 
 
 def test_a_weight_whose_grad_has_another_dtype_steps_as_on_torchs_path(kernels_on_cpu: ModuleType) -> None:
@@ -93,21 +99,12 @@ def test_closing_the_session_lets_the_masters_go(kernels_on_cpu: ModuleType) -> 
     import weakref
 
     weights, opt = _session(3)
-    session = amp.current_session()
-    assert session is not None
-    anchor = torch.zeros((), requires_grad=True)
     try:
-        for _ in range(2):
-            with session.scale_loss(anchor * 1.0, opt) as scaled:
-                scaled.backward()
-                for w in weights:
-                    w.grad = torch.full_like(w, 0.5)
-            opt.step()
+        _steps(weights, opt, 2)
         masters = [weakref.ref(m) for m in opt.param_groups[0]["params"]]
         assert all(m() is not None and m().dtype == torch.float32 for m in masters)
     finally:
-        session.close()
-    del scaled
+        amp.deinitialize()
     gc.collect()
     assert [m() for m in masters] == [None, None, None]
     assert all(p is w for p, w in zip(opt.param_groups[0]["params"], weights, strict=True))  # the model's, back
