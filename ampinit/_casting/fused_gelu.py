@@ -193,20 +193,17 @@ def gelu(x: Any, approximate: str) -> torch.Tensor | None:
     """``gelu(x.float(), approximate=approximate)`` by the fused kernels, with its autograd; None where they do not
     apply (not a plain contiguous half tensor on a checked device, ``approximate="tanh"``, functorch transforms)
     or did not match torch's bits: then the caller runs Apex's unfused path."""
-    if (
-        type(x) is not torch.Tensor  # subclasses: FakeTensor, FunctionalTensor, DTensor...
-        or x.dtype not in HALF_DTYPES
-        or approximate != "none"
-        or not x.is_contiguous()
-        or not _runs_on(x.device)
-        or torch._C._functorch.is_functorch_wrapped_tensor(x)
-    ):
+    # A subclass (FakeTensor, FunctionalTensor, DTensor...) is not ``torch.Tensor`` itself.
+    if type(x) is not torch.Tensor or x.dtype not in HALF_DTYPES or approximate != "none":
         return None
-    choice = _choices.get((x.device, x.dtype), _UNDECIDED)
+    device = x.device
+    if not _runs_on(device) or not x.is_contiguous() or torch._C._functorch.is_functorch_wrapped_tensor(x):
+        return None
+    choice = _choices.get((device, x.dtype), _UNDECIDED)
     if choice is _UNDECIDED:
-        if not _host_reads_allowed(x.device):
+        if not _host_reads_allowed(device):
             return None
-        choice = _choice(x.device, x.dtype)
+        choice = _choice(device, x.dtype)
     if choice is None:
         return None
     assert isinstance(choice, Choice)

@@ -446,12 +446,12 @@ class _DialStep(abc.ABC):
     ) -> None:
         # A first step's state made one parameter at a time with its moments already in the dial's format: made by
         # adam_inputs, all the parameters' fp32 zeros would be alive at once (8 B per parameter of the model, beyond
-        # the steady state's 2 or 4) until re-stored below.
+        # the steady state's 2 or 4) until re-stored below. Every later step finds no parameter without state.
         own = kernel_step._kernel_optimizer(self.optimizer)
-        for p in params:
+        for p in kernel_step.stateless(self.optimizer, params):
             if own is None:
                 self._adam_state(group, p)
-            elif not self.optimizer.state[p]:
+            else:
                 # The optimizer's own layout (an ampinit FusedAdam's), made for this parameter alone.
                 cast(kernel_step.KernelAdamState, own).kernel_adam_state(group, [p])
                 self._stored_as_zeros(self.optimizer.state[p])

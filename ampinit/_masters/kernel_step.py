@@ -687,6 +687,15 @@ def forget_states(opt: torch.optim.Optimizer) -> None:
     _found_states.pop(opt, None)
 
 
+def stateless(opt: torch.optim.Optimizer, params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Those of ``params`` whose optimizer state is not made yet (all of them at a first step, none after): found
+    by :func:`_states_of`, with no Python call per parameter once every state exists."""
+    found = _states_of(opt, params)
+    if all(found):
+        return []
+    return [p for p, state in zip(params, found) if not state]
+
+
 def _states_of(opt: torch.optim.Optimizer, params: list[torch.Tensor]) -> list[dict[str, Any] | None]:
     """``opt.state``'s entry of each of ``params`` (None where it has none), found by ``id``: a lookup by tensor
     runs ``Tensor.__hash__``, a Python call per parameter per step.
