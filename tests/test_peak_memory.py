@@ -71,5 +71,5 @@ def test_the_difference_at_the_peak_is_named_by_who_allocated_it(
 ) -> None:
     baseline, remainder, params = peaks
     rows = cpu_peak_memory.live_difference(remainder, baseline)
-    remainders = sum(row["extra"] for row in rows if row["frame"].endswith("remainder_grads.py: _new_storage"))
+    remainders = sum(row["extra"] for row in rows if row["frame"].endswith("remainder.py: new_storages"))
     assert remainders == 2 * params  # one int16 per bf16 parameter; every parameter of this model is bf16

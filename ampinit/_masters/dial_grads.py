@@ -615,13 +615,14 @@ class DialGrads(_DialStep, RemainderGrads):
         for group in self.optimizer.param_groups:
             self._add_group(group, fp32_values or {})
 
-    def _new_storage(self, param: torch.Tensor) -> torch.Tensor:
-        """Where the bits beyond the bf16 weight live: int16, int8, or nothing (an empty tensor) for "stochastic"."""
+    def _new_storages(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Where the bits beyond each bf16 weight live: int16 or int8 remainders (packed, as ``RemainderGrads``'s),
+        or nothing (an empty tensor each) for "stochastic"."""
         if self.dial.masters == "remainder":
-            return torch.empty_like(param, dtype=encoding.REMAINDER_DTYPE)
+            return encoding.new_storages(params, encoding.REMAINDER_DTYPE)
         if self.dial.masters == "remainder8":
-            return torch.empty_like(param, dtype=precision.REMAINDER8_DTYPE)
-        return torch.empty(0, dtype=precision.REMAINDER8_DTYPE, device=param.device)
+            return encoding.new_storages(params, precision.REMAINDER8_DTYPE)
+        return [torch.empty(0, dtype=precision.REMAINDER8_DTYPE, device=p.device) for p in params]
 
     def _store_first(self, param: torch.Tensor, master: torch.Tensor, storage: torch.Tensor) -> None:
         # The first rounding draws the bits of step 0: reproducible under the seed.

@@ -30,6 +30,12 @@ because rounding a NaN's upper half up can carry out of the exponent field (0x7F
 a NaN into a number. A pair that ``split`` did not produce (a weight written behind the optimizer's back, with
 a stale remainder) joins to a value within one bf16 ulp of the weight.
 
+**Storage.** The remainders of an optimizer's contiguous parameters are carved, one view each, out of a few
+shared buffers per device (``new_storages``) instead of being allocated one tensor per parameter. CUDA's caching
+allocator hands a request out of a free block whole when what would be left of the block is 1 MiB or less (it
+splits only a larger rest), and counts the whole block as allocated: a tensor of a few MiB per parameter can cost
+up to 1 MiB more than it asks for, a buffer of many parameters that much once.
+
 The master step on remainder masters (``ampinit._masters.reference``, with ``Masters.remainder``, and its
 Triton kernels) joins each master, updates it, and splits it back.
 """
@@ -37,10 +43,58 @@ Triton kernels) joins each master, updates it, and splits it back.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
 REMAINDER_DTYPE = torch.int16
+
+#: The largest buffer ``new_storages`` allocates: a few per model (a parameter whose storage is larger gets its
+#: own), small enough that one allocation is never much harder to place than the tensors it holds.
+PACK_BYTES = 256 << 20
+
+#: Where each view in a shared buffer starts: a multiple of this many bytes from the buffer's start (which torch's
+#: CPU and CUDA allocators align at least as much), so the kernels' 16-byte vector accesses hold and no 32-byte
+#: sector is shared. Parameters whose sizes are multiples of 32 elements (most) leave no gap between views.
+ALIGN_BYTES = 64
+
+
+def new_storages(params: Sequence[torch.Tensor], dtype: torch.dtype, limit: int = PACK_BYTES) -> list[torch.Tensor]:
+    """An uninitialised tensor of ``dtype`` for each of ``params``, of its shape, strides and device.
+
+    Contiguous parameters get views into shared buffers of at most ``limit`` bytes, one buffer per run of
+    parameters on one device in the given order, each view starting ``ALIGN_BYTES``-aligned; any other parameter
+    (strided, empty, or larger than ``limit`` on its own) gets a tensor of its own, as ``torch.empty_like`` makes.
+    """
+    if limit <= 0:
+        raise ValueError(f"new_storages packs into buffers of a positive number of bytes, got limit={limit}")
+    itemsize = dtype.itemsize
+    align, most = max(1, ALIGN_BYTES // itemsize), limit // itemsize
+    out: list[torch.Tensor | None] = [None] * len(params)
+    runs: dict[torch.device, list[list[tuple[int, int]]]] = {}  # device -> buffers -> (index, element offset)
+    ends: dict[torch.device, int] = {}
+    for index, param in enumerate(params):
+        numel = param.numel()
+        if numel == 0 or numel > most or not param.is_contiguous():
+            out[index] = torch.empty_like(param, dtype=dtype)
+            continue
+        buffers = runs.setdefault(param.device, [[]])
+        start = -(-ends.get(param.device, 0) // align) * align
+        if start + numel > most:
+            buffers.append([])
+            start = 0
+        buffers[-1].append((index, start))
+        ends[param.device] = start + numel
+    for device, buffers in runs.items():
+        for members in buffers:
+            last, offset = members[-1]
+            flat = torch.empty(offset + params[last].numel(), dtype=dtype, device=device)
+            for index, offset in members:
+                shape = params[index].shape
+                out[index] = flat[offset : offset + params[index].numel()].view(shape)
+    made = [tensor for tensor in out if tensor is not None]
+    assert len(made) == len(params)
+    return made
 
 
 def split_(master: torch.Tensor, weight: torch.Tensor, remainder: torch.Tensor) -> None:

@@ -80,20 +80,25 @@ class RemainderGrads(OptimizerGrads):
         self._handles.append(self.optimizer.register_load_state_dict_post_hook(self._keep_state_fp32))
 
     def _add_group(self, group: dict[str, Any], fp32_values: dict[int, torch.Tensor]) -> None:
+        # A parameter listed twice gets one storage (torch warns of duplicates in a group; it does not refuse them).
+        new = {
+            id(p): p
+            for p in group["params"]
+            if id(p) not in self._remainders and p.requires_grad and p.dtype == torch.bfloat16
+        }
+        params = list(new.values())
         with torch.no_grad():
-            for param in group["params"]:
-                if id(param) in self._remainders or not param.requires_grad or param.dtype != torch.bfloat16:
-                    continue
+            # All storages first, in shared buffers (encoding.new_storages), then one fp32 master at a time.
+            for param, storage in zip(params, self._new_storages(params)):
                 source = fp32_values.get(id(param), param)
                 master = source.detach().to(device=param.device, dtype=torch.float32, copy=True)
-                remainder = self._new_storage(param)
-                self._store_first(param, master, remainder)
-                self._remainders[id(param)] = (param, remainder)
-                self._note_agreement(id(param), param, remainder)
+                self._store_first(param, master, storage)
+                self._remainders[id(param)] = (param, storage)
+                self._note_agreement(id(param), param, storage)
 
-    def _new_storage(self, param: torch.Tensor) -> torch.Tensor:
-        """Where the bits of ``param``'s master beyond the bf16 weight live: an int16 remainder."""
-        return torch.empty_like(param, dtype=encoding.REMAINDER_DTYPE)
+    def _new_storages(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Where the bits of each master beyond its bf16 weight live: int16 remainders, packed."""
+        return encoding.new_storages(params, encoding.REMAINDER_DTYPE)
 
     def _store_first(self, param: torch.Tensor, master: torch.Tensor, storage: torch.Tensor) -> None:
         """Write the fp32 ``master`` into ``param`` and its ``storage`` (the tie rule: they hold it exactly)."""
