@@ -450,6 +450,13 @@ if args[:2] == ["-m", "benchmarks.gpu_train_step"]:
         (out / "gpu_train_step.json").write_text(json.dumps(report))
         (out / "gpu_train_step_profile.txt").write_text("== O5 AdamW fused\n")
     raise SystemExit(os.environ.get("FAKE_BENCH_RC", "1"))
+if args[:2] == ["-m", "benchmarks.cast_list_effect"]:
+    # Recorded, not run: the real one would measure on the device for up to CAST_TIMEOUT (twice per test, on a
+    # GPU machine's run of the suite: these tests were its three slowest, 45-53 s each, in the ninth session).
+    with open(os.environ["FAKE_LOG"] + ".cast", "a") as log:
+        log.write(" ".join(args) + "\n")
+    print("cast-list effect: stand-in", flush=True)
+    sys.exit(0)
 os.execv(PYTHON_REPR, [PYTHON_REPR, *args])
 """
 
@@ -517,6 +524,12 @@ def test_a_suite_cut_by_its_limit_still_gives_counts_and_a_verdict(tmp_path: Pat
     for option in ("--device cuda", "-n 2 --dist loadfile", "--timeout 120", "-rfE --tb=short --durations=25"):
         assert option in args
     assert threads == str(max(1, len(os.sched_getaffinity(0)) // 2))
+    # The cast-list runs come after the benchmark, one per half dtype, on the device, their logs in the archive.
+    cast_runs = (tmp_path / "pytest_args.txt.cast").read_text().splitlines()
+    assert [run.split("--dtype ")[1].split()[0] for run in cast_runs] == ["bf16", "fp16"]
+    assert all("--device cuda" in run and "--steps 3" in run and f"--out {out}/logs" in run for run in cast_runs)
+    with tarfile.open(out / "gpu_check_logs.tar.gz") as tar:
+        assert {"logs/cast_list_effect_bf16.txt", "logs/cast_list_effect_fp16.txt"} <= set(tar.getnames())
 
 
 def test_a_suite_that_ignores_the_cut_is_killed_and_the_check_still_ends(tmp_path: Path) -> None:
