@@ -81,6 +81,19 @@ def test_strided_and_empty_parameters_get_a_tensor_of_their_own_layout(param: to
     assert storage_start(storages[0]) == storage_start(storages[2])
 
 
+class Marked(torch.Tensor):
+    """A tensor subclass (as FSDP2's DTensor is one): its storage is not packed beside plain tensors'."""
+
+
+def test_a_tensor_subclass_gets_a_tensor_of_its_own_as_empty_like_makes() -> None:
+    plain = params_of([64, 64])
+    marked = torch.zeros(64, dtype=torch.bfloat16).as_subclass(Marked)
+    storages = encoding.new_storages([plain[0], marked, plain[1]], torch.int16)
+    assert type(storages[1]) is Marked
+    assert storage_start(storages[1]) not in {storage_start(storages[0]), storage_start(storages[2])}
+    assert storage_start(storages[0]) == storage_start(storages[2])
+
+
 def test_each_device_gets_its_own_buffers() -> None:
     params = [torch.zeros(8, dtype=torch.bfloat16), torch.zeros(8, dtype=torch.bfloat16, device="meta")]
     params += [torch.zeros(8, dtype=torch.bfloat16), torch.zeros(8, dtype=torch.bfloat16, device="meta")]

@@ -58,13 +58,16 @@ PACK_BYTES = 256 << 20
 #: sector is shared. Parameters whose sizes are multiples of 32 elements (most) leave no gap between views.
 ALIGN_BYTES = 64
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
 
 def new_storages(params: Sequence[torch.Tensor], dtype: torch.dtype, limit: int = PACK_BYTES) -> list[torch.Tensor]:
     """An uninitialised tensor of ``dtype`` for each of ``params``, of its shape, strides and device.
 
     Contiguous parameters get views into shared buffers of at most ``limit`` bytes, one buffer per run of
     parameters on one device in the given order, each view starting ``ALIGN_BYTES``-aligned; any other parameter
-    (strided, empty, or larger than ``limit`` on its own) gets a tensor of its own, as ``torch.empty_like`` makes.
+    (strided, empty, larger than ``limit`` on its own, or a tensor subclass such as FSDP2's DTensor, whose shape is
+    not its local storage's) gets a tensor of its own, as ``torch.empty_like`` makes.
     """
     if limit <= 0:
         raise ValueError(f"new_storages packs into buffers of a positive number of bytes, got limit={limit}")
@@ -75,7 +78,7 @@ def new_storages(params: Sequence[torch.Tensor], dtype: torch.dtype, limit: int 
     ends: dict[torch.device, int] = {}
     for index, param in enumerate(params):
         numel = param.numel()
-        if numel == 0 or numel > most or not param.is_contiguous():
+        if type(param) not in _PLAIN or numel == 0 or numel > most or not param.is_contiguous():
             out[index] = torch.empty_like(param, dtype=dtype)
             continue
         buffers = runs.setdefault(param.device, [[]])
