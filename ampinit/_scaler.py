@@ -163,20 +163,26 @@ class LossScaler:
     def clear_overflow(self) -> None:
         self.found_inf.zero_()
 
-    def unscale_(self, grads: list[torch.Tensor]) -> None:
-        """Unscale ``grads`` in place and raise the overflow flag if any is inf/NaN."""
+    def unscale_(self, grads: list[torch.Tensor], fused: _torch_kernels.FusedCheck | None = None) -> None:
+        """Unscale ``grads`` in place and raise the overflow flag if any is inf/NaN (``fused``: see ``check_``)."""
         if grads and self.unit:
-            self.check_(grads)
+            self.check_(grads, fused=fused)
         elif grads:
             _torch_kernels.unscale_and_check_(grads, self.found_inf, self.inv_scale)
 
-    def check_(self, grads: list[torch.Tensor], key: _torch_kernels.GroupKey | None = None) -> None:
+    def check_(
+        self,
+        grads: list[torch.Tensor],
+        key: _torch_kernels.GroupKey | None = None,
+        fused: _torch_kernels.FusedCheck | None = None,
+    ) -> None:
         """Raise the overflow flag if any of ``grads`` is inf/NaN, leaving their values as they are (times 1).
 
-        ``key``: the one (device, (dtype,)) of every grad, where the caller knows it (see ``check_finite_``)."""
+        ``key``: the one (device, (dtype,)) of every grad, where the caller knows it; ``fused``: a one-launch check
+        that runs on the flag's device, for what torch's kernel refuses (both: see ``check_finite_``)."""
         if grads:
             assert self._one is not None, "materialize() first"
-            _torch_kernels.check_finite_(grads, self.found_inf, self._one, key)
+            _torch_kernels.check_finite_(grads, self.found_inf, self._one, key, fused)
 
     def unscale_unchecked_(self, grads: list[torch.Tensor]) -> None:
         """Unscale ``grads`` in place without touching the overflow flag (values already checked elsewhere)."""

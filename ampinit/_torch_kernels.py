@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import operator
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -318,12 +318,31 @@ def unscale_and_check_(grads: Sequence[Tensor], found_inf: Tensor, inv_scale: Te
 _SUM_CHECK_MIN_NUMEL = 1 << 15
 
 
-def check_finite_(grads: Sequence[Tensor], found_inf: Tensor, one: Tensor, key: GroupKey | None = None) -> None:
+#: A check of a list of contiguous plain tensors of one dtype on one device: ``fused(grads, flag)`` raises ``flag``
+#: (a one-element fp32 tensor on their device) if any holds an inf or NaN, never clears it, and returns True; or
+#: returns False, having done nothing, where it does not run (then the caller checks another way).
+FusedCheck = Callable[[list[Tensor], Tensor], bool]
+
+_PLAIN_TYPES = frozenset((Tensor, torch.nn.Parameter))
+
+
+def check_finite_(
+    grads: Sequence[Tensor],
+    found_inf: Tensor,
+    one: Tensor,
+    key: GroupKey | None = None,
+    fused: FusedCheck | None = None,
+) -> None:
     """Set ``found_inf`` to 1.0 if any grad is inf or NaN, leaving every grad's value as it is (no scale).
 
     ``key``: the ``(device, (dtype,))`` that every one of ``grads`` (plain tensors) is known to have, so that they
     are not grouped again (the kernel step's plan has just checked each of them: reading a device per tensor is
     most of this function's host time).
+
+    ``fused``: a one-launch check (the master step's Triton kernel, ``ampinit._masters``) offered a group of
+    contiguous plain tensors on ``found_inf``'s device which torch's unscale kernel refuses (bf16 on CUDA), before
+    the inf-norms below: a reduction with one output tensor per grad, a ``stack`` of them and five small ops, on a
+    GPU host work that grows with the number of tensors.
 
     Mostly the unscale kernel with ``one`` (a persistent one-element 1.0, so the step allocates nothing) as its
     multiplier. Where that kernel refuses the dtype (bf16 on CUDA: :data:`KERNEL_DTYPES`), one inf-norm
@@ -340,7 +359,8 @@ def check_finite_(grads: Sequence[Tensor], found_inf: Tensor, one: Tensor, key: 
     for (device, (dtype,)), (group,) in groups:
         flag = _flag_on(found_inf, device)
         if not takes(UNSCALE, device, dtype):
-            _check_by_norms(group, flag)
+            if fused is None or flag is not found_inf or not _contiguous_plain(group) or not fused(group, flag):
+                _check_by_norms(group, flag)
             group = []
         elif device.type == "cpu" and dtype == torch.bfloat16:
             small = [n < _SUM_CHECK_MIN_NUMEL for n in map(Tensor.numel, group)]
@@ -352,6 +372,11 @@ def check_finite_(grads: Sequence[Tensor], found_inf: Tensor, one: Tensor, key: 
         if group:
             torch._amp_foreach_non_finite_check_and_unscale_(group, flag, to_device(one, device).reshape(1))
         _fold_flag(found_inf, flag)
+
+
+def _contiguous_plain(group: list[Tensor]) -> bool:
+    """Whether every tensor of ``group`` is a contiguous plain tensor (what a kernel taking raw pointers reads)."""
+    return _PLAIN_TYPES.issuperset(map(type, group)) and all(map(Tensor.is_contiguous, group))
 
 
 def _check_by_norms(group: list[Tensor], flag: Tensor) -> None:

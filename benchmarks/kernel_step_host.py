@@ -20,6 +20,11 @@ the grads handed over (for amp inside a ``scale_loss`` block, whose exit checks 
 ``step()``, at O2/O5 beside torch's fused AdamW doing the same (``zero_grad()``, the same Python loop setting the
 grads, ``step()``). This is the master step alone of benchmarks/gpu_train_step.py, where nothing hides the host.
 
+``--check-routes`` adds O5's iteration as it runs on CUDA, whose unscale kernel refuses bf16: the bf16 grads'
+finite check by the master step's check kernel (its launch a no-op too) and by the inf-norms route it replaced
+(one output tensor per grad, a ``stack`` and five small ops). On CPU the norms also do their arithmetic; on a GPU
+they are launches, so this overstates what the route saves there, as the foreach row does.
+
     PYTHONPATH=. python benchmarks/kernel_step_host.py [--tensors 50,150,450] [--rounds 15] [--steps 20]
 """
 
@@ -35,7 +40,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampinit import amp
+from ampinit import _torch_kernels, amp
+from ampinit._masters import grads as grads_module
 from ampinit._masters import kernel_step
 
 TARGET = 1.2  # issue 24: host time of the kernel step <= 1.2x torch's fused AdamW at 150 tensors
@@ -54,13 +60,49 @@ def kernel_path_without_launches() -> Iterator[None]:
     """The kernel step taken for CPU tensors, its launches no-ops; both restored on exit."""
     from ampinit._masters import triton_kernels
 
-    saved = (kernel_step.TRITON_ON_CPU, triton_kernels._adam_kernel, triton_kernels._sgd_kernel)
+    kernels = ("_adam_kernel", "_sgd_kernel", "_check_kernel")
+    saved = kernel_step.TRITON_ON_CPU, [getattr(triton_kernels, name) for name in kernels]
     kernel_step.TRITON_ON_CPU = True
-    triton_kernels._adam_kernel = triton_kernels._sgd_kernel = _NoLaunch()
+    for name in kernels:
+        setattr(triton_kernels, name, _NoLaunch())
     try:
         yield
     finally:
-        kernel_step.TRITON_ON_CPU, triton_kernels._adam_kernel, triton_kernels._sgd_kernel = saved
+        kernel_step.TRITON_ON_CPU = saved[0]
+        for name, kernel in zip(kernels, saved[1]):
+            setattr(triton_kernels, name, kernel)
+
+
+@contextlib.contextmanager
+def cuda_unscale_rule() -> Iterator[None]:
+    """CPU's unscale kernel taken to refuse bf16, as CUDA's does, so O5's grads take the route they take on CUDA."""
+    table = dict(_torch_kernels.KERNEL_DTYPES)
+    table[_torch_kernels.UNSCALE, "cpu"] = table[_torch_kernels.UNSCALE, "cuda"]
+    saved, _torch_kernels.KERNEL_DTYPES = _torch_kernels.KERNEL_DTYPES, table
+    try:
+        yield
+    finally:
+        _torch_kernels.KERNEL_DTYPES = saved
+
+
+class CheckRoute:
+    """An O5 iteration whose bf16 grads are checked as on CUDA (under :func:`cuda_unscale_rule`): by the master
+    step's check kernel (``"kernel"``, the route since the twelfth session) or by the inf-norms it replaced."""
+
+    def __init__(self, tensors: int, numel: int, route: str) -> None:
+        self.amp_step, self.route = AmpStep("O5", tensors, numel), route
+
+    def iteration(self) -> None:
+        saved = grads_module._kernel_check
+        if self.route == "norms":
+            grads_module._kernel_check = lambda grads, flag: False
+        try:
+            self.amp_step.iteration()
+        finally:
+            grads_module._kernel_check = saved
+
+    def close(self) -> None:
+        self.amp_step.close()
 
 
 class AmpStep:
@@ -181,6 +223,22 @@ def measure_iterations(tensors: int, numel: int, rounds: int, steps: int) -> dic
             variant.close()
 
 
+def measure_check_routes(tensors: int, numel: int, rounds: int, steps: int) -> dict[str, dict[str, float]]:
+    """O5 iterations with CUDA's unscale rule, the bf16 check by the kernel and by inf-norms, against torch's fused
+    AdamW iteration, interleaved."""
+    variants: dict[str, Any] = {
+        "torch fused AdamW": PlainStep(tensors, numel),
+        "O5, norms check": CheckRoute(tensors, numel, "norms"),
+        "O5, kernel check": CheckRoute(tensors, numel, "kernel"),
+    }
+    try:
+        with cuda_unscale_rule():
+            return _interleaved(variants, rounds, steps, sample_iterations)
+    finally:
+        for variant in variants.values():
+            variant.close()
+
+
 def _interleaved(
     variants: dict[str, Any], rounds: int, steps: int, take: Callable[[Any, int], float]
 ) -> dict[str, dict[str, float]]:
@@ -226,6 +284,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--steps", type=int, default=20, help="timed steps per sample (the sample is their median)")
     parser.add_argument("--iterations-only", action="store_true", help="only the whole-iteration table")
+    parser.add_argument(
+        "--check-routes",
+        action="store_true",
+        help="also O5's iteration with CUDA's unscale rule: bf16 grads checked by the kernel, and by inf-norms",
+    )
     args = parser.parse_args(argv)
     counts = [int(n) for n in args.tensors.split(",")]
     torch.set_num_threads(1)  # host work is single-threaded; threads on tiny tensors only wait for each other
@@ -239,12 +302,17 @@ def main(argv: list[str] | None = None) -> int:
         results = {n: measure(n, args.numel, args.rounds, args.steps) for n in counts if steps_only}
         o4_results = {n: measure(n, args.numel, args.rounds, args.steps, o4=True) for n in counts if steps_only}
         iterations = {n: measure_iterations(n, args.numel, args.rounds, args.steps) for n in counts}
+        routes = {n: measure_check_routes(n, args.numel, args.rounds, args.steps) for n in counts if args.check_routes}
     _print_rows(results, o4_results)
     _print_verdicts("target", results, ("O2 kernel step", "O5 kernel step"), TARGET, "torch's fused AdamW")
     print("whole iteration: zero_grad, grads handed over (amp: in a scale_loss block), step")
     print(f"{'tensors':>8} {'variant':<24} {'us/iter':>9} {'x torch':>8} {'us/tensor':>10}")
     _print_rows(iterations)
     _print_verdicts("aim", iterations, ("O2 iteration", "O5 iteration"), ITERATION_AIM, "torch's fused AdamW iteration")
+    if routes:
+        print("O5 iteration with CUDA's unscale rule (bf16 refused): the bf16 grads' finite check, two routes")
+        print(f"{'tensors':>8} {'variant':<24} {'us/iter':>9} {'x torch':>8} {'us/tensor':>10}")
+        _print_rows(routes)
 
 
 def _print_rows(*tables: dict[int, dict[str, dict[str, float]]]) -> None:

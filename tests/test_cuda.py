@@ -279,3 +279,52 @@ def test_an_unchecked_gelu_under_sync_debug_mode_takes_the_unfused_path_without_
     finally:
         torch.cuda.set_sync_debug_mode(previous)
     assert fused_gelu.status() == {}  # left undecided: the first call outside the mode checks
+
+
+@requires_cuda("torch's unscale kernel refusing bf16 (CUDA's rule)")
+@pytest.mark.parametrize("master_weights", [True, "remainder"], ids=["fp32-masters", "remainder"])
+def test_o5_checks_bf16_grads_in_the_kernels_one_launch_and_still_skips_an_overflow(
+    master_weights: bool | str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On CUDA the bf16 grads' finite check is the master step's Triton kernel, not inf-norms: one launch per
+    backward, no ``_foreach_norm``; an inf in the batch still raises the flag and the step is skipped."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from ampinit._masters import triton_kernels
+
+    launches: list[int] = []
+    norms: list[str] = []
+    check = triton_kernels.check_finite_
+
+    def counted(grads: list[torch.Tensor], flag: torch.Tensor) -> None:
+        launches.append(len(grads))
+        check(grads, flag)
+
+    monkeypatch.setattr(triton_kernels, "check_finite_", counted)
+
+    class Norms(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if func.__name__.startswith(("_foreach_norm", "linalg_vector_norm")):
+                norms.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    model, x, y = cuda_problem()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    model, opt = amp.initialize(model, opt, opt_level="O5", master_weights=master_weights, verbosity=0)
+    try:
+        stepped = []
+        for step in range(3):
+            batch = x.clone()
+            if step == 1:
+                batch[0, 0] = float("inf")
+            before = [p.detach().clone() for p in model.parameters()]
+            opt.zero_grad()
+            loss = nn.functional.mse_loss(model(batch).float(), y)
+            with Norms(), amp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+            opt.step()
+            stepped.append(not all(torch.equal(b, p) for b, p in zip(before, model.parameters())))
+        assert stepped == [True, False, True]
+        assert len(launches) == 3 and norms == []
+    finally:
+        amp.deinitialize()

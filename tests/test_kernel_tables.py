@@ -160,3 +160,27 @@ def test_a_checkpoint_load_rebuilds_the_tables(builds: list[Any]) -> None:
     ref_weights, ref_moments = train(reload=False)
     for got, want in zip([*weights, *moments], [*ref_weights, *ref_moments]):
         assert torch.equal(got, want)
+
+
+def test_the_finite_check_rebuilds_only_the_grads_pointers_when_grads_move(
+    kernels_on_cpu: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The check launches over grads alone (fresh every backward): its block tables are keyed by sizes, so grads
+    at new addresses cost one pointer table, not a table entry per block; and it reads them where they now are."""
+    built: list[Any] = []
+    build = kernels_on_cpu._tables_on
+    monkeypatch.setattr(kernels_on_cpu, "_tables_by_sizes", {})
+    monkeypatch.setattr(kernels_on_cpu, "_grad_tables_by_storage", {})
+    monkeypatch.setattr(kernels_on_cpu, "_tables_on", lambda *a: built.append(a) or build(*a))
+    sizes = (3000, 5, 1024)
+    kept = []
+    for bad in (None, 2, None, 0):
+        grads = [torch.randn(n).bfloat16() for n in sizes]  # the earlier ones kept alive: new addresses
+        if bad is not None:
+            grads[bad][-1] = float("nan")
+        flag = torch.zeros(1)
+        kernels_on_cpu.check_finite_(grads, flag)
+        assert flag.item() == (0.0 if bad is None else 1.0)
+        kept.append(grads)
+    assert len(built) == 1 and len(kernels_on_cpu._tables_by_sizes) == 1
+    assert len(kernels_on_cpu._grad_tables_by_storage) == 4

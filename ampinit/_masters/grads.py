@@ -314,8 +314,8 @@ class OptimizerGrads:
             kinds = {(dtype, device.type) for dtype, device in set(zip(map(_DTYPE, half), map(_DEVICE, half)))}
         before_widening = all(scaler.unscales_before_widening(dtype, device_type) for dtype, device_type in kinds)
         if plan is not None:
-            scaler.check_(copy_src, key)
-            scaler.unscale_(direct)
+            scaler.check_(copy_src, key, _kernel_check)
+            scaler.unscale_(direct, _kernel_check)
             self._pending = PendingGrads(None if scaler.unit else scaler.inv_scale.clone(), before_widening, plan)
             self._merge_stash()
             return
@@ -326,12 +326,12 @@ class OptimizerGrads:
             # Unscale and check the half grads before widening them: half the bytes, the same result (a scale of
             # 1, or a power of two on bf16 off CPU: see unscales_before_widening). The model's half grads are
             # left unscaled in this case.
-            scaler.unscale_([*copy_src, *acc_src, *direct])
+            scaler.unscale_([*copy_src, *acc_src, *direct], _kernel_check)
             _torch_kernels.copy_(copy_dst, copy_src)
             _torch_kernels.add_(acc_dst, acc_src)
         else:
             _torch_kernels.copy_(copy_dst, copy_src)
-            scaler.unscale_([*copy_dst, *direct])
+            scaler.unscale_([*copy_dst, *direct], _kernel_check)
             if acc_dst:
                 # Master grads already hold unscaled values from an earlier backward. Bringing them to the
                 # current scale, adding the new scaled grads and unscaling the sum is exact for power-of-two
@@ -484,3 +484,14 @@ _IS_NONE = functools.partial(operator.is_, None)
 _IS_NOT_NONE = functools.partial(operator.is_not, None)
 _DTYPE = operator.attrgetter("dtype")
 _DEVICE = operator.attrgetter("device")
+
+
+def _kernel_check(grads: list[torch.Tensor], flag: torch.Tensor) -> bool:
+    """The master step's one-launch finite check (``triton_kernels.check_finite_``), where its kernels run on the
+    flag's device; False elsewhere. Offered to the scaler's check for the half grads torch's unscale kernel refuses
+    (bf16 on CUDA: ``_torch_kernels.check_finite_``); Triton is imported only when it is asked."""
+    kernels = kernel_step.kernels_for(flag.device)
+    if kernels is None:
+        return False
+    kernels.check_finite_(grads, flag)
+    return True

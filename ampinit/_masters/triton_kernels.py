@@ -405,8 +405,14 @@ def _check_lists(device: torch.device, lists: Sequence[Sequence[torch.Tensor]]) 
 def _build_tables(device: torch.device, lists: Sequence[Sequence[torch.Tensor]]) -> _Tables:
     _check_lists(device, lists)
     numels = [t.numel() for t in lists[0]]
-    blocks = [(t, start) for t, n in enumerate(numels) for start in range(0, n, _BLOCK)]
     addresses = [t.data_ptr() for tensors in lists for t in tensors]
+    return _tables_on(device, numels, addresses)
+
+
+def _tables_on(device: torch.device, numels: Sequence[int], addresses: Sequence[int]) -> _Tables:
+    """The tables of tensors of ``numels`` elements (one program per block of each) whose lists' data pointers are
+    ``addresses``, copied to ``device``: a Python loop over the blocks, built once per set of tensors."""
+    blocks = [(t, start) for t, n in enumerate(numels) for start in range(0, n, _BLOCK)]
     host = (
         torch.tensor(addresses, dtype=torch.int64),
         torch.tensor(numels, dtype=torch.int64),
@@ -414,8 +420,25 @@ def _build_tables(device: torch.device, lists: Sequence[Sequence[torch.Tensor]])
         torch.tensor([b[1] for b in blocks], dtype=torch.int64),
     )
     pointers, sizes, block_tensor, block_start = (_to_device(t, device) for t in host)
-    aligned = _aligned(addresses)
-    return _Tables(pointers, sizes, block_tensor, block_start, len(blocks), tuple(numels), aligned)
+    return _Tables(pointers, sizes, block_tensor, block_start, len(blocks), tuple(numels), _aligned(addresses))
+
+
+#: The finite check's block tables by ``(device, sizes)`` alone: it launches over grads only, which a training loop
+#: makes afresh each step and the caching allocator may place elsewhere (variable-length batches move every
+#: activation), so its pointers come from ``_grad_table`` (one table of as many entries as tensors) and a move never
+#: rebuilds a table entry per block.
+_tables_by_sizes: dict[tuple[torch.device, tuple[int, ...]], _Tables] = {}
+
+
+def _size_tables(device: torch.device, sizes: tuple[int, ...]) -> _Tables:
+    key = (device, sizes)
+    cached = _tables_by_sizes.get(key)
+    if cached is None:
+        cached = _tables_on(device, sizes, ())
+        if len(_tables_by_sizes) >= _MAX_CACHED:
+            _tables_by_sizes.clear()
+        _tables_by_sizes[key] = cached
+    return cached
 
 
 def _aligned(addresses: Sequence[int]) -> bool:
@@ -437,11 +460,13 @@ def check_finite_(grads: TensorList, found_inf: torch.Tensor) -> None:
     """See ``ampinit._masters.reference.check_finite_``."""
     if not grads:
         return
-    tables = _tables(grads[0].device, grads)
+    device = grads[0].device
+    tables = _size_tables(device, tuple(map(torch.Tensor.numel, grads)))
+    grad_table, _ = _grad_table(device, grads, tables.sizes)
     # No arithmetic to fuse here; said anyway, as every launch does, so that Triton 3.9 (whose default is
     # changing) does not warn that the option was left unset.
     _check_kernel[(tables.n_blocks,)](
-        tables.pointers,
+        grad_table,
         tables.numels,
         tables.block_tensor,
         tables.block_start,
