@@ -359,7 +359,9 @@ def check_finite_(
     for (device, (dtype,)), (group,) in groups:
         flag = _flag_on(found_inf, device)
         if not takes(UNSCALE, device, dtype):
-            if fused is None or flag is not found_inf or not _contiguous_plain(group) or not fused(group, flag):
+            # A key says the caller has checked each grad (plain, contiguous, on the device): not read again.
+            offer = fused is not None and flag is found_inf and (key is not None or _contiguous_plain(group))
+            if not (offer and fused is not None and fused(group, flag)):
                 _check_by_norms(group, flag)
             group = []
         elif device.type == "cpu" and dtype == torch.bfloat16:

@@ -373,11 +373,13 @@ _grad_tables_by_storage: dict[tuple[Any, ...], tuple[torch.Tensor, bool]] = {}
 
 
 def _grad_table(
-    device: torch.device, grads: Sequence[torch.Tensor], sizes: tuple[int, ...]
+    device: torch.device, grads: Sequence[torch.Tensor], sizes: tuple[int, ...], key: tuple[Any, ...] | None = None
 ) -> tuple[torch.Tensor, bool]:
     """The grads' pointers and whether every grad starts on 16 bytes, from the cache when these grads were launched
-    on before; ``sizes`` (the other lists') are what each grad must hold."""
-    key = _storage_key(device, [grads])
+    on before; ``sizes`` (the other lists') are what each grad must hold. ``key``: ``_storage_key(device,
+    [grads])``, where the caller has just read it."""
+    if key is None:
+        key = _storage_key(device, [grads])
     cached = _grad_tables_by_storage.get(key)
     if cached is None:
         _check_lists(device, [grads])
@@ -461,8 +463,9 @@ def check_finite_(grads: TensorList, found_inf: torch.Tensor) -> None:
     if not grads:
         return
     device = grads[0].device
-    tables = _size_tables(device, tuple(map(torch.Tensor.numel, grads)))
-    grad_table, _ = _grad_table(device, grads, tables.sizes)
+    key = _storage_key(device, [grads])  # read once: the sizes for the blocks, the pointers for the grads' table
+    tables = _size_tables(device, key[1])
+    grad_table, _ = _grad_table(device, grads, tables.sizes, key)
     # No arithmetic to fuse here; said anyway, as every launch does, so that Triton 3.9 (whose default is
     # changing) does not warn that the option was left unset.
     _check_kernel[(tables.n_blocks,)](
