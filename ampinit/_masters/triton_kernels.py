@@ -99,20 +99,25 @@ def _tensor_ptr(table, index, T: tl.constexpr, ALIGNED: tl.constexpr):
 
 
 @triton.jit
-def _block(ptrs, numels, block_tensor, block_start, flag_ptr, HAS_FLAG: tl.constexpr, BLOCK: tl.constexpr):
-    pid = tl.program_id(0)
-    t = tl.load(block_tensor + pid)
-    offs = tl.load(block_start + pid) + tl.arange(0, BLOCK)
-    limit = tl.load(numels + t)
-    if HAS_FLAG:
-        limit = tl.where(tl.load(flag_ptr) == 0, limit, 0)  # a raised flag masks everything out
-    return t, offs, offs < limit
+def _check_kernel(
+    ptrs, numels, block_tensor, block_start, flag_ptr,
+    GRAD_T: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    t, start, limit = _span(numels, block_tensor, block_start, flag_ptr, False, BLOCK)
+    if start + BLOCK <= limit:
+        _check_block(ptrs, t, start, limit, flag_ptr, GRAD_T, False, ALIGNED, BLOCK)
+    else:
+        _check_block(ptrs, t, start, limit, flag_ptr, GRAD_T, True, ALIGNED, BLOCK)
 
 
 @triton.jit
-def _check_kernel(ptrs, numels, block_tensor, block_start, flag_ptr, GRAD_T: tl.constexpr, BLOCK: tl.constexpr):
-    t, offs, mask = _block(ptrs, numels, block_tensor, block_start, flag_ptr, False, BLOCK)
-    g = tl.load(tl.load(ptrs + t).to(tl.pointer_type(GRAD_T)) + offs, mask=mask, other=0.0).to(tl.float32)
+def _check_block(
+    ptrs, t, start, limit, flag_ptr, GRAD_T: tl.constexpr, MASKED: tl.constexpr, ALIGNED: tl.constexpr,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    offs = start + tl.arange(0, BLOCK)
+    mask = offs < limit
+    g = _ld(_tensor_ptr(ptrs, t, GRAD_T, ALIGNED) + offs, mask, MASKED).to(tl.float32)  # a masked lane reads 0
     bad = (g != g) | (tl.abs(g) == float("inf"))
     # Every bad lane writes the same 1.0 to the flag: a benign race, and no reduction needed.
     tl.store(flag_ptr + offs * 0, tl.where(bad, 1.0, 0.0), mask=bad)
@@ -465,7 +470,7 @@ def check_finite_(grads: TensorList, found_inf: torch.Tensor) -> None:
     device = grads[0].device
     key = _storage_key(device, [grads])  # read once: the sizes for the blocks, the pointers for the grads' table
     tables = _size_tables(device, key[1])
-    grad_table, _ = _grad_table(device, grads, tables.sizes, key)
+    grad_table, aligned = _grad_table(device, grads, tables.sizes, key)
     # No arithmetic to fuse here; said anyway, as every launch does, so that Triton 3.9 (whose default is
     # changing) does not warn that the option was left unset.
     _check_kernel[(tables.n_blocks,)](
@@ -474,8 +479,9 @@ def check_finite_(grads: TensorList, found_inf: torch.Tensor) -> None:
         tables.block_tensor,
         tables.block_start,
         found_inf,
-        _TL_DTYPES[grads[0].dtype],
-        _BLOCK,
+        GRAD_T=_TL_DTYPES[grads[0].dtype],
+        ALIGNED=aligned,
+        BLOCK=_BLOCK,
         enable_fp_fusion=False,
     )
 
