@@ -1,13 +1,15 @@
-"""What the host-work tests share: Triton launches replaced by a counting stand-in, the aten ops of a call (by
-torch's profiler, which also sees the ops an op runs inside itself), and the third ``optimizer.step()`` of an amp
-session over a number of parameter tensors, measured."""
+"""What the host-work tests share: Triton launches replaced by a counting stand-in (and the finite check counted),
+the aten ops of a call (by torch's profiler, which also sees the ops an op runs inside itself), and the third
+``optimizer.step()`` of an amp session over a number of parameter tensors, measured."""
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any, TypeVar
 
+import pytest
 import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
@@ -15,6 +17,20 @@ from torch.profiler import ProfilerActivity, profile
 from ampinit import amp
 
 _M = TypeVar("_M")
+
+
+def counted_checks(kernels: ModuleType, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """``kernels.check_finite_`` (the master step's finite check) made to record, per call, how many grads it
+    checked, and still check them: the list it records into."""
+    calls: list[int] = []
+    check = kernels.check_finite_
+
+    def counted(grads: list[torch.Tensor], flag: torch.Tensor) -> None:
+        calls.append(len(grads))
+        check(grads, flag)
+
+    monkeypatch.setattr(kernels, "check_finite_", counted)
+    return calls
 
 
 class NoLaunch:

@@ -24,6 +24,7 @@ from ampinit.optimizers import FusedAdam
 from benchmarks.cast_list_effect import ulp_difference
 from tests import _device, _leaks
 from tests._device import requires_cuda
+from tests._host_work import counted_checks
 from tests.conftest import make_problem
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -292,15 +293,8 @@ def test_o5_checks_bf16_grads_in_the_kernels_one_launch_and_still_skips_an_overf
 
     from ampinit._masters import triton_kernels
 
-    launches: list[int] = []
+    launches = counted_checks(triton_kernels, monkeypatch)
     norms: list[str] = []
-    check = triton_kernels.check_finite_
-
-    def counted(grads: list[torch.Tensor], flag: torch.Tensor) -> None:
-        launches.append(len(grads))
-        check(grads, flag)
-
-    monkeypatch.setattr(triton_kernels, "check_finite_", counted)
 
     class Norms(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]

@@ -17,6 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import ampinit
 from ampinit import _torch_kernels, amp
 from ampinit._masters import grads as grads_module
+from tests._host_work import counted_checks
 from tests.conftest import make_problem
 
 
@@ -146,14 +147,7 @@ class _Calls(TorchDispatchMode):
 def test_o5_checks_bf16_grads_in_one_kernel_launch_and_trains_as_the_norms_route(
     kernels_on_cpu: ModuleType, master_weights: bool | str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    launches: list[int] = []
-    check_kernel = kernels_on_cpu.check_finite_
-
-    def counted(grads: list[torch.Tensor], flag: torch.Tensor) -> None:
-        launches.append(len(grads))
-        check_kernel(grads, flag)
-
-    monkeypatch.setattr(kernels_on_cpu, "check_finite_", counted)
+    launches = counted_checks(kernels_on_cpu, monkeypatch)
     fused = train(master_weights, True, monkeypatch)
     assert len(launches) == STEPS and all(n == len(fused["weights"]) - 2 for n in launches)  # BatchNorm stays fp32
     assert fused["stepped"] == [step != BAD_STEP for step in range(STEPS)]  # the bad step, and only it, skipped
