@@ -19,6 +19,7 @@ import torch
 from ampinit._masters import reference as ref
 from ampinit.optimizers import FusedAdam, FusedSGD
 from tests import _triton
+from tests._host_work import NoLaunch
 from tests._kernels_vs_reference import SIZES, assert_same, call, clone, run_both, same_bits
 
 pytest.importorskip("triton", reason="triton is not installed (pip install triton); the kernels are tested through it")
@@ -472,3 +473,13 @@ def test_fused_adam_in_the_kernels_skips_an_overflow_on_the_device(
     assert launches > 0
     assert_same(tensors, ref_tensors)
     assert state["param_groups"][0]["step"].item() == 3.0 == ref_state["param_groups"][0]["step"].item()
+
+
+def test_check_finite_of_empty_grads_launches_nothing(kernels: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    stand_in = NoLaunch()
+    monkeypatch.setattr(kernels, "_check_kernel", stand_in)
+    flag = torch.zeros(1)
+    kernels.check_finite_([torch.empty(0, dtype=torch.bfloat16), torch.empty(0, 3, dtype=torch.bfloat16)], flag)
+    assert stand_in.launches == 0 and flag.item() == 0.0
+    kernels.check_finite_([torch.empty(0, dtype=torch.bfloat16), torch.ones(3, dtype=torch.bfloat16)], flag)
+    assert stand_in.launches == 1

@@ -470,6 +470,8 @@ def check_finite_(grads: TensorList, found_inf: torch.Tensor) -> None:
     device = grads[0].device
     key = _storage_key(device, [grads])  # read once: the sizes for the blocks, the pointers for the grads' table
     tables = _size_tables(device, key[1])
+    if not tables.n_blocks:
+        return  # empty grads only: nothing to read (and a launch of no programs is refused on CUDA)
     grad_table, aligned = _grad_table(device, grads, tables.sizes, key)
     # No arithmetic to fuse here; said anyway, as every launch does, so that Triton 3.9 (whose default is
     # changing) does not warn that the option was left unset.
