@@ -360,8 +360,13 @@ def check_finite_(
         flag = _flag_on(found_inf, device)
         if not takes(UNSCALE, device, dtype):
             # A key says the caller has checked each grad (plain, contiguous, on the device): not read again.
-            offer = fused is not None and flag is found_inf and (key is not None or _contiguous_plain(group))
-            if not (offer and fused is not None and fused(group, flag)):
+            offered = (
+                fused is not None
+                and flag is found_inf
+                and (key is not None or _contiguous_plain(group))
+                and fused(group, flag)
+            )
+            if not offered:
                 _check_by_norms(group, flag)
             group = []
         elif device.type == "cpu" and dtype == torch.bfloat16:

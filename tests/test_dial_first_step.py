@@ -28,7 +28,7 @@ from ampinit._masters.dial_grads import Dial, StateStore
 from ampinit.optimizers import FusedAdam
 from benchmarks.cpu_peak_memory import trace_peak
 from tests._host_work import NoLaunch
-from tests.test_dial_slices import same_bits
+from tests.test_dial_slices import same_bits, square_mean_backward
 
 SEED = 1234
 
@@ -167,14 +167,8 @@ def first_and_later_peaks(
         else FusedAdam(net.parameters(), lr=1e-3)
     )
     net, opt = amp.initialize(net, opt, opt_level="O5", master_weights="remainder", optimizer_state=state, verbosity=0)
-    x = torch.randn(2, width)
+    backward = square_mean_backward(net, opt, torch.randn(2, width))
     try:
-
-        def backward() -> None:
-            opt.zero_grad(set_to_none=True)
-            with amp.scale_loss(net(x).float().square().mean(), opt) as scaled:
-                scaled.backward()
-
         backward()
         first = trace_peak(opt.step).peak
         backward()

@@ -11,6 +11,7 @@ larger than the tensor (one slice: the computation before slicing).
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -197,6 +198,20 @@ def test_dial_steps_in_slices_are_bitwise_those_in_one(
 
 # -- peak memory -------------------------------------------------------------------------------------------------
 LARGE = (1024, 2048)  # one parameter of 2**21 elements
+
+
+def square_mean_backward(net: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> Callable[[], None]:
+    """A backward of ``net`` on ``x`` under amp (grads cleared first, the loss the output's mean square): called
+    before each traced step."""
+
+    def backward() -> None:
+        opt.zero_grad(set_to_none=True)
+        with amp.scale_loss(net(x).float().square().mean(), opt) as scaled:
+            scaled.backward()
+
+    return backward
+
+
 PEAK_SLICE = 1 << 16
 # At the step's peak (the update itself): the fp32 master, grad and two moments of the whole parameter (16 B per
 # element, kept: the update needs them whole) and torch's single-tensor AdamW's two fp32 temporaries (8 B). The
@@ -214,14 +229,8 @@ def test_a_dial_steps_peak_does_not_grow_with_the_largest_tensors_temporaries(
     net = nn.Linear(LARGE[1], LARGE[0], bias=False)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
     net, opt = amp.initialize(net, opt, opt_level="O5", master_weights=masters, optimizer_state=state, verbosity=0)
-    x = torch.randn(2, LARGE[1])
+    backward = square_mean_backward(net, opt, torch.randn(2, LARGE[1]))
     try:
-
-        def backward() -> None:
-            opt.zero_grad(set_to_none=True)
-            with amp.scale_loss(net(x).float().square().mean(), opt) as scaled:
-                scaled.backward()
-
         backward()
         opt.step()  # the first step creates the moments: the traced one only replaces them
         backward()

@@ -6,7 +6,7 @@ route gives, with an overflowing step among the steps."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
@@ -17,16 +17,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import ampinit
 from ampinit import _torch_kernels, amp
 from ampinit._masters import grads as grads_module
+from benchmarks import kernel_step_host
 from tests._host_work import counted_checks
 from tests.conftest import make_problem
 
 
 @pytest.fixture
-def cuda_unscale_rule_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+def cuda_unscale_rule_on_cpu() -> Iterator[None]:
     """CPU's unscale kernel taken to accept what CUDA's does: no bf16."""
-    table = dict(_torch_kernels.KERNEL_DTYPES)
-    table[_torch_kernels.UNSCALE, "cpu"] = table[_torch_kernels.UNSCALE, "cuda"]
-    monkeypatch.setattr(_torch_kernels, "KERNEL_DTYPES", table)
+    with kernel_step_host.cuda_unscale_rule():
+        yield
 
 
 class Recorder:
@@ -183,8 +183,6 @@ def test_the_kernel_check_runs_no_norm_or_stack(kernels_on_cpu: ModuleType, monk
 def test_the_host_benchmarks_check_routes_take_the_route_they_name(
     route: str, triton_interpreter: ModuleType, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from benchmarks import kernel_step_host
-
     taken: list[str] = []
     norms = _torch_kernels._check_by_norms
     monkeypatch.setattr(_torch_kernels, "_check_by_norms", lambda g, f: taken.append("norms") or norms(g, f))

@@ -17,7 +17,7 @@ import gc
 import operator
 import sys
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from types import FrameType, GetSetDescriptorType, ModuleType
 from typing import Any, TypeVar
 
@@ -27,8 +27,9 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ampinit import _overflow, _torch_kernels, amp
+from ampinit import _overflow, amp
 from ampinit._masters import kernel_step, reference
+from benchmarks.kernel_step_host import cuda_unscale_rule
 from tests._device import device_under_test
 from tests._host_work import NoLaunch, aten_ops, third_step
 
@@ -38,18 +39,21 @@ pytest.importorskip("triton", reason="triton is not installed (pip install trito
 
 
 @pytest.fixture(params=["cpu-rules", "cuda-rules"])
-def no_launches(kernels_on_cpu: ModuleType, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> None:
+def no_launches(
+    kernels_on_cpu: ModuleType, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> Iterator[None]:
     """Every kernel launch a no-op; and under ``cuda-rules`` torch's unscale kernel refusing bf16 as CUDA's does and a
     dynamic scale decided on the device, so that the iteration takes the routes it takes on a GPU (on CPU the
     kernel takes bf16, and the host reads the flag)."""
     monkeypatch.setattr(kernels_on_cpu, "_adam_kernel", NoLaunch())
     monkeypatch.setattr(kernels_on_cpu, "_sgd_kernel", NoLaunch())
     monkeypatch.setattr(kernels_on_cpu, "_check_kernel", NoLaunch())
-    if request.param == "cuda-rules":
-        table = dict(_torch_kernels.KERNEL_DTYPES)
-        table[_torch_kernels.UNSCALE, "cpu"] = table[_torch_kernels.UNSCALE, "cuda"]
-        monkeypatch.setattr(_torch_kernels, "KERNEL_DTYPES", table)
-        monkeypatch.setattr(_overflow, "DEVICE_DECIDES_ON_CPU", True)  # a dynamic scale decided as on a GPU
+    if request.param == "cpu-rules":
+        yield
+        return
+    monkeypatch.setattr(_overflow, "DEVICE_DECIDES_ON_CPU", True)  # a dynamic scale decided as on a GPU
+    with cuda_unscale_rule():
+        yield
 
 
 def _calls(step: Callable[[], None]) -> int:
