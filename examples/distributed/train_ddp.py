@@ -11,6 +11,7 @@ The order matters, as in Apex: amp.initialize() first, then wrap the returned mo
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 
@@ -86,6 +87,10 @@ def main() -> None:
     checksum = sum(p.detach().double().sum().item() for p in model.parameters())
     report(f"rank {rank} of {world}: parameter checksum {checksum!r}")
     amp.deinitialize()
+    # Release the DDP model first: one still alive when the interpreter shuts down holds its gloo process group,
+    # whose teardown then aborts the process now and then (docs/distributed.md, "Shutting down").
+    del model, optimizer
+    gc.collect()
     # Leave together: a rank that tears its process group down while another is still talking to it can abort.
     dist.barrier()
     dist.destroy_process_group()
