@@ -27,6 +27,7 @@ _MODULES = (
 
 if TYPE_CHECKING:
     from ampinit._api import (
+        clip_grad_norm_,
         current_session,
         deinitialize,
         disable_casts,
@@ -63,6 +64,7 @@ __all__ = [
     "Properties",
     "StuckReport",
     "__version__",
+    "clip_grad_norm_",
     "current_session",
     "deinitialize",
     "disable_casts",

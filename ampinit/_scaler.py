@@ -68,7 +68,7 @@ class LossScaler:
         """
         if self.unit:
             return True
-        return dtype == torch.bfloat16 and self._powers_of_two
+        return dtype == torch.bfloat16 and self.powers_of_two
 
     def unscales_before_widening(self, dtype: torch.dtype, device_type: str) -> bool:
         """Whether a master step should unscale and check half grads of ``dtype`` on ``device_type`` before
@@ -90,7 +90,8 @@ class LossScaler:
         return self.config is None and self._host_scale == 1.0
 
     @property
-    def _powers_of_two(self) -> bool:
+    def powers_of_two(self) -> bool:
+        """Whether every scale this scaler can take is a power of two (so is its reciprocal, exactly)."""
         if self.config is None:
             return _is_power_of_two(self._host_scale)
         cfg = self.config

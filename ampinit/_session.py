@@ -199,6 +199,16 @@ class AmpSession:
         for group in optimizer.param_groups:
             yield from group["params"]
 
+    def clip_grad_norm_(
+        self, optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float, error_if_nonfinite: bool
+    ) -> torch.Tensor | None:
+        """``amp.clip_grad_norm_`` folded into ``optimizer``'s pending kernel step, or None where none is pending
+        (see ``OptimizerGrads.clip_grad_norm_``)."""
+        record = self._record_of(optimizer)
+        if record is None or not record.grads.master_weights:
+            return None
+        return record.grads.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
+
     def _record_of(self, optimizer: object) -> OptimizerRecord | None:
         record = self._records.get(id(optimizer))
         return record if record is not None and record.optimizer is optimizer else None

@@ -1,11 +1,13 @@
-"""Gradient clipping: clip `amp.master_params(optimizer)`, the gradients the optimizer will actually apply.
+"""Gradient clipping: `amp.clip_grad_norm_(optimizer, max_norm)`, on the gradients the optimizer will apply.
 
-Run:  python examples/gradient_clipping.py [--opt-level O2] [--max-norm 1.0] [--steps 100]
+Run:  python examples/gradient_clipping.py [--opt-level O2] [--max-norm 1.0] [--steps 100] [--apex-pattern]
 
-When `scale_loss` exits, the gradients have been unscaled (and, with master weights, copied into the fp32
-masters): that is the moment to clip, before `optimizer.step()`. `amp.master_params(optimizer)` yields the fp32
-masters at O2/O5 and the model's own parameters at the other levels, so the same line works at every level and
-the norm it sees is the true one, not one multiplied by the loss scale.
+When `scale_loss` exits, the gradients have been unscaled: that is the moment to clip, before `optimizer.step()`.
+`amp.clip_grad_norm_` clips what the step will apply (the fp32 master grads at O2/O5, the model's own grads at
+the other levels), so the same line works at every level and the norm it sees is the true one, not one multiplied
+by the loss scale. `--apex-pattern` clips as Apex code does, `torch.nn.utils.clip_grad_norm_(amp.master_params(
+optimizer), max_norm)`: the same numbers, but at O2/O5 on a GPU it makes the fp32 master grads that
+`amp.clip_grad_norm_` leaves unwritten (docs/opt-levels.md, "Clipping").
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ def main() -> None:
     parser.add_argument("--opt-level", default="O2", choices=["O0", "O1", "O2", "O3", "O4", "O5"])
     parser.add_argument("--max-norm", type=float, default=1.0)
     parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--apex-pattern", action="store_true", help="clip amp.master_params(optimizer) with torch")
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -38,7 +41,10 @@ def main() -> None:
         loss = nn.functional.mse_loss(model(x), y)
         with amp.scale_loss(loss, optimizer) as scaled_loss:
             scaled_loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), max_norm=args.max_norm)
+        if args.apex_pattern:
+            norm = torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), max_norm=args.max_norm)
+        else:
+            norm = amp.clip_grad_norm_(optimizer, max_norm=args.max_norm)
         optimizer.step()
         # An overflowing step (norm inf, at fp16 levels while the loss scale settles) is skipped: nothing to clip.
         if not amp.step_was_skipped():

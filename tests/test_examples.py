@@ -49,6 +49,8 @@ RUNS: dict[str, list[str]] = {
     "accumulate O2 4x16": ["gradient_accumulation.py", "--opt-level", "O2", "--steps", "20"],
     "clip O0": ["gradient_clipping.py", "--opt-level", "O0", "--steps", "20"],
     "clip O2": ["gradient_clipping.py", "--opt-level", "O2", "--steps", "20"],
+    "clip O5 apex": ["gradient_clipping.py", "--opt-level", "O5", "--steps", "20", "--apex-pattern"],
+    "clip O5": ["gradient_clipping.py", "--opt-level", "O5", "--steps", "20"],
     "gan O0": ["multiple_losses_gan.py", "--opt-level", "O0", "--steps", "300"],
     "gan O2": ["multiple_losses_gan.py", "--opt-level", "O2", "--steps", "300"],
     "resume O2": ["checkpoint_resume.py", "--opt-level", "O2", "--steps", "10"],
@@ -140,6 +142,11 @@ def test_clipping_sees_the_unscaled_norm(outputs: dict[str, str]) -> None:
     skipped, scale = number(outputs["clip O2"], r"skipped (\d+) steps"), number(outputs["clip O2"], r"loss scale (\d+)")
     assert skipped >= 1 and 2.0**16 / scale == 2.0**skipped
     assert number(outputs["clip O0"], r"skipped (\d+) steps") == 0
+
+
+def test_amp_clip_grad_norm_prints_what_apexs_pattern_prints(outputs: dict[str, str]) -> None:
+    assert "clipped 20 of 20 applied steps" in outputs["clip O5"]
+    assert outputs["clip O5"] == outputs["clip O5 apex"]
 
 
 def test_gan_keeps_one_scale_per_loss_and_learns_like_fp32(outputs: dict[str, str]) -> None:

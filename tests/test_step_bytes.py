@@ -8,7 +8,9 @@ scalars (step counts, bias corrections) are not per-parameter traffic and are no
 The floor for Adam with fp32 moments: the step reads the half grad (2), the fp32 master (4) and the two moments (8)
 and writes the half weight (2), the master and the moments: 28 bytes per parameter. The overflow check is a pass
 of its own (2 bytes read per parameter), as native ``GradScaler.unscale_`` is (which reads and writes the fp32
-grads of an autocast model: 8). Master grads asked for (clipping through ``amp.master_params``) cost their pass.
+grads of an autocast model: 8). Master grads asked for (clipping through ``amp.master_params``) cost their pass;
+``amp.clip_grad_norm_`` costs a read of the half grads. torch's ``_foreach_norm`` and ``_foreach_mul_`` (a clip's
+passes) are counted too.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ PASSES: dict[str, Callable[..., tuple[list[torch.Tensor], list[torch.Tensor]]]] 
     "copy_": lambda dst, src: (list(src), list(dst)),
     "mul_": lambda tensors, factor: (list(tensors), list(tensors)),
     "add_": lambda tensors, others: ([*tensors, *others], list(tensors)),
+    "_foreach_norm": lambda tensors, *_, **__: (list(tensors), []),  # torch's, in a clip
+    "_foreach_mul_": lambda tensors, factor: (list(tensors), list(tensors)),
     "adam_": lambda grads, masters, m, v, *_, **__: (
         [*grads, *_masters_read(masters), *m, *v],
         [*_masters_written(masters), *m, *v],
@@ -98,6 +102,8 @@ def ledger(kernels_on_cpu: ModuleType, monkeypatch: pytest.MonkeyPatch) -> Ledge
         book.wrap(_torch_kernels, name, monkeypatch)
     for name in ("adam_", "sgd_"):
         book.wrap(kernels_on_cpu, name, monkeypatch)
+    for name in ("_foreach_norm", "_foreach_mul_"):  # a clip's passes: torch's, or amp.clip_grad_norm_'s
+        book.wrap(torch, name, monkeypatch)
     return book
 
 
@@ -115,9 +121,10 @@ def _params(model: nn.Module) -> int:
 
 
 def amp_ledger(
-    ledger: Ledger, level: str, make_opt: Callable[[Any], torch.optim.Optimizer], clip: bool = False
+    ledger: Ledger, level: str, make_opt: Callable[[Any], torch.optim.Optimizer], clip: str | None = None
 ) -> list[tuple[str, float]]:
-    """The passes of the third step (the optimizer state exists) of ``level``, per parameter."""
+    """The passes of the third step (the optimizer state exists) of ``level``, per parameter; ``clip``: clipped
+    by Apex's pattern (``"apex"``) or by ``amp.clip_grad_norm_`` (``"amp"``) before the step."""
     model = _model()
     opt = make_opt(model.parameters())
     model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0)
@@ -129,8 +136,10 @@ def amp_ledger(
                     opt,
                 ) as scaled:
                     scaled.backward()
-                if clip:
-                    torch.nn.utils.clip_grad_norm_(amp.master_params(opt), 1.0)
+                if clip == "apex":
+                    torch.nn.utils.clip_grad_norm_(amp.master_params(opt), 1e-3)
+                elif clip == "amp":
+                    amp.clip_grad_norm_(opt, 1e-3)
                 opt.step()
                 opt.zero_grad()
         return ledger.per_param(_params(model))
@@ -177,8 +186,20 @@ def test_the_overflow_check_reads_less_than_native_grad_scaler(ledger: Ledger, m
 
 @pytest.mark.parametrize("level", ["O2", "O5"])
 def test_master_grads_asked_for_cost_their_pass(ledger: Ledger, level: str) -> None:
-    """Clipping through ``amp.master_params`` makes the fp32 master grads (a copy of the half grads, unscaled at
-    O2's dynamic scale) and the step reads those (4 bytes) instead of the half grads (2)."""
-    passes = amp_ledger(ledger, level, lambda ps: torch.optim.AdamW(ps, lr=1e-3), clip=True)
+    """Clipping through ``amp.master_params`` (Apex's pattern) makes the fp32 master grads (a copy of the half
+    grads, unscaled at O2's dynamic scale), torch's clip reads them (4 bytes) and multiplies them (8), and the step
+    reads them (4 bytes) instead of the half grads (2): 22 bytes of grads beside the update's 26."""
+    passes = amp_ledger(ledger, level, lambda ps: torch.optim.AdamW(ps, lr=1e-3), clip="apex")
     unscale = [("mul_", 8.0)] if level == "O2" else []
-    assert passes == [("check_finite_", 2.0), ("copy_", 6.0), *unscale, ("adam_", 30.0)]
+    clip = [("_foreach_norm", 4.0), ("_foreach_mul_", 8.0)]
+    assert passes == [("check_finite_", 2.0), ("copy_", 6.0), *unscale, *clip, ("adam_", 30.0)]
+
+
+@pytest.mark.parametrize("level", ["O2", "O5"])
+def test_amp_clip_grad_norm_reads_the_half_grads_once_and_the_step_stays_at_its_floor(
+    ledger: Ledger, level: str
+) -> None:
+    """``amp.clip_grad_norm_`` takes each half grad's norm (2 bytes read) and hands the coefficient to the step,
+    which stays at the floor: 4 bytes of grads beside the update's 26."""
+    passes = amp_ledger(ledger, level, lambda ps: torch.optim.AdamW(ps, lr=1e-3), clip="amp")
+    assert passes == [("check_finite_", 2.0), ("_foreach_norm", 2.0), ("adam_", 28.0)]

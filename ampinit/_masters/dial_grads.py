@@ -424,6 +424,10 @@ class _DialStep(abc.ABC):
         return None if update is None else kernel_step.group_settings(self.optimizer, update, group)
 
     @abc.abstractmethod
+    def _factor_for(self, params: list[torch.Tensor]) -> torch.Tensor | None:
+        """What a launch over ``params`` multiplies their grads by (``amp.clip_grad_norm_``), if anything."""
+
+    @abc.abstractmethod
     def _kernel_storage(self) -> tuple[dict[int, torch.Tensor], Container[int]]:
         """``kernel_step.kernels_taking``'s model weights by master id and the ids of bf16 parameters with masters."""
 
@@ -475,6 +479,7 @@ class _DialStep(abc.ABC):
             self._moments("exp_avg_sq", params, keys),
             scalars,
             settings,
+            inv_scale=self._factor_for(params),
             found_inf=found_inf,
         )
 
@@ -508,6 +513,7 @@ class _DialStep(abc.ABC):
                 self._moments("momentum_buffer", some, keys) if with_buffers else Moments.fp32([]),
                 settings,
                 first_step=first_step,
+                inv_scale=self._factor_for(some),
                 found_inf=found_inf,
             )
 
@@ -730,6 +736,9 @@ class DialGrads(_DialStep, RemainderGrads):
     def _step_grad(self, param: torch.Tensor) -> torch.Tensor:
         return RemainderGrads._step_grad(self, param)
 
+    def _factor_for(self, params: list[torch.Tensor]) -> torch.Tensor | None:
+        return RemainderGrads._factor_for(self, params)
+
     def _encode_master(self, param: torch.Tensor, master: torch.Tensor, step: torch.Tensor, position: int) -> None:
         entry = self._remainders.get(id(param))
         if entry is not None:
@@ -756,6 +765,9 @@ class CompressedStateGrads(_DialStep, OptimizerGrads):
 
     def _kernel_storage(self) -> tuple[dict[int, torch.Tensor], Container[int]]:
         return self._model_of, ()
+
+    def _factor_for(self, params: list[torch.Tensor]) -> torch.Tensor | None:
+        return None  # the exit wrote the fp32 master grads, which a clip multiplies in place
 
     def _kernel_batches(self, params: list[torch.Tensor]) -> Iterator[tuple[list[torch.Tensor], MastersOf]]:
         # One launch per model weight dtype; masters without a model weight (None) write nothing back.

@@ -38,7 +38,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ampinit import _torch_kernels
-from ampinit._masters import kernel_step
+from ampinit._masters import clip, kernel_step
 from ampinit._masters.update import Update, update_of
 from ampinit._scaler import LossScaler
 from ampinit._types import HALF_DTYPES
@@ -52,6 +52,7 @@ class PendingGrads(NamedTuple):
 
     inv_scale: torch.Tensor | None  # 1/scale when the exit ran (a copy: the scale may change before the step)
     before_widening: bool  # the exit would have unscaled the half grads in place before widening them
+    exact: bool  # ``inv_scale`` is None or a power of two: a widened grad times it is exact in fp32
     plan: kernel_step.Plan  # the kernel step planned at the exit (the step takes it back if it still holds)
 
 
@@ -316,7 +317,8 @@ class OptimizerGrads:
         if plan is not None:
             scaler.check_(copy_src, key, _kernel_check)
             scaler.unscale_(direct, _kernel_check)
-            self._pending = PendingGrads(None if scaler.unit else scaler.inv_scale.clone(), before_widening, plan)
+            inv_scale = None if scaler.unit else scaler.inv_scale.clone()
+            self._pending = PendingGrads(inv_scale, before_widening, scaler.powers_of_two, plan)
             self._merge_stash()
             return
         for master in fresh:
@@ -377,6 +379,39 @@ class OptimizerGrads:
         _torch_kernels.copy_(dst, src)
         if not pending.before_widening and pending.inv_scale is not None:
             _torch_kernels.mul_(dst, pending.inv_scale)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float, error_if_nonfinite: bool) -> torch.Tensor | None:
+        """``amp.clip_grad_norm_`` folded into a pending kernel step (``ampinit._masters.clip``): the norm from the
+        half grads, the coefficient into the multiplier the kernels apply, the direct parameters' grads multiplied
+        in place as torch's clip does. None, with nothing done, where no such step is pending or the fold would
+        not give torch's bits: the caller clips ``amp.master_params`` instead."""
+        pending = self._pending
+        if pending is None or not pending.exact or norm_type not in clip.EXACT_ORDERS:
+            return None
+        grads: list[torch.Tensor] = []
+        scaled: list[bool] = []  # a master's grad: its weight's half grad, times the pending factor
+        own: list[torch.Tensor] = []  # parameters the optimizer updates directly, with a grad
+        model_of = self._model_of
+        for group in self.optimizer.param_groups:
+            for param in group["params"]:
+                weight = model_of.get(id(param))
+                if weight is None:
+                    if param.grad is not None:
+                        grads.append(param.grad)
+                        scaled.append(False)
+                        own.append(param)
+                elif param.grad is not None:
+                    return None  # a master grad kept from an earlier backward: not what a pending step reads
+                elif weight.grad is not None:
+                    grads.append(weight.grad)
+                    scaled.append(True)
+        if not clip.same_device(grads):
+            return None
+        total, coefficient = clip.fold_(grads, scaled, own, pending.inv_scale, max_norm, norm_type, error_if_nonfinite)
+        factor = coefficient if pending.inv_scale is None else pending.inv_scale * coefficient
+        # Widened, then multiplied in fp32 (as the kernels do): a half multiply by the coefficient would round.
+        self._pending = pending._replace(inv_scale=factor, before_widening=False)
+        return total
 
     def before_zero_grad(self, set_to_none: bool) -> None:
         """``zero_grad`` is about to clear the master grads: pending ones are dropped, or made to be zeroed."""

@@ -34,7 +34,7 @@ from torch.optim.adam import adam as adam_update
 from torch.optim.sgd import sgd as sgd_update
 from torch.utils.hooks import RemovableHandle
 
-from ampinit._masters import kernel_step
+from ampinit._masters import clip, kernel_step
 from ampinit._masters import remainder as encoding
 from ampinit._masters.grads import OptimizerGrads
 from ampinit._masters.kernel_step import adam_state
@@ -67,6 +67,9 @@ class RemainderGrads(OptimizerGrads):
         self._loaded_weights: dict[int, torch.Tensor] = {}
         # amp.master_params' fp32 masters, by param id, with the grad and versions they were made from.
         self._materialised: dict[int, _Materialised] = {}
+        # What the step multiplies the bf16 grads of parameters with a remainder by (amp.clip_grad_norm_), if
+        # anything; until the next backward or the end of the step.
+        self._grad_factor: torch.Tensor | None = None
 
     # -- masters --------------------------------------------------------------------------------------------
     def create_masters(self, fp32_values: dict[int, torch.Tensor] | None = None) -> None:
@@ -164,7 +167,7 @@ class RemainderGrads(OptimizerGrads):
                 fresh = self._fresh_master(param)
                 if fresh is None:
                     fresh = self._joined(param)
-                    fresh.grad = None if param.grad is None else param.grad.to(torch.float32, copy=True)
+                    fresh.grad = None if param.grad is None else self._factored(param.grad.to(torch.float32, copy=True))
                     grad_version = None if param.grad is None else param.grad._version
                     self._materialised[id(param)] = _Materialised(fresh, param.grad, grad_version, param._version)
                 yield fresh
@@ -184,19 +187,60 @@ class RemainderGrads(OptimizerGrads):
         return self._joined(param) if fresh is None else fresh.detach()
 
     def _step_grad(self, param: torch.Tensor) -> torch.Tensor:
-        """The fp32 grad the step applies: the materialised master's (clipped, maybe), else the bf16 grad widened."""
+        """The fp32 grad the step applies: the materialised master's (clipped, maybe), else the bf16 grad widened
+        (times the clip's factor, for a parameter with a remainder)."""
         fresh = self._fresh_master(param)
         if fresh is not None and fresh.grad is not None:
             return fresh.grad
+        if id(param) in self._remainders:
+            return self._factored(_fp32(param.grad))
         return _fp32(param.grad)
+
+    def _factored(self, widened: torch.Tensor) -> torch.Tensor:
+        """A widened bf16 grad (a copy) times the clip's factor, in place, in fp32 (as the kernels multiply)."""
+        return widened if self._grad_factor is None else widened.mul_(self._grad_factor)
+
+    def _factor_for(self, params: list[torch.Tensor]) -> torch.Tensor | None:
+        """The factor of a launch's grads: the clip's, for a launch of parameters with a remainder (a launch holds
+        only those, or none of them)."""
+        return self._grad_factor if params and id(params[0]) in self._remainders else None
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float, error_if_nonfinite: bool) -> torch.Tensor | None:
+        """``amp.clip_grad_norm_`` folded into the step (``ampinit._masters.clip``): the norm from the bf16 grads
+        (unscaled at ``scale_loss``'s exit), the coefficient into the factor the step multiplies them by, in the
+        kernels or chunked; no fp32 master is made. Grads of parameters without a remainder are clipped in place.
+        None, with nothing done, where fp32 masters were already made (``amp.master_params``: the caller clips
+        those) or the grads are beyond the fold."""
+        if self._materialised or norm_type not in clip.EXACT_ORDERS:
+            return None
+        grads: list[torch.Tensor] = []
+        scaled: list[bool] = []
+        own: list[torch.Tensor] = []
+        for group in self.optimizer.param_groups:
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                grads.append(param.grad)
+                kept = id(param) in self._remainders
+                scaled.append(kept)
+                if not kept:
+                    own.append(param)
+        if not clip.same_device(grads):
+            return None
+        factor = self._grad_factor
+        total, coefficient = clip.fold_(grads, scaled, own, factor, max_norm, norm_type, error_if_nonfinite)
+        self._grad_factor = coefficient if factor is None else factor * coefficient
+        return total
 
     def prepare_backward(self) -> None:
         super().prepare_backward()
         self._materialised.clear()
+        self._grad_factor = None
 
     def after_step(self, stepped: bool, weights_written: bool = False) -> None:
         super().after_step(stepped, weights_written)
         self._materialised.clear()
+        self._grad_factor = None
 
     def remainder_of(self, param: torch.Tensor) -> torch.Tensor | None:
         entry = self._remainders.get(id(param))
@@ -343,7 +387,8 @@ class RemainderGrads(OptimizerGrads):
         for batch in (with_remainder, direct):
             if batch:
                 masters = self._masters(batch)
-                kernel_step.run_kernels(update, kernels, self.optimizer, group, batch, masters, found_inf)
+                factor = self._factor_for(batch)
+                kernel_step.run_kernels(update, kernels, self.optimizer, group, batch, masters, found_inf, None, factor)
         kernel_step.count_group_step(self.optimizer, update, group, found_inf)
         return True
 
