@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 
 class SessionHook:
     """A model hook of an amp session: calls ``fn``; see the module docstring for copies and pickles."""
@@ -25,7 +27,12 @@ class SessionHook:
     def __init__(self, fn: Callable[..., Any]) -> None:
         self.fn = fn
 
+    @torch.compiler.disable  # type: ignore[untyped-decorator]
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # Run eagerly around a compiled forward (torch.compile): traced, a hook's frame resumed after a graph break
+        # with the forward's output as its input, which dynamo wraps by reading its ``.grad``, a warning on a
+        # non-leaf tensor (an error where warnings are errors); and the cast policy's hooks open and close one
+        # autocast region across two hooks, which cannot be traced.
         return self.fn(*args, **kwargs)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> SessionHook:

@@ -276,11 +276,11 @@ class CastPolicy:
                 torch.set_autocast_dtype(device, dtype)
             torch.set_autocast_cache_enabled(saved_cache)
 
-        # torch.compile runs the hooks eagerly (a region opened in one hook and closed in another cannot be
-        # traced) and compiles the forward under the autocast state they set, on which it guards.
+        # torch.compile runs the hooks eagerly (SessionHook: a region opened in one hook and closed in another
+        # cannot be traced) and compiles the forward under the autocast state they set, on which it guards.
         return [
-            model.register_forward_pre_hook(SessionHook(torch.compiler.disable(enter))),  # type: ignore[no-untyped-call]
-            model.register_forward_hook(SessionHook(torch.compiler.disable(leave)), always_call=True),  # type: ignore[no-untyped-call]
+            model.register_forward_pre_hook(SessionHook(enter)),
+            model.register_forward_hook(SessionHook(leave), always_call=True),
         ]
 
     def _thread_stack(self) -> list[_Entry]:
