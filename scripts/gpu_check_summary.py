@@ -38,6 +38,7 @@ TARGET_NAMES = (
     *(f"{name} peak memory <= {_BF16}" for name in _O5),
     "O5 remainder + bf16 state peak memory <= pure bf16 + 2 B/param",
     "O5 remainder peak memory <= pure bf16 + 6 B/param",
+    "O5 remainder + clip peak memory <= pure bf16 + 6 B/param",
     *(
         f"{name} host syncs per step <= 0"
         for name in (
@@ -49,10 +50,13 @@ TARGET_NAMES = (
             "O2 sync_free",
             "O4 AdamW foreach",
             "O5 remainder + bf16 state",
+            "O5 remainder + clip",
+            "O5 remainder + Apex clip",
         )
     ),
     "O2 host decision host syncs per step <= 1",
     *(f"{name} time <= 1.05x O5 AdamW fused" for name in _DIAL),
+    f"O5 AdamW fused + clip speed >= 1.08x {_BF16} + clip",
     "O2 master step <= 1.1x plain fused AdamW (fp32)",
     "O5 master step <= 1.1x plain fused AdamW (fp32)",
 )

@@ -89,13 +89,19 @@ def assert_same(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
         assert x.dtype == y.dtype and torch.equal(x, y), (x, y)
 
 
-@pytest.fixture
-def kernels(request: pytest.FixtureRequest) -> ModuleType | None:
-    """amp's kernel step on the device under test: compiled on CUDA, Triton's interpreter on CPU."""
-    if device_under_test().type == "cpu":
-        module: ModuleType = request.getfixturevalue("kernels_on_cpu")
-        return module
-    return None
+# amp's kernel step on the device under test: Triton's interpreter on CPU (the module-scoped interpreter set up
+# before the leak check's snapshot, as a fixture named in the signature is), compiled kernels on CUDA.
+if device_under_test().type == "cpu":
+
+    @pytest.fixture
+    def kernels(kernels_on_cpu: ModuleType) -> ModuleType | None:
+        return kernels_on_cpu
+
+else:
+
+    @pytest.fixture
+    def kernels() -> ModuleType | None:
+        return None
 
 
 @pytest.fixture

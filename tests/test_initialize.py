@@ -35,6 +35,7 @@ def test_public_surface_is_pinned() -> None:
             "Properties",
             "StuckReport",
             "__version__",
+            "clip_grad_norm_",
             "current_session",
             "deinitialize",
             "disable_casts",

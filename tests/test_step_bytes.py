@@ -50,7 +50,8 @@ PASSES: dict[str, Callable[..., tuple[list[torch.Tensor], list[torch.Tensor]]]] 
     "copy_": lambda dst, src: (list(src), list(dst)),
     "mul_": lambda tensors, factor: (list(tensors), list(tensors)),
     "add_": lambda tensors, others: ([*tensors, *others], list(tensors)),
-    "_foreach_norm": lambda tensors, *_, **__: (list(tensors), []),  # torch's, in a clip
+    "_foreach_norm": lambda tensors, *_, **__: (list(tensors), []),  # torch's, in its clip
+    "foreach_norm": lambda tensors, *_, **__: (list(tensors), []),  # the same kernel, in amp.clip_grad_norm_
     "_foreach_mul_": lambda tensors, factor: (list(tensors), list(tensors)),
     "adam_": lambda grads, masters, m, v, *_, **__: (
         [*grads, *_masters_read(masters), *m, *v],
@@ -98,7 +99,7 @@ class Ledger:
 @pytest.fixture
 def ledger(kernels_on_cpu: ModuleType, monkeypatch: pytest.MonkeyPatch) -> Ledger:
     book = Ledger()
-    for name in ("check_finite_", "unscale_and_check_", "copy_", "mul_", "add_"):
+    for name in ("check_finite_", "unscale_and_check_", "copy_", "mul_", "add_", "foreach_norm"):
         book.wrap(_torch_kernels, name, monkeypatch)
     for name in ("adam_", "sgd_"):
         book.wrap(kernels_on_cpu, name, monkeypatch)
@@ -202,4 +203,4 @@ def test_amp_clip_grad_norm_reads_the_half_grads_once_and_the_step_stays_at_its_
     """``amp.clip_grad_norm_`` takes each half grad's norm (2 bytes read) and hands the coefficient to the step,
     which stays at the floor: 4 bytes of grads beside the update's 26."""
     passes = amp_ledger(ledger, level, lambda ps: torch.optim.AdamW(ps, lr=1e-3), clip="amp")
-    assert passes == [("check_finite_", 2.0), ("_foreach_norm", 2.0), ("adam_", 28.0)]
+    assert passes == [("check_finite_", 2.0), ("foreach_norm", 2.0), ("adam_", 28.0)]

@@ -34,6 +34,8 @@ import math
 
 import torch
 
+from ampinit import _torch_kernels
+
 #: Norm orders whose value scales exactly with a power-of-two factor (the fused clip's condition).
 EXACT_ORDERS = frozenset({1.0, 2.0, math.inf})
 
@@ -47,11 +49,11 @@ def total_norm(
     own = [g for g, s in zip(grads, scaled) if not s]
     half_norms: list[torch.Tensor] = []
     if half:
-        stacked = torch.stack(torch._foreach_norm(half, norm_type, dtype=torch.float32))
+        stacked = torch.stack(_torch_kernels.foreach_norm(half, norm_type, dtype=torch.float32))
         if factor is not None:
             stacked = stacked * factor.reshape(())
         half_norms = list(stacked.unbind())
-    own_norms = list(torch._foreach_norm(own, norm_type)) if own else []
+    own_norms = list(_torch_kernels.foreach_norm(own, norm_type)) if own else []
     if not own_norms:
         norms = half_norms
     elif not half_norms:
