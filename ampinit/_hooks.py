@@ -26,13 +26,9 @@ class SessionHook:
 
     def __init__(self, fn: Callable[..., Any]) -> None:
         self.fn = fn
+        _calls_run_eagerly()
 
-    @torch.compiler.disable  # type: ignore[untyped-decorator]
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        # Run eagerly around a compiled forward (torch.compile): traced, a hook's frame resumed after a graph break
-        # with the forward's output as its input, which dynamo wraps by reading its ``.grad``, a warning on a
-        # non-leaf tensor (an error where warnings are errors); and the cast policy's hooks open and close one
-        # autocast region across two hooks, which cannot be traced.
         return self.fn(*args, **kwargs)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> SessionHook:
@@ -49,3 +45,21 @@ def inert_hook(*args: Any, **kwargs: Any) -> None:
 
 def _inert() -> Callable[..., None]:
     return inert_hook
+
+
+def _calls_run_eagerly() -> None:
+    """Make every hook run eagerly around a compiled forward (``torch.compiler.disable`` on ``SessionHook.__call__``),
+    once, at the first hook made rather than at import: the decorator imports ``torch._dynamo`` (and sympy), a
+    second that ``import ampinit`` must not cost.
+
+    Traced, a hook was a frame resumed after a graph break with the forward's output as its input, which dynamo
+    wraps by reading its ``.grad``: a warning on a non-leaf tensor (an error where warnings are errors), and a
+    second graph. The cast policy's hooks open and close one autocast region across two hooks, which cannot be
+    traced at all.
+    """
+    call = SessionHook.__call__
+    if getattr(call, "_ampinit_eager", False):
+        return
+    eager = torch.compiler.disable(call)  # type: ignore[no-untyped-call]
+    eager._ampinit_eager = True
+    SessionHook.__call__ = eager  # type: ignore[method-assign]
