@@ -8,6 +8,7 @@ the optimizers' methods are rebound next, and the O1/O4 cast policy is switched 
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -46,9 +47,32 @@ def install(
                 undo.push(StateStore(record.optimizer, record.dial).remove)
         undo.rebind(record.optimizer, "step", make_step(record))
         record.rebind_grad_methods(undo)
+    if not props.uses_master_weights:
+        _warn_of_a_vanishing_eps(records)
     if props.cast_dtype is None:
         return None
     return _activate_cast_policy(models, props.cast_dtype, options, undo)
+
+
+def _warn_of_a_vanishing_eps(records: Sequence[OptimizerRecord]) -> None:
+    """Warn where an optimizer steps fp16 parameters itself (no masters: O3, ``master_weights=False``) with an
+    ``eps`` that fp16 cannot hold: Adam's 1e-8 rounds to 0, so where a gradient's square underflows too, the update
+    divides by zero and the first step writes inf/NaN into the weights (docs/faq.md, "O3 gives NaN")."""
+    for record in records:
+        for index, group in enumerate(record.optimizer.param_groups):
+            eps = group.get("eps")
+            if not isinstance(eps, float) or not eps > 0.0 or float(torch.tensor(eps, dtype=torch.float16)) != 0.0:
+                continue
+            if any(p.dtype == torch.float16 for p in group["params"]):
+                warnings.warn(
+                    f"{type(record.optimizer).__name__}'s param group {index} steps float16 parameters without fp32 "
+                    f"master weights, with eps={eps!r}, which is 0 in float16: where a gradient's square underflows, "
+                    "its update divides by zero and writes inf/NaN into the weights. Use opt_level='O2' (fp32 "
+                    "master weights), or eps >= 1e-4 (docs/faq.md).",
+                    UserWarning,
+                    stacklevel=5,  # initialize's caller: _setup.install <- AmpSession <- initialize
+                )
+                break
 
 
 def _values_before_cast(

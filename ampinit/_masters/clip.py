@@ -3,9 +3,9 @@
 Apex's pattern, ``torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), max_norm)``, needs the fp32 master
 grads. Where O2/O5's kernel step would read the half grads (``grads.PendingGrads``), asking for them makes amp write
 them: per parameter 4 bytes allocated, 2 read and 4 written to make them, 4 read by the norm, 8 by the multiply,
-and the step reads 4 where it would have read 2: 22 bytes of grad traffic where the fold moves 4. Where the masters live in
-the bf16 weights (``master_weights="remainder"`` and the dial's other bf16 settings), it makes each fp32 master too,
-and such masters take the chunked step, not the kernels.
+and the step reads 4 where it would have read 2: 22 bytes of grad traffic where the fold moves 4. Where the
+masters live in the bf16 weights (``master_weights="remainder"`` and the dial's other bf16 settings), it makes each
+fp32 master too, and such masters take the chunked step, not the kernels.
 
 The fold needs only the half grads' norms: each half grad's norm accumulated in fp32
 (``torch._foreach_norm(..., dtype=torch.float32)``), times the factor the step will apply (the pending ``1/scale``),

@@ -18,11 +18,11 @@ from torch import nn
 import ampinit
 from ampinit import amp
 from ampinit._opt_levels import FUNCTION_CAST_LEVELS as THREAD_CAST_LEVELS  # their session casts in its whole thread
-from ampinit.demo.config import MIN_STEPS, WARMUP_STEPS, opt_level
+from ampinit.demo.config import MIN_STEPS, WARMUP_STEPS
 from ampinit.demo.machine import relative_spread
 from ampinit.demo.progress import Clock, Eta, Progress, _NoProgress
 from ampinit.demo.results import RunResult
-from ampinit.demo.workloads import _LEARNING_RATES, Task
+from ampinit.demo.workloads import _LEARNING_RATES, Task, initialize
 
 
 def _sync(device: torch.device) -> None:
@@ -59,9 +59,7 @@ class _LevelRun:
             self._close()
 
     def _open(self) -> None:
-        self.model, self.optimizer = amp.initialize(
-            self.model, self.optimizer, opt_level=opt_level(self.level), verbosity=0
-        )
+        self.model, self.optimizer = initialize(self.model, self.optimizer, self.level)
         self.session = ampinit.session_of(self.optimizer)
         if self.session is None:
             raise RuntimeError(f"amp.initialize(opt_level={self.level!r}) registered no session")

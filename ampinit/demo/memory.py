@@ -15,8 +15,7 @@ import torch
 
 import ampinit
 from ampinit import amp
-from ampinit.demo.config import opt_level
-from ampinit.demo.workloads import _LEARNING_RATES, Task
+from ampinit.demo.workloads import _LEARNING_RATES, Task, initialize
 
 
 class _PeakMemory:
@@ -97,8 +96,8 @@ def measure_memory(task: Task, level: str, seed: int, device: torch.device, step
     (interleaved training keeps every level's model alive, so its memory cannot be told apart)."""
     with _PeakMemory(device) as memory:
         model = task.build(seed, device)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=_LEARNING_RATES[task.name])
-        model, optimizer = amp.initialize(model, optimizer, opt_level=opt_level(level), verbosity=0)
+        optimizer: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=_LEARNING_RATES[task.name])
+        model, optimizer = initialize(model, optimizer, level)
         session = ampinit.session_of(optimizer)
         try:
             batches = task.batches(seed)

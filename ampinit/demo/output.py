@@ -72,7 +72,8 @@ def _notes(task: TaskReport) -> list[str]:
         notes.append("the time budget stopped every level at the same step (--time-budget, or --steps fewer)")
     diverged = [run.level for run in task.runs if not math.isfinite(run.final_loss)]
     if diverged:
-        notes.append(f"non-finite final loss (diverged): {', '.join(diverged)}")
+        why = " (O3 steps AdamW in fp16, where its eps=1e-8 is 0: docs/faq.md)" if "O3" in diverged else ""
+        notes.append(f"non-finite final loss (diverged): {', '.join(diverged)}{why}")
     return notes
 
 
