@@ -25,6 +25,11 @@ finite check by the master step's check kernel (its launch a no-op too) and by t
 (one output tensor per grad, a ``stack`` and five small ops). On CPU the norms also do their arithmetic; on a GPU
 they are launches, so this overstates what the route saves there, as the foreach row does.
 
+``--clip`` adds clipped iterations under the same rule: O5 clipping through ``amp.clip_grad_norm_`` (the norm
+from the half grads, the clip in the kernel's multiplier) and through Apex's line over ``amp.master_params``
+(fp32 master grads made, clipped by torch, read by the step), against torch's fused AdamW iteration clipping its
+fp32 parameters with torch's ``clip_grad_norm_``. On CPU the norms and multiplies do their arithmetic too.
+
     PYTHONPATH=. python benchmarks/kernel_step_host.py [--tensors 50,150,450] [--rounds 15] [--steps 20]
 """
 
@@ -46,6 +51,8 @@ from ampinit._masters import kernel_step
 
 TARGET = 1.2  # issue 24: host time of the kernel step <= 1.2x torch's fused AdamW at 150 tensors
 ITERATION_AIM = 1.5  # the whole iteration's host time against torch's fused AdamW's zero_grad + step
+CLIP_NORM = 1e-3  # below the benchmark grads' norm at every tensor count: every clip scales
+Clip = Callable[[torch.optim.Optimizer], object]
 
 
 class _NoLaunch:
@@ -109,7 +116,8 @@ class AmpStep:
     """An O2/O5 session over ``tensors`` half parameters (O4: fp32 ones); :meth:`prepare` leaves their grads in
     place. ``foreach``: torch's foreach AdamW (the default on CUDA), else its fused one."""
 
-    def __init__(self, level: str, tensors: int, numel: int, foreach: bool = False) -> None:
+    def __init__(self, level: str, tensors: int, numel: int, foreach: bool = False, clip: Clip | None = None) -> None:
+        self.clip = clip
         gen = torch.Generator().manual_seed(0)
         self.params = nn.ParameterList([nn.Parameter(torch.randn(numel, generator=gen) * 0.02) for _ in range(tensors)])
         flags = {"foreach": True} if foreach else {"fused": True}
@@ -134,6 +142,8 @@ class AmpStep:
     def iteration(self) -> None:
         self.opt.zero_grad()
         self.prepare()
+        if self.clip is not None:
+            self.clip(self.opt)
         self.opt.step()
 
     def close(self) -> None:
@@ -144,7 +154,8 @@ class AmpStep:
 class PlainStep:
     """``torch.optim.AdamW(fused=True)`` (or ``foreach=True``) on fp32 tensors of the same sizes, grads fixed."""
 
-    def __init__(self, tensors: int, numel: int, foreach: bool = False) -> None:
+    def __init__(self, tensors: int, numel: int, foreach: bool = False, clip: bool = False) -> None:
+        self.clip = clip
         gen = torch.Generator().manual_seed(0)
         self.params = [(torch.randn(numel, generator=gen) * 0.02).requires_grad_() for _ in range(tensors)]
         self.grads = [torch.randn(numel, generator=gen) * 0.01 for _ in range(tensors)]
@@ -162,6 +173,8 @@ class PlainStep:
         self.opt.zero_grad()
         for p, g in zip(self.params, self.grads):
             p.grad = g
+        if self.clip:
+            torch.nn.utils.clip_grad_norm_(self.params, CLIP_NORM)
         self.opt.step()
 
     def close(self) -> None:
@@ -239,6 +252,27 @@ def measure_check_routes(tensors: int, numel: int, rounds: int, steps: int) -> d
             variant.close()
 
 
+def measure_clips(tensors: int, numel: int, rounds: int, steps: int) -> dict[str, dict[str, float]]:
+    """Clipped iterations (max_norm 1.0, the grads' norm above it), with CUDA's unscale rule: O5 clipping through
+    ``amp.clip_grad_norm_`` and through Apex's line against torch's fused AdamW iteration clipping its fp32
+    parameters with torch's ``clip_grad_norm_``, interleaved."""
+    variants: dict[str, Any] = {
+        "torch fused + clip": PlainStep(tensors, numel, clip=True),
+        "O5 + amp clip": AmpStep("O5", tensors, numel, clip=lambda opt: amp.clip_grad_norm_(opt, CLIP_NORM)),
+        "O5 + Apex clip": AmpStep("O5", tensors, numel, clip=apex_clip),
+    }
+    try:
+        with cuda_unscale_rule():
+            return _interleaved(variants, rounds, steps, sample_iterations)
+    finally:
+        for variant in variants.values():
+            variant.close()
+
+
+def apex_clip(opt: torch.optim.Optimizer) -> None:
+    torch.nn.utils.clip_grad_norm_(amp.master_params(opt), CLIP_NORM)
+
+
 def _interleaved(
     variants: dict[str, Any], rounds: int, steps: int, take: Callable[[Any, int], float]
 ) -> dict[str, dict[str, float]]:
@@ -289,6 +323,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also O5's iteration with CUDA's unscale rule: bf16 grads checked by the kernel, and by inf-norms",
     )
+    parser.add_argument(
+        "--clip",
+        action="store_true",
+        help="also clipped iterations (CUDA's unscale rule): O5 with amp.clip_grad_norm_ and with Apex's line",
+    )
     args = parser.parse_args(argv)
     counts = [int(n) for n in args.tensors.split(",")]
     torch.set_num_threads(1)  # host work is single-threaded; threads on tiny tensors only wait for each other
@@ -303,6 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         o4_results = {n: measure(n, args.numel, args.rounds, args.steps, o4=True) for n in counts if steps_only}
         iterations = {n: measure_iterations(n, args.numel, args.rounds, args.steps) for n in counts}
         routes = {n: measure_check_routes(n, args.numel, args.rounds, args.steps) for n in counts if args.check_routes}
+        clips = {n: measure_clips(n, args.numel, args.rounds, args.steps) for n in counts if args.clip}
     _print_rows(results, o4_results)
     _print_verdicts("target", results, ("O2 kernel step", "O5 kernel step"), TARGET, "torch's fused AdamW")
     print("whole iteration: zero_grad, grads handed over (amp: in a scale_loss block), step")
@@ -313,6 +353,10 @@ def main(argv: list[str] | None = None) -> int:
         print("O5 iteration with CUDA's unscale rule (bf16 refused): the bf16 grads' finite check, two routes")
         print(f"{'tensors':>8} {'variant':<24} {'us/iter':>9} {'x torch':>8} {'us/tensor':>10}")
         _print_rows(routes)
+    if clips:
+        print(f"clipped iterations (max_norm {CLIP_NORM:g}; CUDA's unscale rule): amp.clip_grad_norm_ and Apex's line")
+        print(f"{'tensors':>8} {'variant':<24} {'us/iter':>9} {'x torch':>8} {'us/tensor':>10}")
+        _print_rows(clips)
 
 
 def _print_rows(*tables: dict[int, dict[str, dict[str, float]]]) -> None:

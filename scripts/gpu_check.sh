@@ -16,7 +16,7 @@
 #    the benchmark got that far), and the logs packed into OUT_DIR/gpu_check_logs.tar.gz (pytest.txt with -rfE, --tb=short and
 #    --durations=25, pytest.xml, the benchmark's JSON/Markdown/log, machine.txt): at most five files, so OUT_DIR
 #    comes back whole from a device call (at most 8 files of 16 MiB). The last line printed is the verdict.
-# At the default limits the worst case, start-up, summary and packing included, is about 520 s (230 + 150 + 2 x 35,
+# At the default limits the worst case, start-up, summary and packing included, is about 540 s (230 + 170 + 2 x 35,
 # four KILL_AFTERs of at most 15, 5, 5 and 15 s, and about 30 s for the rest); the two checks of the ninth session
 # took 264 and 365 s. The cast-list runs compare gradients too since the tenth session (35 s each, was 25).
 #
@@ -25,7 +25,7 @@
 # hypothesis, numpy, libcst and expecttest. Wheels in WHEELS_DIR (default: .whl in the checkout) are installed
 # first into a folder of their own (docs/gpu.md says how to fetch libcst's and expecttest's).
 # Limits, in seconds: SUITE_TIMEOUT (default 230), TEST_TIMEOUT per test (default 120; tests and module
-# fixtures that need longer say so with a timeout mark), BENCH_TIMEOUT (default 150), KILL_AFTER (default 15:
+# fixtures that need longer say so with a timeout mark), BENCH_TIMEOUT (default 170), KILL_AFTER (default 15:
 # how long a run cut with SIGINT may take to write its results before it is killed). WORKERS sets the suite's processes (default:
 # half the cores, at most 8); each gets cores/WORKERS threads. BENCH_ARGS is passed on to the benchmark (e.g.
 # BENCH_ARGS="--batch 4" on a GPU with less memory than an H100's 80 GB).
@@ -84,7 +84,7 @@ suite_rc=$?
 suite_s=$((SECONDS - start))
 tail -n 5 "$logs/pytest.txt"
 
-bench_limit="${BENCH_TIMEOUT:-150}"
+bench_limit="${BENCH_TIMEOUT:-170}"
 echo "== 2/2 train-step benchmark, at most ${bench_limit} s (log: benchmark.txt)"
 start=$SECONDS
 # shellcheck disable=SC2086  # BENCH_ARGS is a list of arguments

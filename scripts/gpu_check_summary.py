@@ -50,13 +50,14 @@ TARGET_NAMES = (
             "O2 sync_free",
             "O4 AdamW foreach",
             "O5 remainder + bf16 state",
+            "O5 AdamW fused + clip",
             "O5 remainder + clip",
-            "O5 remainder + Apex clip",
         )
     ),
     "O2 host decision host syncs per step <= 1",
     *(f"{name} time <= 1.05x O5 AdamW fused" for name in _DIAL),
     f"O5 AdamW fused + clip speed >= 1.08x {_BF16} + clip",
+    f"O5 remainder + clip speed >= 1.05x {_BF16} + clip",
     "O2 master step <= 1.1x plain fused AdamW (fp32)",
     "O5 master step <= 1.1x plain fused AdamW (fp32)",
 )

@@ -47,21 +47,17 @@ def total_norm(
     ``scaled``) and ``g`` (elsewhere), in this order, from the grads as they are. ``factor`` None: 1."""
     half = [g for g, s in zip(grads, scaled) if s]
     own = [g for g, s in zip(grads, scaled) if not s]
-    half_norms: list[torch.Tensor] = []
+    own_norms = list(_torch_kernels.foreach_norm(own, norm_type)) if own else []
+    stacked = torch.stack(own_norms) if own_norms else None
     if half:
         stacked = torch.stack(_torch_kernels.foreach_norm(half, norm_type, dtype=torch.float32))
         if factor is not None:
             stacked = stacked * factor.reshape(())
-        half_norms = list(stacked.unbind())
-    own_norms = list(_torch_kernels.foreach_norm(own, norm_type)) if own else []
-    if not own_norms:
-        norms = half_norms
-    elif not half_norms:
-        norms = own_norms
-    else:
-        halves, owns = iter(half_norms), iter(own_norms)
-        norms = [next(halves) if s else next(owns) for s in scaled]
-    total: torch.Tensor = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+        if own_norms:  # both kinds: torch stacks the norms in the parameters' order
+            halves, owns = iter(stacked.unbind()), iter(own_norms)
+            stacked = torch.stack([next(halves) if s else next(owns) for s in scaled])
+    assert stacked is not None, "no grads: the callers fold none"
+    total: torch.Tensor = torch.linalg.vector_norm(stacked, norm_type)
     return total
 
 
