@@ -229,11 +229,7 @@ def measure_iterations(tensors: int, numel: int, rounds: int, steps: int) -> dic
         "O2 iteration": AmpStep("O2", tensors, numel),
         "O5 iteration": AmpStep("O5", tensors, numel),
     }
-    try:
-        return _interleaved(variants, rounds, steps, sample_iterations)
-    finally:
-        for variant in variants.values():
-            variant.close()
+    return _iterations(variants, rounds, steps, contextlib.nullcontext())
 
 
 def measure_check_routes(tensors: int, numel: int, rounds: int, steps: int) -> dict[str, dict[str, float]]:
@@ -244,16 +240,11 @@ def measure_check_routes(tensors: int, numel: int, rounds: int, steps: int) -> d
         "O5, norms check": CheckRoute(tensors, numel, "norms"),
         "O5, kernel check": CheckRoute(tensors, numel, "kernel"),
     }
-    try:
-        with cuda_unscale_rule():
-            return _interleaved(variants, rounds, steps, sample_iterations)
-    finally:
-        for variant in variants.values():
-            variant.close()
+    return _iterations(variants, rounds, steps, cuda_unscale_rule())
 
 
 def measure_clips(tensors: int, numel: int, rounds: int, steps: int) -> dict[str, dict[str, float]]:
-    """Clipped iterations (max_norm 1.0, the grads' norm above it), with CUDA's unscale rule: O5 clipping through
+    """Clipped iterations (``CLIP_NORM``, below the grads' norm), with CUDA's unscale rule: O5 clipping through
     ``amp.clip_grad_norm_`` and through Apex's line against torch's fused AdamW iteration clipping its fp32
     parameters with torch's ``clip_grad_norm_``, interleaved."""
     variants: dict[str, Any] = {
@@ -261,8 +252,15 @@ def measure_clips(tensors: int, numel: int, rounds: int, steps: int) -> dict[str
         "O5 + amp clip": AmpStep("O5", tensors, numel, clip=lambda opt: amp.clip_grad_norm_(opt, CLIP_NORM)),
         "O5 + Apex clip": AmpStep("O5", tensors, numel, clip=apex_clip),
     }
+    return _iterations(variants, rounds, steps, cuda_unscale_rule())
+
+
+def _iterations(
+    variants: dict[str, Any], rounds: int, steps: int, rule: contextlib.AbstractContextManager[None]
+) -> dict[str, dict[str, float]]:
+    """:func:`_interleaved` whole iterations of ``variants`` under ``rule``; the variants are closed after."""
     try:
-        with cuda_unscale_rule():
+        with rule:
             return _interleaved(variants, rounds, steps, sample_iterations)
     finally:
         for variant in variants.values():
