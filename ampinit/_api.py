@@ -411,7 +411,7 @@ def master_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
     gradients the step will use: the fp32 master grads that amp's kernel step reads from the half grads are
     written when this is first iterated. Where the masters live in the bf16 weights (``master_weights="remainder"``,
     ``"remainder8"``, ``"stochastic"``) they are fp32 tensors made when asked, with fp32 grads, which the next step
-    takes as its masters and grads.
+    takes as its masters and grads. :func:`clip_grad_norm_` clips the same grads without making either.
     """
     session = _owner(optimizer)
     if session is not None:
