@@ -438,18 +438,25 @@ def clip_grad_norm_(
     with a power-of-two loss scale (every dynamic scale, and 1) give Apex's pattern's bits this way; other orders
     and scales run that pattern. See docs/opt-levels.md, "Clipping".
 
-    Raises ``ValueError`` for a ``max_norm`` that is negative or NaN, before anything is read or written.
+    Raises ``ValueError`` for a ``max_norm`` that is not a number >= 0 or a ``norm_type`` that is not a number,
+    before anything is read or written.
     """
-    limit = float(max_norm)
+    limit, order = _number(max_norm, "max_norm"), _number(norm_type, "norm_type")
     if not limit >= 0.0:
         raise ValueError(f"max_norm must be a number >= 0 (inf: no clipping, only the norm). Received {max_norm!r}")
-    order = float(norm_type)
     session = _owner(optimizer)
     if session is not None:
         total = session.clip_grad_norm_(optimizer, limit, order, error_if_nonfinite)
         if total is not None:
             return total
     return torch.nn.utils.clip_grad_norm_(list(master_params(optimizer)), limit, order, error_if_nonfinite)
+
+
+def _number(value: object, name: str) -> float:
+    try:
+        return float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number. Received {value!r}") from None
 
 
 def deinitialize() -> None:
