@@ -23,7 +23,7 @@ pytest.importorskip("triton", reason="triton is not installed (pip install trito
 HALF = {"O2": torch.float16, "O5": torch.bfloat16}
 
 
-def SGD(params: object) -> torch.optim.Optimizer:
+def momentum_sgd(params: object) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.5, momentum=0.9)  # type: ignore[arg-type]
 
 
@@ -198,10 +198,10 @@ def test_with_masters_in_the_weights_the_clip_keeps_the_kernel_step(
     launch per list, and trains as the pattern does (torch's update there, the kernels' here: to rounding). SGD
     with momentum, whose update a clip scales (Adam's would hardly show one)."""
     launched = counted_launches(monkeypatch)
-    norms, tensors = train("O5", ampinit_clip, 0.05, make_opt=SGD, options=DIAL[setting])
+    norms, tensors = train("O5", ampinit_clip, 0.05, make_opt=momentum_sgd, options=DIAL[setting])
     assert len(launched) >= 4, launched
     del launched[:]
-    ref_norms, ref_tensors = train("O5", apex_pattern, 0.05, make_opt=SGD, options=DIAL[setting])
+    ref_norms, ref_tensors = train("O5", apex_pattern, 0.05, make_opt=momentum_sgd, options=DIAL[setting])
     assert launched == []  # the pattern's fp32 masters took the chunked step
     torch.testing.assert_close(norms[0], ref_norms[0], rtol=0, atol=0)  # the first step's grads are the same
     for ours, theirs in zip(norms + tensors, ref_norms + ref_tensors):
@@ -230,7 +230,7 @@ def test_where_the_fold_does_not_apply_the_clip_is_apexs_pattern(
     opt_options = {k: v for k, v in options.items() if k != "loss_scale"}
     scale = options.get("loss_scale")
     assert scale is None or isinstance(scale, float)
-    make = SGD if level == "O3" else None  # fp16 Adam diverges at O3 (docs/faq.md)
+    make = momentum_sgd if level == "O3" else None  # fp16 Adam diverges at O3 (docs/faq.md)
     norms, tensors = train(level, ampinit_clip, 0.05, norm_type, loss_scale=scale, make_opt=make, options=opt_options)
     ref_norms, ref_tensors = train(
         level, apex_pattern, 0.05, norm_type, loss_scale=scale, make_opt=make, options=opt_options
