@@ -321,3 +321,35 @@ def test_a_second_clip_sees_the_first_and_master_params_sees_both(level: str, op
     for second, materialised, reference in zip(ours[0::2], ours[1::2], seen):
         torch.testing.assert_close(second, reference, rtol=1e-5, atol=0)
         torch.testing.assert_close(materialised, reference * 0.05 / (reference + 1e-6), rtol=1e-6, atol=0)
+
+
+def accumulated(level: str, clip: Clip, delay_unscale: bool) -> list[torch.Tensor]:
+    """Three steps of two micro-batches each (``scale_loss`` twice, the first with ``delay_unscale`` or not), clipped
+    after the second; the norms, then the weights and masters."""
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1)
+    model = on_device(SmallNet())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0)
+    norms = []
+    try:
+        for _ in range(3):
+            for micro in range(2):
+                x = on_device(torch.randn(16, 8, generator=gen)).to(HALF[level])
+                with amp.scale_loss(
+                    model(x).float().pow(2).mean() / 2, opt, delay_unscale=delay_unscale and not micro
+                ) as s:
+                    s.backward()
+            norms.append(clip(opt, 0.05, 2.0).detach().clone())
+            opt.step()
+            opt.zero_grad()
+        return norms + [p.detach().clone() for p in (*model.parameters(), *amp.master_params(opt))]
+    finally:
+        amp.deinitialize()
+
+
+@pytest.mark.usefixtures("kernels")
+@pytest.mark.parametrize("level", ["O2", "O5"])
+@pytest.mark.parametrize("delay_unscale", [False, True], ids=["accumulate", "delay_unscale"])
+def test_accumulated_micro_batches_clip_as_apexs_pattern(level: str, delay_unscale: bool) -> None:
+    assert_same(accumulated(level, ampinit_clip, delay_unscale), accumulated(level, apex_pattern, delay_unscale))
