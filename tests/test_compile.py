@@ -1,7 +1,9 @@
 """``torch.compile`` of the model ``initialize`` returned (docs/faq.md): training through the compiled model is
 training through the eager one. With the ``aot_eager`` backend (torch's graph capture and autograd tracing,
 without inductor's code generation, which fuses and reorders arithmetic) the weights agree bit for bit at every
-level: amp's input and output casts, the half model, the masters and the skipped steps survive the capture."""
+level on CPU: amp's input and output casts, the half model, the masters and the skipped steps survive the capture.
+On CUDA the captured BatchNorm may run torch's own kernel where eager runs cuDNN's, so there they agree to
+rounding."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import torch
 from torch import nn
 
 from ampinit import amp
-from tests._device import on_device
+from tests._device import device_under_test, on_device
 from tests.conftest import SmallNet
 
 INPUT_DTYPE = {"O2": torch.float16, "O3": torch.float16, "O5": torch.bfloat16}
@@ -57,4 +59,8 @@ def test_a_compiled_model_trains_bit_for_bit_as_the_eager_one(level: str) -> Non
     compiled, eager = train(level, True, poison_step=poison), train(level, False, poison_step=poison)
     assert len(compiled) == len(eager)
     for a, b in zip(compiled, eager):
-        assert a.dtype == b.dtype and torch.equal(a, b), (a, b)
+        assert a.dtype == b.dtype
+        if device_under_test().type == "cpu":
+            assert torch.equal(a, b), (a, b)
+        else:
+            torch.testing.assert_close(a, b)
