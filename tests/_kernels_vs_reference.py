@@ -63,9 +63,12 @@ def run_both(kernels: ModuleType, name: str, state: State, *args: Any, **kwargs:
         assert_same(copy[key], state[key], key)
 
 
-def count_launches(module: ModuleType, monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
-    """How often amp launches each update kernel of ``module`` (the interpreted kernels) from now on."""
-    calls = {"adam_": 0, "sgd_": 0}
+def count_launches(
+    module: ModuleType, monkeypatch: pytest.MonkeyPatch, names: tuple[str, ...] = ("adam_", "sgd_")
+) -> dict[str, int]:
+    """How often amp launches each update kernel ``names`` of ``module`` (``triton_kernels``' by default; the
+    interpreted kernels on CPU) from now on."""
+    calls = dict.fromkeys(names, 0)
     for name in calls:
         launch = getattr(module, name)
 

@@ -16,6 +16,7 @@ from torch import nn
 from ampinit import amp
 from ampinit._masters import kernel_step
 from tests._device import device_under_test, on_device
+from tests._kernels_vs_reference import count_launches
 from tests.conftest import SmallNet
 
 pytest.importorskip("triton", reason="triton is not installed (pip install triton); the kernels are tested through it")
@@ -48,9 +49,13 @@ def train(
     loss_scale: float | str | None = None,
     make_opt: Callable[..., torch.optim.Optimizer] | None = None,
     options: dict[str, object] | None = None,
+    micro_batches: int = 1,
+    delay_unscale: bool = False,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """``steps`` amp steps of SmallNet (BatchNorm: fp32 parameters the optimizer updates directly at O2/O5), each
-    clipped by ``clip``; the norms it returned, then the weights, the masters and the optimizer state."""
+    clipped by ``clip``; the norms it returned, then the weights, the masters and the optimizer state. A step
+    accumulates ``micro_batches`` batches of 32 rows in all (a ``scale_loss`` block each, all but the last with
+    ``delay_unscale`` if asked)."""
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(1)
     model = on_device(SmallNet())
@@ -64,13 +69,16 @@ def train(
     norms = []
     try:
         for step in range(steps):
-            x = on_device(torch.randn(32, 8, generator=gen))
-            if level in HALF:
-                x = x.to(HALF[level])
-            with amp.scale_loss(model(x).float().pow(2).mean(), opt) as scaled:
-                scaled.backward()
-                if step == poison_step:
-                    model.fc1.weight.grad[0, 0] = float("inf")
+            for micro in range(micro_batches):
+                x = on_device(torch.randn(32 // micro_batches, 8, generator=gen))
+                if level in HALF:
+                    x = x.to(HALF[level])
+                last = micro == micro_batches - 1
+                loss = model(x).float().pow(2).mean() / micro_batches
+                with amp.scale_loss(loss, opt, delay_unscale=delay_unscale and not last) as scaled:
+                    scaled.backward()
+                    if step == poison_step:
+                        model.fc1.weight.grad[0, 0] = float("inf")
             norms.append(clip(opt, max_norm, norm_type).detach().clone())
             opt.step()
             opt.zero_grad()
@@ -110,21 +118,14 @@ def no_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(kernel_step, "kernels_for", lambda device: None)
 
 
-def counted_launches(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The names of the kernel launches of amp's steps from now on (fp32 masters, remainders, the dial)."""
+def counted_launches(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, int]]:
+    """Launch counts of amp's update kernels from now on: the fp32-master and remainder ones, and the dial's."""
     from ampinit._masters import triton_dial, triton_kernels
 
-    launched: list[str] = []
-    for module, names in ((triton_kernels, ("adam_", "sgd_")), (triton_dial, ("adam_dial_", "sgd_dial_"))):
-        for name in names:
-            original = getattr(module, name)
-
-            def counted(*args: object, _original: Callable[..., None] = original, _name: str = name, **kw: object):
-                launched.append(_name)
-                _original(*args, **kw)
-
-            monkeypatch.setattr(module, name, counted)
-    return launched
+    return [
+        count_launches(triton_kernels, monkeypatch),
+        count_launches(triton_dial, monkeypatch, ("adam_dial_", "sgd_dial_")),
+    ]
 
 
 @pytest.mark.usefixtures("kernels")
@@ -199,10 +200,10 @@ def test_with_masters_in_the_weights_the_clip_keeps_the_kernel_step(
     with momentum, whose update a clip scales (Adam's would hardly show one)."""
     launched = counted_launches(monkeypatch)
     norms, tensors = train("O5", ampinit_clip, 0.05, make_opt=momentum_sgd, options=DIAL[setting])
-    assert len(launched) >= 4, launched
-    del launched[:]
+    assert sum(sum(counts.values()) for counts in launched) >= 4, launched
+    launched = counted_launches(monkeypatch)
     ref_norms, ref_tensors = train("O5", apex_pattern, 0.05, make_opt=momentum_sgd, options=DIAL[setting])
-    assert launched == []  # the pattern's fp32 masters took the chunked step
+    assert sum(sum(counts.values()) for counts in launched) == 0, launched  # the pattern's masters: chunked
     torch.testing.assert_close(norms[0], ref_norms[0], rtol=0, atol=0)  # the first step's grads are the same
     for ours, theirs in zip(norms + tensors, ref_norms + ref_tensors):
         torch.testing.assert_close(ours.float(), theirs.float(), rtol=2e-2, atol=2e-3)
@@ -323,33 +324,14 @@ def test_a_second_clip_sees_the_first_and_master_params_sees_both(level: str, op
         torch.testing.assert_close(materialised, reference * 0.05 / (reference + 1e-6), rtol=1e-6, atol=0)
 
 
-def accumulated(level: str, clip: Clip, delay_unscale: bool) -> list[torch.Tensor]:
-    """Three steps of two micro-batches each (``scale_loss`` twice, the first with ``delay_unscale`` or not), clipped
-    after the second; the norms, then the weights and masters."""
-    torch.manual_seed(0)
-    gen = torch.Generator().manual_seed(1)
-    model = on_device(SmallNet())
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0)
-    norms = []
-    try:
-        for _ in range(3):
-            for micro in range(2):
-                x = on_device(torch.randn(16, 8, generator=gen)).to(HALF[level])
-                with amp.scale_loss(
-                    model(x).float().pow(2).mean() / 2, opt, delay_unscale=delay_unscale and not micro
-                ) as s:
-                    s.backward()
-            norms.append(clip(opt, 0.05, 2.0).detach().clone())
-            opt.step()
-            opt.zero_grad()
-        return norms + [p.detach().clone() for p in (*model.parameters(), *amp.master_params(opt))]
-    finally:
-        amp.deinitialize()
-
-
 @pytest.mark.usefixtures("kernels")
 @pytest.mark.parametrize("level", ["O2", "O5"])
 @pytest.mark.parametrize("delay_unscale", [False, True], ids=["accumulate", "delay_unscale"])
 def test_accumulated_micro_batches_clip_as_apexs_pattern(level: str, delay_unscale: bool) -> None:
-    assert_same(accumulated(level, ampinit_clip, delay_unscale), accumulated(level, apex_pattern, delay_unscale))
+    """Two ``scale_loss`` blocks per step, the clip after the second: the fold (where the second exit leaves a step
+    pending) or Apex's line itself, with Apex's line's bits either way."""
+    for_both = {"steps": 3, "micro_batches": 2, "delay_unscale": delay_unscale}
+    norms, tensors = train(level, ampinit_clip, 0.05, **for_both)
+    ref_norms, ref_tensors = train(level, apex_pattern, 0.05, **for_both)
+    assert_same(norms, ref_norms)
+    assert_same(tensors, ref_tensors)

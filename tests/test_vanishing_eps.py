@@ -55,7 +55,7 @@ def test_no_warning_where_eps_survives(level: str, make_opt: Make, options: dict
     amp.deinitialize()
 
 
-def test_o3_with_adams_default_eps_still_trains_the_steps_apex_would_take() -> None:
+def test_o3_with_adams_default_eps_is_a_warning_not_a_refusal() -> None:
     """A warning, not a refusal: Apex's O3 (a speed baseline) runs as it did; the model is fp16 all the same."""
     with pytest.warns(UserWarning, match="eps=1e-08"):
         model, _ = initialize("O3", lambda ps: torch.optim.Adam(ps))
