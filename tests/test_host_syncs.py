@@ -226,6 +226,7 @@ def test_raise_at_min_keeps_a_dynamic_scale_on_the_host(level: OptLevel, cuda_pa
 # torch says once per process that the mode is a prototype; under filterwarnings=error that notice would raise with
 # the mode already switched on.
 @pytest.mark.filterwarnings("ignore:Synchronization debug mode is a prototype feature:UserWarning")
+@pytest.mark.filterwarnings("ignore:.*which is 0 in float16:UserWarning")  # O3's AdamW eps, as above
 @requires_cuda("torch.cuda.set_sync_debug_mode")
 @pytest.mark.parametrize(
     ("level", "options", "fused"),

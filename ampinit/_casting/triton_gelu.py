@@ -9,7 +9,10 @@ from the fp32 one. Per element that is 6 bytes moved forward and 10 backward whe
 
 The arithmetic is torch's CUDA kernel's (``GeluCUDAKernelImpl`` / ``GeluBackwardCUDAKernelImpl``, the exact-erf
 form), in the same order, with the same math functions (libdevice's ``erff`` and ``expf``, which nvcc's ``::erf`` and
-``expf`` are). Where the compiler may fuse a multiply into an add, the result depends on which pair it fuses; the
+``expf`` are), and keeping subnormals as nvcc does for torch: every launch passes ``enable_reflect_ftz=False``.
+Triton's default has libdevice take its flush-to-zero branches, and then ``exp(-x*x/2)`` past ``|x|`` of about 13
+is 0 where torch's is subnormal, so that the slope's sign of zero differs; the first GPU check of these kernels
+(H200, torch 2.11, Triton 3.6) found no variant exact that way. Where the compiler may fuse a multiply into an add, the result depends on which pair it fuses; the
 ``VARIANT`` constant picks one way of writing the sum, and ``ampinit._casting.fused_gelu`` takes a variant only after
 it has reproduced torch's bits on every value of the half dtype on that device (65,536 inputs: all there are).
 
@@ -174,6 +177,7 @@ def forward(x: torch.Tensor, variant: tuple[int, bool]) -> torch.Tensor:
             BLOCK,
             _libdevice(x),
             enable_fp_fusion=variant[1],
+            enable_reflect_ftz=False,
         )
     return y
 
@@ -198,5 +202,6 @@ def backward(
             BLOCK,
             _libdevice(x),
             enable_fp_fusion=variant[1],
+            enable_reflect_ftz=False,
         )
     return dx
