@@ -79,14 +79,36 @@ def test_a_fused_check_that_does_not_run_leaves_the_group_to_the_norms(bad: floa
 
 
 @pytest.mark.usefixtures("cuda_unscale_rule_on_cpu")
-def test_only_groups_of_contiguous_plain_tensors_of_a_refused_dtype_are_offered() -> None:
+def test_only_groups_of_contiguous_plain_tensors_are_offered() -> None:
     fused = Recorder(runs=True)
     strided = torch.randn(4, 6).bfloat16().t()
     assert check([torch.randn(3).bfloat16(), strided], fused) == 0.0
     marked = torch.randn(4).bfloat16().as_subclass(_Marked)
     assert check([marked], fused) == 0.0
-    assert check([torch.randn(4).half(), torch.randn(2)], fused) == 0.0  # kinds the unscale kernel takes
     assert fused.offered == []
+
+
+@pytest.mark.parametrize("bad", [None, float("inf")])
+def test_kinds_the_unscale_kernel_takes_are_offered_too_and_it_does_not_run(
+    bad: float | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """fp16 and fp32 (CUDA's unscale kernel takes them, but writes each grad back as it reads it): one offer per
+    group, and where the fused check runs, torch's kernel does not."""
+    unscaled: list[object] = []
+    monkeypatch.setattr(torch, "_amp_foreach_non_finite_check_and_unscale_", lambda *args: unscaled.append(args))
+    fused = Recorder(runs=True)
+    half, single = torch.randn(4).half(), torch.randn(2)
+    if bad is not None:
+        single[1] = bad
+    assert check([half, single], fused) == (0.0 if bad is None else 1.0)
+    assert sorted(len(group) for group in fused.offered) == [1, 1]
+    assert {id(t) for group in fused.offered for t in group} == {id(half), id(single)}
+    assert unscaled == []
+    # A fused check that does not run leaves them to torch's kernel, which finds the same.
+    declining = Recorder(runs=False)
+    monkeypatch.undo()
+    assert check([half, single], declining) == (0.0 if bad is None else 1.0)
+    assert len(declining.offered) == 2
 
 
 class _Marked(torch.Tensor):
@@ -149,10 +171,11 @@ def test_o5_checks_bf16_grads_in_one_kernel_launch_and_trains_as_the_norms_route
 ) -> None:
     launches = counted_checks(kernels_on_cpu, monkeypatch)
     fused = train(master_weights, True, monkeypatch)
-    assert len(launches) == STEPS and all(n == len(fused["weights"]) - 2 for n in launches)  # BatchNorm stays fp32
+    # Per step: the bf16 weights' grads, then BatchNorm's fp32 ones (which O5 leaves fp32 and steps directly).
+    assert launches == [len(fused["weights"]) - 2, 2] * STEPS
     assert fused["stepped"] == [step != BAD_STEP for step in range(STEPS)]  # the bad step, and only it, skipped
     normed = train(master_weights, False, monkeypatch)
-    assert len(launches) == STEPS  # the norms route launched nothing
+    assert len(launches) == 2 * STEPS  # the norms route launched nothing
     for key in ("weights", "masters"):
         assert len(fused[key]) == len(normed[key])
         for a, b in zip(fused[key], normed[key]):

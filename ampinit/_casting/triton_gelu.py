@@ -12,9 +12,10 @@ form), in the same order, with the same math functions (libdevice's ``erff`` and
 ``expf`` are), and keeping subnormals as nvcc does for torch: every launch passes ``enable_reflect_ftz=False``.
 Triton's default has libdevice take its flush-to-zero branches, and then ``exp(-x*x/2)`` past ``|x|`` of about 13
 is 0 where torch's is subnormal, so that the slope's sign of zero differs; the first GPU check of these kernels
-(H200, torch 2.11, Triton 3.6) found no variant exact that way. Where the compiler may fuse a multiply into an add, the result depends on which pair it fuses; the
-``VARIANT`` constant picks one way of writing the sum, and ``ampinit._casting.fused_gelu`` takes a variant only after
-it has reproduced torch's bits on every value of the half dtype on that device (65,536 inputs: all there are).
+(H200, torch 2.11, Triton 3.6) found no variant exact that way. Where the compiler may fuse a multiply into an add,
+the result depends on which pair it fuses; the ``VARIANT`` constant picks one way of writing the sum, and
+``ampinit._casting.fused_gelu`` takes a variant only after it has reproduced torch's bits on every value of the half
+dtype on that device (65,536 inputs: all there are).
 
 Imported only when ``triton`` is importable. On Triton's interpreter (CPU tests) the libdevice calls, which it cannot
 run, are ``tl.math``'s, so the interpreted kernels compute the same formula with other math functions.

@@ -521,10 +521,17 @@ _DTYPE = operator.attrgetter("dtype")
 _DEVICE = operator.attrgetter("device")
 
 
+#: The grad dtypes the check kernel reads.
+_CHECKED_DTYPES = frozenset((torch.float32, torch.float16, torch.bfloat16))
+
+
 def _kernel_check(grads: list[torch.Tensor], flag: torch.Tensor) -> bool:
     """The master step's one-launch finite check (``triton_kernels.check_finite_``), where its kernels run on the
-    flag's device; False elsewhere. Offered to the scaler's check for the half grads torch's unscale kernel refuses
-    (bf16 on CUDA: ``_torch_kernels.check_finite_``); Triton is imported only when it is asked."""
+    flag's device and read the grads' dtype (fp32, fp16, bf16); False elsewhere. Offered to the scaler's check of
+    every group of grads (``_torch_kernels.check_finite_``: read once, nothing written); Triton is imported only
+    when it is asked."""
+    if grads[0].dtype not in _CHECKED_DTYPES:
+        return False
     kernels = kernel_step.kernels_for(flag.device)
     if kernels is None:
         return False
