@@ -184,3 +184,68 @@ def test_the_finite_check_rebuilds_only_the_grads_pointers_when_grads_move(
         kept.append(grads)
     assert len(built) == 1 and len(kernels_on_cpu._tables_by_sizes) == 1
     assert len(kernels_on_cpu._grad_tables_by_storage) == 4
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "options"),
+    [
+        ("adamw", {"master_weights": "remainder", "optimizer_state": "8bit"}),
+        ("adamw", {"master_weights": "stochastic", "optimizer_state": "bf16"}),
+        ("sgd", {"master_weights": "remainder8", "optimizer_state": "8bit"}),
+    ],
+)
+def test_the_dials_step_rebuilds_only_the_grads_pointers_when_grads_move(
+    kernels_on_cpu: ModuleType, monkeypatch: pytest.MonkeyPatch, optimizer: str, options: dict[str, str]
+) -> None:
+    """The dial's launch (``triton_dial``) keeps the grads out of its block tables, as the fp32-master launch does:
+    grads at new addresses every step (the old ones kept alive) build the state's tables once, and each step reads
+    the grads where they now are (bitwise the run whose tables are all rebuilt before every step)."""
+    from ampinit._masters import triton_dial
+
+    built: list[Any] = []
+    build = kernels_on_cpu._build_tables
+    monkeypatch.setattr(kernels_on_cpu, "_build_tables", lambda *a: built.append(a) or build(*a))
+    # triton_dial took _tables from the interpreted module at its import: the same function object, whose globals
+    # (the patched _build_tables, the caches) are the module's.
+    assert triton_dial._tables is kernels_on_cpu._tables
+
+    def train(rebuild: bool) -> list[torch.Tensor]:
+        monkeypatch.setattr(kernels_on_cpu, "_tables_by_storage", {})
+        monkeypatch.setattr(kernels_on_cpu, "_grad_tables_by_storage", {})
+        built.clear()
+        model = make_model()
+        make = torch.optim.AdamW if optimizer == "adamw" else torch.optim.SGD
+        opt = make(model.parameters(), lr=1e-2, **({"momentum": 0.9} if optimizer == "sgd" else {}))
+        launches: list[int] = []
+        step = triton_dial.adam_dial_ if optimizer == "adamw" else triton_dial.sgd_dial_
+        name = "adam_dial_" if optimizer == "adamw" else "sgd_dial_"
+        monkeypatch.setattr(triton_dial, name, lambda *a, **k: launches.append(1) or step(*a, **k))
+        amp.initialize(model, opt, opt_level="O5", verbosity=0, **options)
+        kept = []
+        try:
+            for seed in range(4):
+                if rebuild:
+                    kernels_on_cpu._tables_by_storage.clear()
+                    kernels_on_cpu._grad_tables_by_storage.clear()
+                kept.append([p.grad for p in model.parameters()])  # alive: the next grads go elsewhere
+                gen = torch.Generator().manual_seed(seed)
+                x, y = torch.randn(5, 6, generator=gen), torch.randn(5, 3, generator=gen)
+                opt.zero_grad()
+                with amp.scale_loss(nn.functional.mse_loss(model(x.bfloat16()).float(), y), opt) as scaled:
+                    scaled.backward()
+                opt.step()
+            assert len(launches) == 4  # every step took the dial's kernels
+            state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+            return [p.detach().clone() for p in model.parameters()] + [v.clone() for v in state]
+        finally:
+            amp.deinitialize()
+            monkeypatch.setattr(triton_dial, name, step)
+
+    cached = train(rebuild=False)
+    assert len(built) == 1  # the state's tables, once: the grads moved at every step
+    assert len(kernels_on_cpu._grad_tables_by_storage) >= 3
+    rebuilt = train(rebuild=True)
+    assert len(built) == 4
+    assert len(cached) == len(rebuilt)
+    for got, want in zip(cached, rebuilt):
+        assert torch.equal(got, want)

@@ -51,10 +51,12 @@ from ampinit._masters.reference import AdamSettings, Masters, Moments, SgdSettin
 from ampinit._masters.triton_kernels import (
     _BLOCK,
     _TL_DTYPES,
+    _grad_table,
     _ld,
     _load_grad,
     _span,
     _st,
+    _Tables,
     _tables,
     _tensor_ptr,
     _to_weight,
@@ -217,7 +219,7 @@ def _store_moment(
 
 @triton.jit
 def _adam_dial_kernel(
-    ptrs, numels, block_tensor, block_start, n_tensors, inv_scale_ptr, flag_ptr, step_scalars,
+    grad_ptrs, ptrs, numels, block_tensor, block_start, n_tensors, inv_scale_ptr, flag_ptr, step_scalars,
     master_keys, m_keys, v_keys, m_map, v_map,
     beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, decay_factor,
     GRAD_T: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_FLAG: tl.constexpr, MAXIMIZE: tl.constexpr,
@@ -228,13 +230,13 @@ def _adam_dial_kernel(
     t, start, limit = _span(numels, block_tensor, block_start, flag_ptr, HAS_FLAG, BLOCK)
     if start + BLOCK <= limit:
         _adam_dial_block(
-            ptrs, n_tensors, inv_scale_ptr, step_scalars, master_keys, m_keys, v_keys, m_map, v_map, beta1,
+            grad_ptrs, ptrs, n_tensors, inv_scale_ptr, step_scalars, master_keys, m_keys, v_keys, m_map, v_map, beta1,
             one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, decay_factor, t, start, limit, GRAD_T,
             HAS_SCALE, MAXIMIZE, KIND, WEIGHT_T, WEIGHT_IS_BF16, FMT, DECAY, False, ALIGNED, BLOCK, QBLOCK,
         )  # fmt: skip
     else:
         _adam_dial_block(
-            ptrs, n_tensors, inv_scale_ptr, step_scalars, master_keys, m_keys, v_keys, m_map, v_map, beta1,
+            grad_ptrs, ptrs, n_tensors, inv_scale_ptr, step_scalars, master_keys, m_keys, v_keys, m_map, v_map, beta1,
             one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, decay_factor, t, start, limit, GRAD_T,
             HAS_SCALE, MAXIMIZE, KIND, WEIGHT_T, WEIGHT_IS_BF16, FMT, DECAY, True, ALIGNED, BLOCK, QBLOCK,
         )  # fmt: skip
@@ -242,41 +244,41 @@ def _adam_dial_kernel(
 
 @triton.jit
 def _adam_dial_block(
-    ptrs, n_tensors, inv_scale_ptr, step_scalars, master_keys, m_keys, v_keys, m_map, v_map,
+    grad_ptrs, ptrs, n_tensors, inv_scale_ptr, step_scalars, master_keys, m_keys, v_keys, m_map, v_map,
     beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, decay_factor, t, start, limit,
     GRAD_T: tl.constexpr, HAS_SCALE: tl.constexpr, MAXIMIZE: tl.constexpr, KIND: tl.constexpr,
     WEIGHT_T: tl.constexpr, WEIGHT_IS_BF16: tl.constexpr, FMT: tl.constexpr, DECAY: tl.constexpr,
     MASKED: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr, QBLOCK: tl.constexpr,
 ):  # fmt: skip
-    # Lists: grads, the master's two, exp_avg's two (values, absmax), exp_avg_sq's two.
+    # Lists: the master's two, exp_avg's two (values, absmax), exp_avg_sq's two; the grads in a table of their own.
     offs = start + tl.arange(0, BLOCK)
     mask = offs < limit
-    g = _load_grad(ptrs, t, offs, mask, inv_scale_ptr, GRAD_T, HAS_SCALE, MAXIMIZE, MASKED, ALIGNED)
-    p = _load_master(ptrs, n_tensors, 1, t, offs, mask, KIND, MASKED, ALIGNED)
+    g = _load_grad(grad_ptrs, t, offs, mask, inv_scale_ptr, GRAD_T, HAS_SCALE, MAXIMIZE, MASKED, ALIGNED)
+    p = _load_master(ptrs, n_tensors, 0, t, offs, mask, KIND, MASKED, ALIGNED)
     if DECAY == 1:
         g = g + p * weight_decay
     if DECAY == 2:
         p = p * decay_factor
-    m = _load_moment(ptrs, n_tensors, 3, t, offs, mask, m_map, FMT, MASKED, ALIGNED, QBLOCK)
+    m = _load_moment(ptrs, n_tensors, 2, t, offs, mask, m_map, FMT, MASKED, ALIGNED, QBLOCK)
     m = m * beta1 + g * one_minus_beta1
-    v = _load_moment(ptrs, n_tensors, 5, t, offs, mask, v_map, FMT, MASKED, ALIGNED, QBLOCK)
+    v = _load_moment(ptrs, n_tensors, 4, t, offs, mask, v_map, FMT, MASKED, ALIGNED, QBLOCK)
     v = v * beta2 + (g * g) * one_minus_beta2
     _store_moment(
-        m, ptrs, n_tensors, 3, t, start, limit, offs, mask, m_keys, m_map, FMT, MASKED, ALIGNED, BLOCK, QBLOCK
+        m, ptrs, n_tensors, 2, t, start, limit, offs, mask, m_keys, m_map, FMT, MASKED, ALIGNED, BLOCK, QBLOCK
     )
     _store_moment(
-        v, ptrs, n_tensors, 5, t, start, limit, offs, mask, v_keys, v_map, FMT, MASKED, ALIGNED, BLOCK, QBLOCK
+        v, ptrs, n_tensors, 4, t, start, limit, offs, mask, v_keys, v_map, FMT, MASKED, ALIGNED, BLOCK, QBLOCK
     )
     step_size = tl.load(step_scalars + 2 * t)
     bias_correction2_sqrt = tl.load(step_scalars + 2 * t + 1)
     denom = tl.math.div_rn(tl.math.sqrt_rn(v), bias_correction2_sqrt) + eps
     p = p - tl.math.div_rn(step_size * m, denom)
-    _store_master(p, ptrs, n_tensors, 1, t, offs, mask, master_keys, KIND, WEIGHT_T, WEIGHT_IS_BF16, MASKED, ALIGNED)
+    _store_master(p, ptrs, n_tensors, 0, t, offs, mask, master_keys, KIND, WEIGHT_T, WEIGHT_IS_BF16, MASKED, ALIGNED)
 
 
 @triton.jit
 def _sgd_dial_kernel(
-    ptrs, numels, block_tensor, block_start, n_tensors, inv_scale_ptr, flag_ptr,
+    grad_ptrs, ptrs, numels, block_tensor, block_start, n_tensors, inv_scale_ptr, flag_ptr,
     master_keys, buf_keys, buf_map, lr, momentum, one_minus_dampening, weight_decay,
     GRAD_T: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_FLAG: tl.constexpr, MAXIMIZE: tl.constexpr,
     KIND: tl.constexpr, WEIGHT_T: tl.constexpr, WEIGHT_IS_BF16: tl.constexpr, FMT: tl.constexpr,
@@ -286,42 +288,42 @@ def _sgd_dial_kernel(
     t, start, limit = _span(numels, block_tensor, block_start, flag_ptr, HAS_FLAG, BLOCK)
     if start + BLOCK <= limit:
         _sgd_dial_block(
-            ptrs, n_tensors, inv_scale_ptr, master_keys, buf_keys, buf_map, lr, momentum, one_minus_dampening,
-            weight_decay, t, start, limit, GRAD_T, HAS_SCALE, MAXIMIZE, KIND, WEIGHT_T, WEIGHT_IS_BF16, FMT,
-            HAS_DECAY, HAS_MOMENTUM, FIRST_STEP, NESTEROV, False, ALIGNED, BLOCK, QBLOCK,
+            grad_ptrs, ptrs, n_tensors, inv_scale_ptr, master_keys, buf_keys, buf_map, lr, momentum,
+            one_minus_dampening, weight_decay, t, start, limit, GRAD_T, HAS_SCALE, MAXIMIZE, KIND, WEIGHT_T,
+            WEIGHT_IS_BF16, FMT, HAS_DECAY, HAS_MOMENTUM, FIRST_STEP, NESTEROV, False, ALIGNED, BLOCK, QBLOCK,
         )  # fmt: skip
     else:
         _sgd_dial_block(
-            ptrs, n_tensors, inv_scale_ptr, master_keys, buf_keys, buf_map, lr, momentum, one_minus_dampening,
-            weight_decay, t, start, limit, GRAD_T, HAS_SCALE, MAXIMIZE, KIND, WEIGHT_T, WEIGHT_IS_BF16, FMT,
-            HAS_DECAY, HAS_MOMENTUM, FIRST_STEP, NESTEROV, True, ALIGNED, BLOCK, QBLOCK,
+            grad_ptrs, ptrs, n_tensors, inv_scale_ptr, master_keys, buf_keys, buf_map, lr, momentum,
+            one_minus_dampening, weight_decay, t, start, limit, GRAD_T, HAS_SCALE, MAXIMIZE, KIND, WEIGHT_T,
+            WEIGHT_IS_BF16, FMT, HAS_DECAY, HAS_MOMENTUM, FIRST_STEP, NESTEROV, True, ALIGNED, BLOCK, QBLOCK,
         )  # fmt: skip
 
 
 @triton.jit
 def _sgd_dial_block(
-    ptrs, n_tensors, inv_scale_ptr, master_keys, buf_keys, buf_map, lr, momentum, one_minus_dampening,
+    grad_ptrs, ptrs, n_tensors, inv_scale_ptr, master_keys, buf_keys, buf_map, lr, momentum, one_minus_dampening,
     weight_decay, t, start, limit,
     GRAD_T: tl.constexpr, HAS_SCALE: tl.constexpr, MAXIMIZE: tl.constexpr, KIND: tl.constexpr,
     WEIGHT_T: tl.constexpr, WEIGHT_IS_BF16: tl.constexpr, FMT: tl.constexpr, HAS_DECAY: tl.constexpr,
     HAS_MOMENTUM: tl.constexpr, FIRST_STEP: tl.constexpr, NESTEROV: tl.constexpr, MASKED: tl.constexpr,
     ALIGNED: tl.constexpr, BLOCK: tl.constexpr, QBLOCK: tl.constexpr,
 ):  # fmt: skip
-    # Lists: grads, the master's two, the momentum buffer's two (values, absmax).
+    # Lists: the master's two, the momentum buffer's two (values, absmax); the grads in a table of their own.
     offs = start + tl.arange(0, BLOCK)
     mask = offs < limit
-    g = _load_grad(ptrs, t, offs, mask, inv_scale_ptr, GRAD_T, HAS_SCALE, MAXIMIZE, MASKED, ALIGNED)
-    p = _load_master(ptrs, n_tensors, 1, t, offs, mask, KIND, MASKED, ALIGNED)
+    g = _load_grad(grad_ptrs, t, offs, mask, inv_scale_ptr, GRAD_T, HAS_SCALE, MAXIMIZE, MASKED, ALIGNED)
+    p = _load_master(ptrs, n_tensors, 0, t, offs, mask, KIND, MASKED, ALIGNED)
     if HAS_DECAY:
         g = g + p * weight_decay
     if HAS_MOMENTUM:
         if FIRST_STEP:
             buf = g
         else:
-            old = _load_moment(ptrs, n_tensors, 3, t, offs, mask, buf_map, FMT, MASKED, ALIGNED, QBLOCK)
+            old = _load_moment(ptrs, n_tensors, 2, t, offs, mask, buf_map, FMT, MASKED, ALIGNED, QBLOCK)
             buf = old * momentum + g * one_minus_dampening
         _store_moment(
-            buf, ptrs, n_tensors, 3, t, start, limit, offs, mask, buf_keys, buf_map, FMT, MASKED, ALIGNED, BLOCK,
+            buf, ptrs, n_tensors, 2, t, start, limit, offs, mask, buf_keys, buf_map, FMT, MASKED, ALIGNED, BLOCK,
             QBLOCK,
         )  # fmt: skip
         if NESTEROV:  # noqa: SIM108
@@ -329,32 +331,36 @@ def _sgd_dial_block(
         else:
             g = buf
     p = p - g * lr  # as triton_kernels._sgd_update: bitwise torch's p + (-lr)*g
-    _store_master(p, ptrs, n_tensors, 1, t, offs, mask, master_keys, KIND, WEIGHT_T, WEIGHT_IS_BF16, MASKED, ALIGNED)
+    _store_master(p, ptrs, n_tensors, 0, t, offs, mask, master_keys, KIND, WEIGHT_T, WEIGHT_IS_BF16, MASKED, ALIGNED)
 
 
 # -- launching ------------------------------------------------------------------------------------------------
 def _master_lists(masters: Masters, grads: TensorList) -> tuple[list[TensorList], torch.Tensor, dict[str, Any]]:
-    """The master's two lists (a list a kernel does not read repeats the grads), its keys and constants."""
+    """The master's two lists (a list a kernel does not read repeats the first), its keys and constants."""
     kind = _KINDS[masters.kind]
     weight_dtype = torch.bfloat16
     if masters.kind == "fp32":
-        second = masters.weights or grads
+        first = masters.masters
+        second = masters.weights or first
         if masters.weights:
             kind, weight_dtype = 1, masters.weights[0].dtype
-        first = masters.masters
     else:
-        first, second = masters.weights, masters.remainders or grads
+        first = masters.weights
+        second = masters.remainders or first
     keys = grads[0] if masters.keys is None else masters.keys  # unread without stochastic rounding
     constants = {"KIND": kind, "WEIGHT_T": _TL_DTYPES[weight_dtype], "WEIGHT_IS_BF16": weight_dtype == torch.bfloat16}
     return [first, second], keys, constants
 
 
-def _moment_lists(moments: Moments, grads: TensorList) -> tuple[list[TensorList], torch.Tensor, torch.Tensor]:
-    """A moment's two lists, its keys and its map (unread ones are stand-ins)."""
-    values = moments.values or grads  # SGD without momentum: no buffers
+def _moment_lists(
+    moments: Moments, grads: TensorList, stand_in: TensorList
+) -> tuple[list[TensorList], torch.Tensor, torch.Tensor]:
+    """A moment's two lists, its keys and its map (unread ones are stand-ins: lists ``stand_in``, tensors the first
+    grad)."""
+    values = moments.values or stand_in  # SGD without momentum: no buffers
     keys = grads[0] if moments.keys is None else moments.keys
     table = grads[0] if moments.qmap is None else _map_table(moments.qmap)
-    return [values, moments.absmax or grads], keys, table
+    return [values, moments.absmax or stand_in], keys, table
 
 
 # The map and its decision points in one tensor, per QuantMap (callers keep one per device and sign): built once,
@@ -367,6 +373,20 @@ def _map_table(qmap: QuantMap) -> torch.Tensor:
     if cached is None:
         cached = _map_tables[id(qmap)] = (qmap, torch.cat([qmap.values, qmap.mids]))
     return cached[1]
+
+
+def _launch_tables(grads: TensorList, *lists: TensorList) -> tuple[_Tables, torch.Tensor, bool]:
+    """A launch's block and pointer tables over ``lists`` (the state: masters and moments), cached by their storage,
+    and the grads' own pointer table, cached by theirs; and whether every tensor of both starts on 16 bytes.
+
+    The grads are kept out of the state's tables as ``triton_kernels``' launch keeps them: a training loop makes
+    them afresh each step, and where the caching allocator places them elsewhere (another model's step between two,
+    variable-length batches) a key holding their pointers rebuilt the whole block table, a Python loop over every
+    block of the model (on the H200 check of 2026-11-27, 38 ms of host time a step for 124M parameters, against a
+    37 ms step). Now a move costs a table of one entry per grad."""
+    tables = _tables(grads[0].device, *lists)
+    grad_table, grads_aligned = _grad_table(grads[0].device, grads, tables.sizes)
+    return tables, grad_table, tables.aligned and grads_aligned
 
 
 def _format(*moments: Moments) -> int:
@@ -407,16 +427,16 @@ def adam_dial_(
     s = settings
     fmt = _format(exp_avgs, exp_avg_sqs)
     master_lists, master_keys, constants = _master_lists(masters, grads)
-    m_lists, m_keys, m_map = _moment_lists(exp_avgs, grads)
-    v_lists, v_keys, v_map = _moment_lists(exp_avg_sqs, grads)
-    tables = _tables(grads[0].device, grads, *master_lists, *m_lists, *v_lists)
+    m_lists, m_keys, m_map = _moment_lists(exp_avgs, grads, master_lists[0])
+    v_lists, v_keys, v_map = _moment_lists(exp_avg_sqs, grads, master_lists[0])
+    tables, grad_table, aligned = _launch_tables(grads, *master_lists, *m_lists, *v_lists)
     unread = grads[0]
     _adam_dial_kernel[(tables.n_blocks,)](
-        tables.pointers, tables.numels, tables.block_tensor, tables.block_start, len(grads),
+        grad_table, tables.pointers, tables.numels, tables.block_tensor, tables.block_start, len(grads),
         unread if inv_scale is None else inv_scale, unread if found_inf is None else found_inf,
         step_scalars.contiguous(), master_keys, m_keys, v_keys, m_map, v_map,
         s.beta1, 1 - s.beta1, s.beta2, 1 - s.beta2, s.eps, s.weight_decay, 1 - s.lr * s.weight_decay,
-        FMT=fmt, DECAY=0 if s.weight_decay == 0 else (2 if s.decoupled else 1), ALIGNED=tables.aligned,
+        FMT=fmt, DECAY=0 if s.weight_decay == 0 else (2 if s.decoupled else 1), ALIGNED=aligned,
         **constants, **_common(grads, inv_scale, found_inf, s.maximize),
     )  # fmt: skip
 
@@ -436,14 +456,14 @@ def sgd_dial_(
         return
     s = settings
     master_lists, master_keys, constants = _master_lists(masters, grads)
-    buf_lists, buf_keys, buf_map = _moment_lists(momentum_buffers, grads)
-    tables = _tables(grads[0].device, grads, *master_lists, *buf_lists)
+    buf_lists, buf_keys, buf_map = _moment_lists(momentum_buffers, grads, master_lists[0])
+    tables, grad_table, aligned = _launch_tables(grads, *master_lists, *buf_lists)
     unread = grads[0]
     flags = {"HAS_DECAY": s.weight_decay != 0, "HAS_MOMENTUM": s.momentum != 0, "NESTEROV": s.nesterov}
     _sgd_dial_kernel[(tables.n_blocks,)](
-        tables.pointers, tables.numels, tables.block_tensor, tables.block_start, len(grads),
+        grad_table, tables.pointers, tables.numels, tables.block_tensor, tables.block_start, len(grads),
         unread if inv_scale is None else inv_scale, unread if found_inf is None else found_inf,
         master_keys, buf_keys, buf_map, s.lr, s.momentum, 1 - s.dampening, s.weight_decay,
-        FMT=_format(momentum_buffers), FIRST_STEP=first_step, ALIGNED=tables.aligned,
+        FMT=_format(momentum_buffers), FIRST_STEP=first_step, ALIGNED=aligned,
         **flags, **constants, **_common(grads, inv_scale, found_inf, s.maximize),
     )  # fmt: skip
