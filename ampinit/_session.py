@@ -22,7 +22,7 @@ from torch import nn
 
 from ampinit import _distributed, _registry, _setup
 from ampinit._casting import CastPolicy
-from ampinit._masters import Dial, session_seed
+from ampinit._masters import Dial, kernel_step, session_seed
 from ampinit._masters.dial_grads import MasterFormat
 from ampinit._masters.remainder_grads import RemainderGrads
 from ampinit._opt_levels import LEVELS, MasterWeights, describe
@@ -162,6 +162,7 @@ class AmpSession:
                 self._undo.run()  # undone whatever the flush met
         finally:
             _registry.unregister(self)
+            kernel_step.forget_tables()  # device memory keyed by tensors this session may have held
 
     def __enter__(self) -> AmpSession:
         return self

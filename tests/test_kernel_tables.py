@@ -64,6 +64,7 @@ def test_fresh_grads_get_their_own_table(kernels_on_cpu: ModuleType, monkeypatch
     from ampinit._masters import reference
 
     weights = []
+    grad_tables = []
     for module in (kernels_on_cpu, reference):
         monkeypatch.setattr(kernels_on_cpu, "adam_", module.adam_)
         model = make_model()
@@ -75,9 +76,10 @@ def test_fresh_grads_get_their_own_table(kernels_on_cpu: ModuleType, monkeypatch
                 one_step(model, opt, seed)
                 del keep
             weights.append([p.detach().clone() for p in model.parameters()])
+            grad_tables.append(len(kernels_on_cpu._grad_tables_by_storage))  # before the close lets go of them
         finally:
             amp.deinitialize()
-    assert len(kernels_on_cpu._grad_tables_by_storage) >= 2  # step 2 may find step 0's freed addresses again
+    assert grad_tables[0] >= 2  # step 2 may find step 0's freed addresses again
     for got, want in zip(*weights):
         assert torch.equal(got, want)
 
@@ -235,17 +237,53 @@ def test_the_dials_step_rebuilds_only_the_grads_pointers_when_grads_move(
                     scaled.backward()
                 opt.step()
             assert len(launches) == 4  # every step took the dial's kernels
+            grad_tables.append(len(kernels_on_cpu._grad_tables_by_storage))  # before the close lets go of them
             state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
             return [p.detach().clone() for p in model.parameters()] + [v.clone() for v in state]
         finally:
             amp.deinitialize()
             monkeypatch.setattr(triton_dial, name, step)
 
+    grad_tables: list[int] = []
     cached = train(rebuild=False)
     assert len(built) == 1  # the state's tables, once: the grads moved at every step
-    assert len(kernels_on_cpu._grad_tables_by_storage) >= 3
+    assert grad_tables[0] >= 3
     rebuilt = train(rebuild=True)
     assert len(built) == 4
     assert len(cached) == len(rebuilt)
     for got, want in zip(cached, rebuilt):
         assert torch.equal(got, want)
+
+
+def test_closing_a_session_lets_go_of_the_tables(kernels_on_cpu: ModuleType) -> None:
+    """The tables are device memory keyed by data pointers, which outlive their tensors: a closed session's go with
+    it (on the H200 check they were what a later session's peak memory carried of every earlier one's)."""
+    import sys
+
+    from ampinit._masters import triton_dial
+
+    assert sys.modules[kernels_on_cpu.__name__] is kernels_on_cpu
+    caches = (
+        kernels_on_cpu._tables_by_storage,
+        kernels_on_cpu._grad_tables_by_storage,
+        kernels_on_cpu._tables_by_sizes,
+        triton_dial._map_tables,
+    )
+    for options in ({}, {"master_weights": "remainder", "optimizer_state": "8bit"}):
+        model = make_model()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        amp.initialize(model, opt, opt_level="O5", verbosity=0, **options)
+        try:
+            gen = torch.Generator().manual_seed(0)
+            x, y = torch.randn(5, 6, generator=gen), torch.randn(5, 3, generator=gen)
+            opt.zero_grad()
+            with amp.scale_loss(nn.functional.mse_loss(model(x.bfloat16()).float(), y), opt) as scaled:
+                scaled.backward()
+            opt.step()
+            filled = [len(cache) for cache in caches]
+            # Every cache the step used holds something: the block and grad tables, the check's (O5 checks its
+            # bf16 grads in the kernel), and the 8-bit maps where the moments are 8-bit.
+            assert filled[:3] == [1, 1, 1] and filled[3] == (2 if options else 0), filled
+        finally:
+            amp.deinitialize()
+        assert [len(cache) for cache in caches] == [0, 0, 0, 0]

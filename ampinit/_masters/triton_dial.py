@@ -368,6 +368,11 @@ def _moment_lists(
 _map_tables: dict[int, tuple[QuantMap, torch.Tensor]] = {}
 
 
+def forget_tables() -> None:
+    """Empty the 8-bit map cache (``kernel_step.forget_tables``; the launch tables are ``triton_kernels``')."""
+    _map_tables.clear()
+
+
 def _map_table(qmap: QuantMap) -> torch.Tensor:
     cached = _map_tables.get(id(qmap))
     if cached is None:

@@ -455,6 +455,13 @@ def _size_tables(device: torch.device, sizes: tuple[int, ...]) -> _Tables:
     return cached
 
 
+def forget_tables() -> None:
+    """Empty the table caches (``kernel_step.forget_tables``)."""
+    _tables_by_storage.clear()
+    _grad_tables_by_storage.clear()
+    _tables_by_sizes.clear()
+
+
 def _aligned(addresses: Sequence[int]) -> bool:
     """Whether every one of the tensors at ``addresses`` starts on a 16-byte boundary: torch's allocators place every
     tensor they allocate on one; a view into a flat buffer, a slice, may start anywhere. (One OR over the
