@@ -207,9 +207,8 @@ def test_weights_round_to_nearest_even(kernels: ModuleType) -> None:
 @pytest.mark.parametrize("bad", [None, float("inf"), float("-inf"), float("nan")])
 @pytest.mark.parametrize("where", ["end of a whole block", "end of the partial last block"])
 def test_check_finite_matches_reference(kernels: ModuleType, dtype: torch.dtype, bad: float | None, where: str) -> None:
-    # The check's own blocks (_CHECK_BLOCK elements) are larger than the optimizers': a tensor over two and a half,
-    # the bad value where only a program reading its whole block finds it.
-    block = kernels._CHECK_BLOCK
+    # A tensor over two and a half blocks, the bad value where only a program reading its whole block finds it.
+    block = kernels._BLOCK
     grads = [torch.randn(n).to(dtype) for n in (*SIZES, 2 * block + block // 2)]
     if bad is not None:
         grads[-1][2 * block - 1 if where == "end of a whole block" else -1] = bad

@@ -8,14 +8,17 @@ from the fp32 one. Per element that is 6 bytes moved forward and 10 backward whe
 (plus the 4 B/element of the saved fp32 copy, which becomes the 2 of the half input native autocast saves too).
 
 The arithmetic is torch's CUDA kernel's (``GeluCUDAKernelImpl`` / ``GeluBackwardCUDAKernelImpl``, the exact-erf
-form), in the same order, with the same math functions (libdevice's ``erff`` and ``expf``, which nvcc's ``::erf`` and
-``expf`` are), and keeping subnormals as nvcc does for torch: every launch passes ``enable_reflect_ftz=False``.
-Triton's default has libdevice take its flush-to-zero branches, and then ``exp(-x*x/2)`` past ``|x|`` of about 13
-is 0 where torch's is subnormal, so that the slope's sign of zero differs; the first GPU check of these kernels
-(H200, torch 2.11, Triton 3.6) found no variant exact that way. Where the compiler may fuse a multiply into an add,
-the result depends on which pair it fuses; the ``VARIANT`` constant picks one way of writing the sum, and
-``ampinit._casting.fused_gelu`` takes a variant only after it has reproduced torch's bits on every value of the half
-dtype on that device (65,536 inputs: all there are).
+form), in the same order, with libdevice's ``erff`` and ``expf`` (the CUDA math library's, which nvcc's ``::erf``
+and ``expf`` come from), keeping subnormals as torch's build does: every launch passes ``enable_reflect_ftz=False``,
+where Triton's default would have libdevice take its flush-to-zero branches. Where the compiler may fuse a multiply
+into an add, the result depends on which pair it fuses; the ``VARIANT`` constant picks one way of writing the sum,
+and ``ampinit._casting.fused_gelu`` takes a variant only after it has reproduced torch's bits on every value of the
+half dtype on that device (65,536 inputs: all there are).
+
+Whether one does depends on the two builds of ``erff``. On the H200 check of 2026-11-27 (torch 2.11.0+cu130, Triton
+3.6) none did, with or without flushing: the forward differed from torch's by one ulp at 71 bf16 and 576 fp16
+values, every one with ``x`` in about [-1.7, -1.4] (``erff`` near -1.1), and the backward at the same inputs. So
+there, Apex's unfused gelu runs (docs/cast-policy.md has its cost).
 
 Imported only when ``triton`` is importable. On Triton's interpreter (CPU tests) the libdevice calls, which it cannot
 run, are ``tl.math``'s, so the interpreted kernels compute the same formula with other math functions.

@@ -416,10 +416,10 @@ def _build_tables(device: torch.device, lists: Sequence[Sequence[torch.Tensor]])
     return _tables_on(device, numels, addresses)
 
 
-def _tables_on(device: torch.device, numels: Sequence[int], addresses: Sequence[int], block: int = _BLOCK) -> _Tables:
-    """The tables of tensors of ``numels`` elements (one program per ``block`` elements of each) whose lists' data
-    pointers are ``addresses``, copied to ``device``: a Python loop over the blocks, built once per set of tensors."""
-    blocks = [(t, start) for t, n in enumerate(numels) for start in range(0, n, block)]
+def _tables_on(device: torch.device, numels: Sequence[int], addresses: Sequence[int]) -> _Tables:
+    """The tables of tensors of ``numels`` elements (one program per block of each) whose lists' data pointers are
+    ``addresses``, copied to ``device``: a Python loop over the blocks, built once per set of tensors."""
+    blocks = [(t, start) for t, n in enumerate(numels) for start in range(0, n, _BLOCK)]
     host = (
         torch.tensor(addresses, dtype=torch.int64),
         torch.tensor(numels, dtype=torch.int64),
@@ -436,19 +436,12 @@ def _tables_on(device: torch.device, numels: Sequence[int], addresses: Sequence[
 #: rebuilds a table entry per block.
 _tables_by_sizes: dict[tuple[torch.device, tuple[int, ...]], _Tables] = {}
 
-#: The finite check's block: 8 times the optimizers' ``_BLOCK``. A check program only reads (2 B per element of a half
-#: grad, against an Adam program's 28), so at the optimizers' block a program's fixed cost (its table loads, its
-#: start) weighs as much as its reads: on the H200 check of 2026-11-27 the check read 124M bf16 grads in 102 us
-#: (2.4 TB/s, half the card's 4.8 TB/s datasheet bandwidth) over 121k programs, where O5's Adam kernel moved its
-#: 28 B per element at 3.3 TB/s.
-_CHECK_BLOCK = 8 * _BLOCK
-
 
 def _size_tables(device: torch.device, sizes: tuple[int, ...]) -> _Tables:
     key = (device, sizes)
     cached = _tables_by_sizes.get(key)
     if cached is None:
-        cached = _tables_on(device, sizes, (), _CHECK_BLOCK)
+        cached = _tables_on(device, sizes, ())
         if len(_tables_by_sizes) >= _MAX_CACHED:
             _tables_by_sizes.clear()
         _tables_by_sizes[key] = cached
@@ -497,7 +490,7 @@ def check_finite_(grads: TensorList, found_inf: torch.Tensor) -> None:
         found_inf,
         GRAD_T=_TL_DTYPES[grads[0].dtype],
         ALIGNED=aligned,
-        BLOCK=_CHECK_BLOCK,
+        BLOCK=_BLOCK,
         enable_fp_fusion=False,
     )
 
