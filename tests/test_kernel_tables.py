@@ -287,3 +287,25 @@ def test_closing_a_session_lets_go_of_the_tables(kernels_on_cpu: ModuleType) -> 
         finally:
             amp.deinitialize()
         assert [len(cache) for cache in caches] == [0, 0, 0, 0]
+
+
+def test_the_step_and_the_finite_check_share_one_block_table(kernels_on_cpu: ModuleType) -> None:
+    """The block tables depend on the sizes alone: an O5 step's launch and its grads' check (same sizes) hold one
+    copy of them on the device, not one each."""
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    amp.initialize(model, opt, opt_level="O5", verbosity=0)
+    try:
+        gen = torch.Generator().manual_seed(0)
+        x, y = torch.randn(5, 6, generator=gen), torch.randn(5, 3, generator=gen)
+        opt.zero_grad()
+        with amp.scale_loss(nn.functional.mse_loss(model(x.bfloat16()).float(), y), opt) as scaled:
+            scaled.backward()
+        opt.step()
+        (step_tables,) = kernels_on_cpu._tables_by_storage.values()
+        (check_tables,) = kernels_on_cpu._tables_by_sizes.values()
+        assert step_tables.block_tensor is check_tables.block_tensor
+        assert step_tables.block_start is check_tables.block_start
+        assert step_tables.pointers.numel() == 4 * len(list(model.parameters()))  # moments, masters, weights
+    finally:
+        amp.deinitialize()
