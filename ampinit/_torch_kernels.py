@@ -344,9 +344,9 @@ def check_finite_(
     each grad once and writes nothing. What it replaces: for bf16 on CUDA, which torch's unscale kernel refuses,
     the inf-norms below (a reduction with one output tensor per grad, a ``stack`` of them and five small ops, on a
     GPU host work that grows with the number of tensors); for fp16, torch's unscale kernel by 1, which writes every
-    grad back as it reads it (2 B per element more) in a launch per chunk of tensors. On the H200 check of
-    2026-11-27, O2's master step spent 332 us of 1.67 ms in that kernel (7 launches) where O5's spent 102 us in
-    this one.
+    grad back as it reads it (2 B per element more) in a launch per chunk of tensors. Measured on an H200
+    (2026-11-27, 124M parameters): O2's master step spent 332 us in that kernel (7 launches); with this check, 107
+    us in one, its device time 1.42 -> 1.18 ms.
 
     Mostly the unscale kernel with ``one`` (a persistent one-element 1.0, so the step allocates nothing) as its
     multiplier. Where that kernel refuses the dtype (bf16 on CUDA: :data:`KERNEL_DTYPES`), one inf-norm
