@@ -1,8 +1,9 @@
-"""The finite check of bf16 grads where torch's unscale kernel refuses them (CUDA): the master step's one Triton
-launch (``triton_kernels.check_finite_``) instead of inf-norms (a reduction with an output tensor per grad, a
-``stack`` of them and five small ops). Here CPU stands in for CUDA: its unscale row is made CUDA's (bf16 refused)
-and the kernels run under Triton's interpreter. The flag decides skips, so training must be bitwise what the norms
-route gives, with an overflowing step among the steps."""
+"""The grads' finite check where the master step's kernels run (CUDA): its one Triton launch
+(``triton_kernels.check_finite_``) for every group of contiguous plain grads, instead of inf-norms for the bf16 ones
+torch's unscale kernel refuses (a reduction with an output tensor per grad, a ``stack`` of them and five small ops)
+and of torch's unscale kernel by 1 for the others (which writes every grad back). Here CPU stands in for CUDA: its
+unscale row is made CUDA's (bf16 refused) and the kernels run under Triton's interpreter. The flag decides skips, so
+training must be bitwise what the norms route gives, with an overflowing step among the steps."""
 
 from __future__ import annotations
 
