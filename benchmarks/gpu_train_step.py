@@ -56,9 +56,11 @@ The exit status is 1 when any variant failed.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
 import json
 import logging
+import pstats
 import statistics
 import time
 import traceback
@@ -698,6 +700,45 @@ def recorded(events: Iterable[Any], device: torch.device) -> list[Activity]:
     return out
 
 
+def python_profile(step: Callable[[], None], steps: int, top: int = 12) -> list[dict[str, Any]]:
+    """``cProfile`` over ``steps`` calls of ``step``: the ``top`` Python functions by their own time per call of
+    ``step`` (``torch.profiler``'s host side sees operators; the time outside them, where a host-bound step's
+    Python goes, only this names). cProfile's own cost inflates every figure; the ranking is what to read."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        for _ in range(steps):
+            step()
+    finally:
+        profiler.disable()
+    rows = []
+    table = pstats.Stats(profiler).stats  # type: ignore[attr-defined]  # typeshed leaves the table out
+    for (filename, line, function), (_, calls, own, cumulative, _) in table.items():
+        where = filename.split("site-packages/")[-1].split("/ampinit/")[-1] if "/" in filename else filename
+        rows.append(
+            {
+                "function": f"{where}:{line}({function})",
+                "calls_per_step": calls / steps,
+                "own_us_per_step": own / steps * 1e6,
+                "cumulative_us_per_step": cumulative / steps * 1e6,
+            }
+        )
+    return sorted(rows, key=lambda row: -row["own_us_per_step"])[:top]
+
+
+def _python_lines(name: str, rows: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        f"== {name} (Python, cProfile: own time per step)",
+        f"{'own us':>10} {'cum us':>10} {'calls':>8}  function",
+    ]
+    for row in rows:
+        lines.append(
+            f"{row['own_us_per_step']:>10.1f} {row['cumulative_us_per_step']:>10.1f} {row['calls_per_step']:>8.1f}  "
+            f"{row['function'][:100]}"
+        )
+    return [*lines, ""]
+
+
 def profile_pass(names: Iterable[str], run: Passes, steps: int) -> dict[str, Any]:
     """``torch.profiler`` over ``steps`` steps of each variant, built alone after a warm-up."""
     activities = [torch.profiler.ProfilerActivity.CPU]
@@ -717,9 +758,11 @@ def profile_pass(names: Iterable[str], run: Passes, steps: int) -> dict[str, Any
                     for _ in range(steps):
                         variant.step()
                     synchronize(run.device)
+                python = python_profile(variant.step, steps)
+                synchronize(run.device)
             finally:
                 variant.leave()
-            results[name] = trace_summary(recorded(prof.events(), run.device), steps)
+            results[name] = {**trace_summary(recorded(prof.events(), run.device), steps), "python": python}
         except Exception as error:
             results[name] = _failed(error)
         finally:
@@ -751,6 +794,8 @@ def profile_text(
     lines = [f"torch.profiler over {steps} steps per variant on {device}: {what}", ""]
     for name, summary in profiles.items():
         lines += _summary_lines(name, summary, gap)
+        if "python" in summary:
+            lines += _python_lines(name, summary["python"])
     if master:
         lines += [f"Master step alone, {steps} iterations per variant: {what}, then the host's operators", ""]
         for name, sides in master.items():
@@ -759,6 +804,7 @@ def profile_text(
                 continue
             lines += _summary_lines(f"master step: {name} (device)", sides["device"], gap)
             lines += _summary_lines(f"master step: {name} (host)", sides["host"], "host time outside any operator")
+            lines += _python_lines(f"master step: {name}", sides["python"])
     return "\n".join(lines)
 
 
@@ -783,9 +829,12 @@ def profile_master_pass(device: torch.device, params: int, tensors: int, steps: 
                     variant.step()
                 synchronize(device)
             events = prof.events()
+            python = python_profile(variant.step, steps)
+            synchronize(device)
             results[name] = {
                 "device": trace_summary(recorded(events, device), steps),
                 "host": trace_summary(recorded(events, torch.device("cpu")), steps),
+                "python": python,
             }
         except Exception as error:
             results[name] = _failed(error)

@@ -55,6 +55,12 @@ def test_tiny_benchmark_measures_every_pass_and_calls_nothing_a_verdict(tmp_path
     # The master step alone's iteration, profiled per variant on both sides: what its host does per step.
     assert set(report["profile_master_step"]) == {"plain fused AdamW (fp32)", "O2", "O5"}
     assert "== master step: O5 (host)" in profile and "aten::_fused_adamw_" in profile
+    # And the Python functions by their own time (what the host's time outside any operator is made of).
+    assert "== master step: O5 (Python, cProfile: own time per step)" in profile
+    assert "== O5 AdamW fused (Python, cProfile: own time per step)" in profile
+    o5_python = report["profile_master_step"]["O5"]["python"]
+    assert len(o5_python) == 12 and all(row["own_us_per_step"] >= 0 for row in o5_python)
+    assert any(row["function"].startswith("_masters/") for row in o5_python), o5_python  # amp's step is in it
     assert report["fused_gelu"] == {}  # no Apex-list run here, and the fused gelu never runs on the CPU
 
 
