@@ -23,11 +23,11 @@ def make_model() -> nn.Module:
     return nn.Sequential(nn.Linear(6, 8), nn.GELU(), nn.Linear(8, 3))
 
 
-def one_step(model: nn.Module, opt: torch.optim.Optimizer, seed: int) -> None:
+def one_step(model: nn.Module, opt: torch.optim.Optimizer, seed: int, half: torch.dtype = torch.float16) -> None:
     gen = torch.Generator().manual_seed(seed)
     x, y = torch.randn(5, 6, generator=gen), torch.randn(5, 3, generator=gen)
     opt.zero_grad()
-    loss = nn.functional.mse_loss(model(x.to(torch.float16)).float(), y)
+    loss = nn.functional.mse_loss(model(x.to(half)).float(), y)
     with amp.scale_loss(loss, opt) as scaled:
         scaled.backward()
     opt.step()
@@ -230,12 +230,7 @@ def test_the_dials_step_rebuilds_only_the_grads_pointers_when_grads_move(
                     kernels_on_cpu._tables_by_storage.clear()
                     kernels_on_cpu._grad_tables_by_storage.clear()
                 kept.append([p.grad for p in model.parameters()])  # alive: the next grads go elsewhere
-                gen = torch.Generator().manual_seed(seed)
-                x, y = torch.randn(5, 6, generator=gen), torch.randn(5, 3, generator=gen)
-                opt.zero_grad()
-                with amp.scale_loss(nn.functional.mse_loss(model(x.bfloat16()).float(), y), opt) as scaled:
-                    scaled.backward()
-                opt.step()
+                one_step(model, opt, seed, torch.bfloat16)
             assert len(launches) == 4  # every step took the dial's kernels
             grad_tables.append(len(kernels_on_cpu._grad_tables_by_storage))  # before the close lets go of them
             state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
@@ -274,12 +269,7 @@ def test_closing_a_session_lets_go_of_the_tables(kernels_on_cpu: ModuleType) -> 
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         amp.initialize(model, opt, opt_level="O5", verbosity=0, **options)
         try:
-            gen = torch.Generator().manual_seed(0)
-            x, y = torch.randn(5, 6, generator=gen), torch.randn(5, 3, generator=gen)
-            opt.zero_grad()
-            with amp.scale_loss(nn.functional.mse_loss(model(x.bfloat16()).float(), y), opt) as scaled:
-                scaled.backward()
-            opt.step()
+            one_step(model, opt, 0, torch.bfloat16)
             filled = [len(cache) for cache in caches]
             # Every cache the step used holds something: the block and grad tables, the check's (O5 checks its
             # bf16 grads in the kernel), and the 8-bit maps where the moments are 8-bit.
@@ -296,12 +286,7 @@ def test_the_step_and_the_finite_check_share_one_block_table(kernels_on_cpu: Mod
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     amp.initialize(model, opt, opt_level="O5", verbosity=0)
     try:
-        gen = torch.Generator().manual_seed(0)
-        x, y = torch.randn(5, 6, generator=gen), torch.randn(5, 3, generator=gen)
-        opt.zero_grad()
-        with amp.scale_loss(nn.functional.mse_loss(model(x.bfloat16()).float(), y), opt) as scaled:
-            scaled.backward()
-        opt.step()
+        one_step(model, opt, 0, torch.bfloat16)
         (step_tables,) = kernels_on_cpu._tables_by_storage.values()
         (check_tables,) = kernels_on_cpu._tables_by_sizes.values()
         assert step_tables.block_tensor is check_tables.block_tensor
