@@ -61,8 +61,10 @@ if ! "$python" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() el
 fi
 "$python" -c 'import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())' \
     > "$logs/machine.txt" 2>&1
+# The host's speed (scripts/host_speed.py): two checks' O2/O5 figures differ with it (docs/gpu.md, fourteenth session).
+"$python" scripts/host_speed.py >> "$logs/machine.txt" 2>&1 || echo "host speed: not measured" >> "$logs/machine.txt"
 nvidia-smi >> "$logs/machine.txt" 2>&1 || true
-head -n 1 "$logs/machine.txt"
+head -n 2 "$logs/machine.txt"
 
 # nproc counts the cores this process may use, but would echo an OMP_NUM_THREADS already set.
 cores="$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)"

@@ -200,7 +200,8 @@ def summarize(
     suite_ok = suite["state"] == "complete" and suite_rc == 0 and suite.get("tests", 0) > 0
     targets_ok = all(t["status"] == "met" for t in bench["targets"])
     ok = suite_ok and targets_ok and bench_rc == 0
-    machine = (logs / "machine.txt").read_text().splitlines()[:1] if (logs / "machine.txt").exists() else []
+    machine = (logs / "machine.txt").read_text().splitlines() if (logs / "machine.txt").exists() else []
+    host = next((text for text in machine if text.startswith("host speed:")), None)
     verdict = " | ".join(
         [
             f"gpu_check verdict: {'PASS' if ok else 'FAIL'}",
@@ -211,6 +212,7 @@ def summarize(
     return {
         "ok": ok,
         "machine": machine[0] if machine else None,
+        "host": host,
         "suite": suite,
         "benchmark": bench,
         "verdict": verdict,
@@ -223,6 +225,8 @@ def markdown(summary: dict[str, Any]) -> str:
         "# GPU check",
         "",
         f"machine: {summary['machine']}",
+        "",
+        f"{summary['host'] or 'host speed: not recorded'} (scripts/host_speed.py: read O2/O5's figures against it)",
         "",
         f"suite (`pytest --device cuda`): {suite_text(suite)}; exit {suite['exit_status']}, {suite['seconds']} s",
         "",

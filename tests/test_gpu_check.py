@@ -20,6 +20,7 @@ from benchmarks import gpu_train_step as bench
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 import gpu_check_summary  # noqa: E402
+import host_speed  # noqa: E402
 
 sys.path.remove(str(ROOT / "scripts"))
 
@@ -385,6 +386,34 @@ def write_run(out: Path, failures: int, all_met: bool) -> None:
     }
     (logs / "gpu_train_step.json").write_text(json.dumps(report))
     (logs / "machine.txt").write_text("2.11.0 13.0 NVIDIA H100 80GB HBM3\n")
+
+
+def test_the_summary_carries_the_hosts_speed_where_the_check_recorded_it(tmp_path: Path) -> None:
+    write_run(tmp_path, 0, True)
+    logs = tmp_path / "logs"
+    host = "host speed: python 9.0 ms, cpu op 1.17 us, cuda launch 6.20 us"
+    (logs / "machine.txt").write_text(f"2.11.0 13.0 NVIDIA H200\n{host}\n+---- nvidia-smi ----+\n")
+    gpu_check_summary.main([str(tmp_path), "0", "0"])
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["machine"] == "2.11.0 13.0 NVIDIA H200" and summary["host"] == host
+    assert f"\n{host} (scripts/host_speed.py" in (tmp_path / "summary.md").read_text()
+    (logs / "machine.txt").write_text("2.11.0 13.0 NVIDIA H200\n")  # a check from before the probe
+    gpu_check_summary.main([str(tmp_path), "0", "0"])
+    assert json.loads((tmp_path / "summary.json").read_text())["host"] is None
+    assert "host speed: not recorded" in (tmp_path / "summary.md").read_text()
+
+
+def test_the_host_speed_probe_prints_its_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert host_speed.main(["--repeats", "1"]) == 0
+    printed = capsys.readouterr().out.strip()
+    figures = host_speed.measure(1)
+    assert printed.startswith("host speed: python ") and " ms, cpu op " in printed
+    assert figures["python_ms"] > 0 and figures["cpu_op_us"] > 0  # type: ignore[operator]
+    assert (figures["cuda_launch_us"] is None) == (not torch.cuda.is_available())
+    assert printed.endswith("cuda launch n/a") == (not torch.cuda.is_available())
+    with pytest.raises(SystemExit):
+        host_speed.main(["--repeats", "0"])
+    assert "--repeats must be at least 1, got 0" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
