@@ -57,6 +57,8 @@ def forget_tables() -> None:
     process that initialised one session after another kept up to 64 sets per cache. On the H200 check of
     2026-11-27 they were the remainder rows' 11-51 MiB over pure bf16's peak (each variant's peak counted the
     tables of every variant measured before it). Another session still open rebuilds its tables at its next step.
+    (So does a step after the caches' 64-entry clear. A CUDA graph that captured amp's kernel step reads the tables
+    it was captured with: replaying it after either is not supported, as replaying it after its tensors moved.)
     """
     for name in ("ampinit._masters.triton_kernels", "ampinit._masters.triton_dial"):
         module = sys.modules.get(name)
