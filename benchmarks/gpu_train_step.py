@@ -26,12 +26,14 @@ Three passes in one process:
    thread and register process-wide autocast kernels, so each is opened for its own turn only (its loss-scale
    state carried over by ``state_dict``) and runs one untimed step after opening;
 3. **master step alone**: 124M fp32-master parameters in 150 tensors, O2's and O5's iteration (``zero_grad``, a
-   ``scale_loss`` block handing each half parameter its grad, ``step``) against a plain fused AdamW's (the same
-   ``zero_grad``, hand-over loop and ``step``), interleaved the same way.
+   ``scale_loss`` block whose backward, of a scalar, stands for the loss's, handing each half parameter its grad,
+   ``step``) against a plain fused AdamW's (the same ``zero_grad``, a scalar's backward, the hand-over loop and
+   ``step``; the backward since the fourteenth session, so earlier checks' figures of this pass charged it to amp),
+   interleaved the same way.
 
 With ``--profile``, ``torch.profiler`` over a few steps of O5 (fused AdamW) and of native autocast bf16: the top
-kernels by device time, kernels per step and the device's idle time between them, in
-``gpu_train_step_profile.txt``.
+kernels by device time, kernels per step and the device's idle time between them, then a cProfile of the Python
+functions, in ``gpu_train_step_profile.txt``.
 
 Targets (issue 24; judged on a full CUDA run only, each met / not met / not measured with its figures):
 
@@ -579,6 +581,7 @@ def _master_variant(name: str, sizes: list[int], device: torch.device) -> Varian
     gen = torch.Generator(device).manual_seed(0)
     model = nn.ParameterList([nn.Parameter(torch.randn(n, generator=gen, device=device) * 0.01) for n in sizes])
     opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
+    anchor = torch.zeros((), device=device, requires_grad=True)
     if name == PLAIN_ADAMW:
         plain_grads = [torch.randn_like(p) for p in model.parameters()]
         weights = list(model.parameters())
@@ -586,8 +589,11 @@ def _master_variant(name: str, sizes: list[int], device: torch.device) -> Varian
         def plain_step() -> None:
             # The same loop as the amp variants' below, without amp: what a training loop does around the step
             # (until the tenth session this timed ``opt.step()`` alone, so the grad hand-over and zero_grad's
-            # host work counted against amp only).
+            # host work counted against amp only; until the fourteenth, the loss's backward, here a scalar's, was
+            # the amp variants' alone: on CUDA a kernel, a handoff to autograd's device thread and its kernel,
+            # host work every training step pays with or without amp).
             opt.zero_grad()
+            (anchor * 1.0).backward()
             for p, g in zip(weights, plain_grads):
                 p.grad = g
             opt.step()
@@ -597,7 +603,6 @@ def _master_variant(name: str, sizes: list[int], device: torch.device) -> Varian
     session = ampinit.session_of(opt)
     grads = [torch.randn_like(p) for p in model.parameters()]
     weights = list(model.parameters())  # iterating a ParameterList is a Python call per tensor: outside the timing
-    anchor = torch.zeros((), device=device, requires_grad=True)
 
     def step() -> None:
         # As a training loop does: grads left from the last step would be accumulated into (widened to fp32
