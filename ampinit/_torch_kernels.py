@@ -318,10 +318,13 @@ def unscale_and_check_(grads: Sequence[Tensor], found_inf: Tensor, inv_scale: Te
 _SUM_CHECK_MIN_NUMEL = 1 << 15
 
 
-#: A check of a list of contiguous plain tensors of one dtype on one device: ``fused(grads, flag)`` raises ``flag``
-#: (a one-element fp32 tensor on their device) if any holds an inf or NaN, never clears it, and returns True; or
-#: returns False, having done nothing, where it does not run (then the caller checks another way).
-FusedCheck = Callable[[list[Tensor], Tensor], bool]
+#: A check of a list of tensors of one dtype on one device: ``fused(grads, flag, checked)`` raises ``flag`` (a
+#: one-element fp32 tensor on their device) if any holds an inf or NaN, never clears it, and returns True; or returns
+#: False, having done nothing, where it does not run (then the caller checks another way). ``checked``: the caller
+#: knows every grad to be a contiguous plain tensor (what a kernel taking raw pointers reads); otherwise the check
+#: finds out itself (:func:`contiguous_plain`), once it knows it runs at all, so that where it does not (the CPU)
+#: nothing reads the grads for it.
+FusedCheck = Callable[[list[Tensor], Tensor, bool], bool]
 
 _PLAIN_TYPES = frozenset((Tensor, torch.nn.Parameter))
 
@@ -363,12 +366,7 @@ def check_finite_(
     for (device, (dtype,)), (group,) in groups:
         flag = _flag_on(found_inf, device)
         # A key says the caller has checked each grad (plain, contiguous, on the device): not read again.
-        if (
-            fused is not None
-            and flag is found_inf
-            and (key is not None or _contiguous_plain(group))
-            and fused(group, flag)
-        ):
+        if fused is not None and flag is found_inf and fused(group, flag, key is not None):
             continue
         if not takes(UNSCALE, device, dtype):
             _check_by_norms(group, flag)
@@ -385,7 +383,7 @@ def check_finite_(
         _fold_flag(found_inf, flag)
 
 
-def _contiguous_plain(group: list[Tensor]) -> bool:
+def contiguous_plain(group: list[Tensor]) -> bool:
     """Whether every tensor of ``group`` is a contiguous plain tensor (what a kernel taking raw pointers reads)."""
     return _PLAIN_TYPES.issuperset(map(type, group)) and all(map(Tensor.is_contiguous, group))
 

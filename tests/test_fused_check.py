@@ -31,14 +31,17 @@ def cuda_unscale_rule_on_cpu() -> Iterator[None]:
 
 
 class Recorder:
-    """A ``FusedCheck`` that records what it is offered and answers ``runs``, raising the flag as the kernel would."""
+    """A ``FusedCheck`` that records what it is offered (and whether the caller said the grads were checked) and
+    answers ``runs``, raising the flag as the kernel would."""
 
     def __init__(self, runs: bool) -> None:
         self.runs = runs
         self.offered: list[list[torch.Tensor]] = []
+        self.checked: list[bool] = []
 
-    def __call__(self, grads: list[torch.Tensor], flag: torch.Tensor) -> bool:
+    def __call__(self, grads: list[torch.Tensor], flag: torch.Tensor, checked: bool) -> bool:
         self.offered.append(grads)
+        self.checked.append(checked)
         if self.runs and not all(bool(g.isfinite().all()) for g in grads):
             flag.fill_(1.0)
         return self.runs
@@ -79,14 +82,33 @@ def test_a_fused_check_that_does_not_run_leaves_the_group_to_the_norms(bad: floa
     assert len(fused.offered) == 1
 
 
-@pytest.mark.usefixtures("cuda_unscale_rule_on_cpu")
-def test_only_groups_of_contiguous_plain_tensors_are_offered() -> None:
+def test_the_caller_says_whether_the_grads_were_checked() -> None:
+    """Without a key the grads are offered unchecked (the fused check looks at them itself, once it knows it runs);
+    with one (the kernel step's plan has checked each) they are offered as checked."""
     fused = Recorder(runs=True)
+    grads = bf16_grads()
+    check(grads, fused)
+    _torch_kernels.check_finite_(grads, torch.zeros(1), torch.ones(1), (torch.device("cpu"), (torch.bfloat16,)), fused)
+    assert fused.checked == [False, True]
+
+
+@pytest.mark.usefixtures("cuda_unscale_rule_on_cpu")
+@pytest.mark.parametrize("bad", [None, float("nan")])
+def test_only_groups_of_contiguous_plain_tensors_reach_the_kernel(
+    kernels_on_cpu: ModuleType, monkeypatch: pytest.MonkeyPatch, bad: float | None
+) -> None:
+    """A strided grad or a tensor subclass in a group unchecked by the caller: the kernel check declines, no launch,
+    and the norms find what is there; told the grads were checked, it does not look again."""
+    launches = counted_checks(kernels_on_cpu, monkeypatch)
     strided = torch.randn(4, 6).bfloat16().t()
-    assert check([torch.randn(3).bfloat16(), strided], fused) == 0.0
     marked = torch.randn(4).bfloat16().as_subclass(_Marked)
-    assert check([marked], fused) == 0.0
-    assert fused.offered == []
+    for group in ([torch.randn(3).bfloat16(), strided], [marked]):
+        if bad is not None:
+            group[-1][0] = bad
+        assert not grads_module._kernel_check(group, torch.zeros(1), False)
+        assert check(group, grads_module._kernel_check) == (0.0 if bad is None else 1.0)
+    assert launches == []
+    assert grads_module._kernel_check([torch.randn(3).bfloat16()], torch.zeros(1), True) and launches == [1]
 
 
 @pytest.mark.parametrize("bad", [None, float("inf")])
@@ -124,7 +146,7 @@ BAD_STEP = 2  # its batch holds an inf: the check must raise the flag and the st
 def train(master_weights: bool | str, fused: bool, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     with monkeypatch.context() as patch:
         if not fused:
-            patch.setattr(grads_module, "_kernel_check", lambda grads, flag: False)
+            patch.setattr(grads_module, "_kernel_check", lambda grads, flag, checked: False)
         model, x, y = make_problem(3)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
         model, opt = amp.initialize(model, opt, opt_level="O5", master_weights=master_weights, verbosity=0)

@@ -525,15 +525,15 @@ _DEVICE = operator.attrgetter("device")
 _CHECKED_DTYPES = frozenset((torch.float32, torch.float16, torch.bfloat16))
 
 
-def _kernel_check(grads: list[torch.Tensor], flag: torch.Tensor) -> bool:
+def _kernel_check(grads: list[torch.Tensor], flag: torch.Tensor, checked: bool) -> bool:
     """The master step's one-launch finite check (``triton_kernels.check_finite_``), where its kernels run on the
-    flag's device and read the grads' dtype (fp32, fp16, bf16); False elsewhere. Offered to the scaler's check of
-    every group of grads (``_torch_kernels.check_finite_``: read once, nothing written); Triton is imported only
-    when it is asked."""
+    flag's device and read the grads (fp32, fp16 or bf16, contiguous plain tensors: ``checked`` says the caller
+    knows they are); False elsewhere. Offered to the scaler's check of every group of grads
+    (``_torch_kernels.check_finite_``: read once, nothing written); Triton is imported only when it is asked."""
     if grads[0].dtype not in _CHECKED_DTYPES:
         return False
     kernels = kernel_step.kernels_for(flag.device)
-    if kernels is None:
+    if kernels is None or not (checked or _torch_kernels.contiguous_plain(grads)):
         return False
     kernels.check_finite_(grads, flag)
     return True
