@@ -420,24 +420,25 @@ def _build_tables(device: torch.device, lists: Sequence[Sequence[torch.Tensor]])
     return blocks._replace(pointers=pointers, aligned=_aligned(addresses))
 
 
-def _tables_on(device: torch.device, numels: Sequence[int], addresses: Sequence[int]) -> _Tables:
-    """The tables of tensors of ``numels`` elements (one program per block of each) whose lists' data pointers are
-    ``addresses``, copied to ``device``: a Python loop over the blocks, built once per set of tensors."""
+def _tables_on(device: torch.device, numels: Sequence[int]) -> _Tables:
+    """The block tables of tensors of ``numels`` elements (one program per block of each), copied to ``device``, with
+    an empty pointer table (a launch's own goes in by ``_replace``): a Python loop over the blocks, built once per set
+    of sizes."""
     blocks = [(t, start) for t, n in enumerate(numels) for start in range(0, n, _BLOCK)]
     host = (
-        torch.tensor(addresses, dtype=torch.int64),
+        torch.empty(0, dtype=torch.int64),
         torch.tensor(numels, dtype=torch.int64),
         torch.tensor([b[0] for b in blocks], dtype=torch.int32),
         torch.tensor([b[1] for b in blocks], dtype=torch.int64),
     )
     pointers, sizes, block_tensor, block_start = (_to_device(t, device) for t in host)
-    return _Tables(pointers, sizes, block_tensor, block_start, len(blocks), tuple(numels), _aligned(addresses))
+    return _Tables(pointers, sizes, block_tensor, block_start, len(blocks), tuple(numels), True)
 
 
-#: The finite check's block tables by ``(device, sizes)`` alone: it launches over grads only, which a training loop
-#: makes afresh each step and the caching allocator may place elsewhere (variable-length batches move every
-#: activation), so its pointers come from ``_grad_table`` (one table of as many entries as tensors) and a move never
-#: rebuilds a table entry per block.
+#: Block tables by ``(device, sizes)`` alone, shared by every launch over tensors of those sizes (the finite check's
+#: over grads, and through ``_build_tables`` the steps'): grads, which a training loop makes afresh each step and the
+#: caching allocator may place elsewhere (variable-length batches move every activation), take their pointers from
+#: ``_grad_table`` (one table of as many entries as tensors), so a move never rebuilds a table entry per block.
 _tables_by_sizes: dict[tuple[torch.device, tuple[int, ...]], _Tables] = {}
 
 
@@ -445,7 +446,7 @@ def _size_tables(device: torch.device, sizes: tuple[int, ...]) -> _Tables:
     key = (device, sizes)
     cached = _tables_by_sizes.get(key)
     if cached is None:
-        cached = _tables_on(device, sizes, ())
+        cached = _tables_on(device, sizes)
         if len(_tables_by_sizes) >= _MAX_CACHED:
             _tables_by_sizes.clear()
         _tables_by_sizes[key] = cached
