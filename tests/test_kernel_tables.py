@@ -210,18 +210,20 @@ def test_the_dials_step_rebuilds_only_the_grads_pointers_when_grads_move(
     # triton_dial took _tables from the interpreted module at its import: the same function object, whose globals
     # (the patched _build_tables, the caches) are the module's.
     assert triton_dial._tables is kernels_on_cpu._tables
+    launches: list[int] = []
+    name = "adam_dial_" if optimizer == "adamw" else "sgd_dial_"
+    step = getattr(triton_dial, name)
+    monkeypatch.setattr(triton_dial, name, lambda *a, **k: launches.append(1) or step(*a, **k))
+    grad_tables: list[int] = []
 
     def train(rebuild: bool) -> list[torch.Tensor]:
         monkeypatch.setattr(kernels_on_cpu, "_tables_by_storage", {})
         monkeypatch.setattr(kernels_on_cpu, "_grad_tables_by_storage", {})
         built.clear()
+        launches.clear()
         model = make_model()
         make = torch.optim.AdamW if optimizer == "adamw" else torch.optim.SGD
         opt = make(model.parameters(), lr=1e-2, **({"momentum": 0.9} if optimizer == "sgd" else {}))
-        launches: list[int] = []
-        step = triton_dial.adam_dial_ if optimizer == "adamw" else triton_dial.sgd_dial_
-        name = "adam_dial_" if optimizer == "adamw" else "sgd_dial_"
-        monkeypatch.setattr(triton_dial, name, lambda *a, **k: launches.append(1) or step(*a, **k))
         amp.initialize(model, opt, opt_level="O5", verbosity=0, **options)
         kept = []
         try:
@@ -237,9 +239,7 @@ def test_the_dials_step_rebuilds_only_the_grads_pointers_when_grads_move(
             return [p.detach().clone() for p in model.parameters()] + [v.clone() for v in state]
         finally:
             amp.deinitialize()
-            monkeypatch.setattr(triton_dial, name, step)
 
-    grad_tables: list[int] = []
     cached = train(rebuild=False)
     assert len(built) == 1  # the state's tables, once: the grads moved at every step
     assert grad_tables[0] >= 3
