@@ -112,6 +112,48 @@ def test_adam_without_weights_updates_only_masters(kernels: ModuleType) -> None:
     )
 
 
+@pytest.mark.parametrize(
+    "sizes",
+    [
+        [3000],  # one tensor: no search
+        [0, 1025],  # an empty tensor first: the program 0 is the second tensor's
+        [1025, 0, 0, 1, 2048],  # empties between, a tensor of exactly two blocks
+        [1, 1024, 1025, 7, 3000, 0, 4],  # seven: the table padded to eight
+        [5] * 8 + [1030, 0],  # ten tensors, the last empty, past a power of two
+        [2049] * 17,  # seventeen: five halvings
+    ],
+)
+def test_each_program_finds_its_tensor(kernels: ModuleType, sizes: list[int]) -> None:
+    """Each program finds its tensor by a binary search of the tensors' first programs (``_span``): every element of
+    every tensor is updated once, by its own tensor's step. Each tensor has a step count of its own, so a program that
+    took a neighbour's tensor would use another step size, one that ran twice or never would leave other bits."""
+    gen = torch.Generator().manual_seed(len(sizes))
+    masters = [torch.randn(n, generator=gen) for n in sizes]
+    state = {
+        "weights": [m.bfloat16() for m in masters],
+        "grads": [torch.randn(n, generator=gen).bfloat16() for n in sizes],
+        "masters": masters,
+        "m": [torch.randn(n, generator=gen) * 0.1 for n in sizes],
+        "v": [torch.rand(n, generator=gen) * 0.01 for n in sizes],
+    }
+    scalars = ref.adam_step_scalars([torch.tensor(float(1 + i)) for i in range(len(sizes))], 0.9, 0.999, 1e-2)
+    settings = ref.AdamSettings(
+        lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True, maximize=False
+    )
+    run_both(kernels, "adam_", state, scalars, settings, inv_scale=None, found_inf=None)
+    tables = kernels._tables_on(torch.device("cpu"), sizes)
+    # One entry per tensor on the device (padded to a power of two), none per block.
+    assert tables.first_blocks.numel() < 2 * len(sizes) and tables.numels.numel() == len(sizes)
+    assert tables.n_blocks == sum(-(-n // kernels._BLOCK) for n in sizes)
+    # And the finite check finds a bad value in any one tensor's last element, whatever its neighbours' sizes.
+    for bad in [i for i, n in enumerate(sizes) if n]:
+        grads = [torch.randn(n, generator=gen).bfloat16() for n in sizes]
+        grads[bad][-1] = float("inf")
+        flag = torch.zeros(1)
+        kernels.check_finite_(grads, flag)
+        assert flag.item() == 1.0, (sizes, bad)
+
+
 @pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
     ("momentum", "dampening", "nesterov", "weight_decay"),

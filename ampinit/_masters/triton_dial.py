@@ -219,15 +219,15 @@ def _store_moment(
 
 @triton.jit
 def _adam_dial_kernel(
-    grad_ptrs, ptrs, numels, block_tensor, block_start, n_tensors, inv_scale_ptr, flag_ptr, step_scalars,
+    grad_ptrs, ptrs, numels, first_blocks, n_tensors, inv_scale_ptr, flag_ptr, step_scalars,
     master_keys, m_keys, v_keys, m_map, v_map,
     beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, decay_factor,
     GRAD_T: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_FLAG: tl.constexpr, MAXIMIZE: tl.constexpr,
     KIND: tl.constexpr, WEIGHT_T: tl.constexpr, WEIGHT_IS_BF16: tl.constexpr, FMT: tl.constexpr,
     DECAY: tl.constexpr,  # 0: none, 1: L2 (Adam), 2: decoupled (AdamW)
-    ALIGNED: tl.constexpr, BLOCK: tl.constexpr, QBLOCK: tl.constexpr,
+    ALIGNED: tl.constexpr, SEARCH: tl.constexpr, BLOCK: tl.constexpr, QBLOCK: tl.constexpr,
 ):  # fmt: skip
-    t, start, limit = _span(numels, block_tensor, block_start, flag_ptr, HAS_FLAG, BLOCK)
+    t, start, limit = _span(numels, first_blocks, flag_ptr, HAS_FLAG, SEARCH, BLOCK)
     if start + BLOCK <= limit:
         _adam_dial_block(
             grad_ptrs, ptrs, n_tensors, inv_scale_ptr, step_scalars, master_keys, m_keys, v_keys, m_map, v_map, beta1,
@@ -278,14 +278,14 @@ def _adam_dial_block(
 
 @triton.jit
 def _sgd_dial_kernel(
-    grad_ptrs, ptrs, numels, block_tensor, block_start, n_tensors, inv_scale_ptr, flag_ptr,
+    grad_ptrs, ptrs, numels, first_blocks, n_tensors, inv_scale_ptr, flag_ptr,
     master_keys, buf_keys, buf_map, lr, momentum, one_minus_dampening, weight_decay,
     GRAD_T: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_FLAG: tl.constexpr, MAXIMIZE: tl.constexpr,
     KIND: tl.constexpr, WEIGHT_T: tl.constexpr, WEIGHT_IS_BF16: tl.constexpr, FMT: tl.constexpr,
     HAS_DECAY: tl.constexpr, HAS_MOMENTUM: tl.constexpr, FIRST_STEP: tl.constexpr, NESTEROV: tl.constexpr,
-    ALIGNED: tl.constexpr, BLOCK: tl.constexpr, QBLOCK: tl.constexpr,
+    ALIGNED: tl.constexpr, SEARCH: tl.constexpr, BLOCK: tl.constexpr, QBLOCK: tl.constexpr,
 ):  # fmt: skip
-    t, start, limit = _span(numels, block_tensor, block_start, flag_ptr, HAS_FLAG, BLOCK)
+    t, start, limit = _span(numels, first_blocks, flag_ptr, HAS_FLAG, SEARCH, BLOCK)
     if start + BLOCK <= limit:
         _sgd_dial_block(
             grad_ptrs, ptrs, n_tensors, inv_scale_ptr, master_keys, buf_keys, buf_map, lr, momentum,
@@ -437,11 +437,11 @@ def adam_dial_(
     tables, grad_table, aligned = _launch_tables(grads, *master_lists, *m_lists, *v_lists)
     unread = grads[0]
     _adam_dial_kernel[(tables.n_blocks,)](
-        grad_table, tables.pointers, tables.numels, tables.block_tensor, tables.block_start, len(grads),
+        grad_table, tables.pointers, tables.numels, tables.first_blocks, len(grads),
         unread if inv_scale is None else inv_scale, unread if found_inf is None else found_inf,
         step_scalars.contiguous(), master_keys, m_keys, v_keys, m_map, v_map,
         s.beta1, 1 - s.beta1, s.beta2, 1 - s.beta2, s.eps, s.weight_decay, 1 - s.lr * s.weight_decay,
-        FMT=fmt, DECAY=0 if s.weight_decay == 0 else (2 if s.decoupled else 1), ALIGNED=aligned,
+        FMT=fmt, DECAY=0 if s.weight_decay == 0 else (2 if s.decoupled else 1), ALIGNED=aligned, SEARCH=tables.search,
         **constants, **_common(grads, inv_scale, found_inf, s.maximize),
     )  # fmt: skip
 
@@ -466,9 +466,9 @@ def sgd_dial_(
     unread = grads[0]
     flags = {"HAS_DECAY": s.weight_decay != 0, "HAS_MOMENTUM": s.momentum != 0, "NESTEROV": s.nesterov}
     _sgd_dial_kernel[(tables.n_blocks,)](
-        grad_table, tables.pointers, tables.numels, tables.block_tensor, tables.block_start, len(grads),
+        grad_table, tables.pointers, tables.numels, tables.first_blocks, len(grads),
         unread if inv_scale is None else inv_scale, unread if found_inf is None else found_inf,
         master_keys, buf_keys, buf_map, s.lr, s.momentum, 1 - s.dampening, s.weight_decay,
-        FMT=_format(momentum_buffers), FIRST_STEP=first_step, ALIGNED=aligned,
+        FMT=_format(momentum_buffers), FIRST_STEP=first_step, ALIGNED=aligned, SEARCH=tables.search,
         **flags, **constants, **_common(grads, inv_scale, found_inf, s.maximize),
     )  # fmt: skip

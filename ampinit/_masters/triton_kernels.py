@@ -3,9 +3,10 @@
 Imported only when ``triton`` is importable (``ampinit._masters.kernel_step.kernels_for``). Each public function
 takes exactly the arguments of the reference function of the same name and gives the same bits:
 
-- one launch per list (per dtype combination): every tensor's data pointer goes into a small int64 table, and a
-  block table maps each program to (tensor, offset), as Apex's multi-tensor apply does with its chunk lists; the
-  grads' pointers have a table of their own, as they are the tensors that move from step to step (fresh grads);
+- one launch per list (per dtype combination), one program per block of each tensor: every tensor's data pointer
+  goes into a small int64 table, and each program finds its tensor by a binary search of the tensors' first
+  programs (a table of one entry per tensor, where Apex's multi-tensor apply lists every chunk); the grads'
+  pointers have a table of their own, as they are the tensors that move from step to step (fresh grads);
 - fp32 math in the reference's order, each operation rounded (``enable_fp_fusion=False``: no fused
   multiply-add), division and square root correctly rounded (``div_rn``, ``sqrt_rn``);
 - fp32 -> bf16 rounds to nearest-even with integer ops of our own: Triton's interpreter truncates that cast,
@@ -20,6 +21,7 @@ takes exactly the arguments of the reference function of the same name and gives
 from __future__ import annotations
 
 import functools
+import itertools
 import operator
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -59,12 +61,21 @@ def _to_weight(x, WEIGHT_IS_BF16: tl.constexpr, WEIGHT_T: tl.constexpr):
 
 
 @triton.jit
-def _span(numels, block_tensor, block_start, flag_ptr, HAS_FLAG: tl.constexpr, BLOCK: tl.constexpr):
+def _span(numels, first_blocks, flag_ptr, HAS_FLAG: tl.constexpr, SEARCH: tl.constexpr, BLOCK: tl.constexpr):
     """This program's tensor ``t``, the start of its block (a multiple of ``BLOCK``) and the tensor's length (0
-    where a raised overflow flag masks everything out)."""
+    where a raised overflow flag masks everything out).
+
+    ``first_blocks`` holds each tensor's first program, in order, then ``INT32_MAX`` up to ``2**SEARCH`` entries:
+    ``t`` is the last tensor whose first program is at most this one (an empty tensor's first program is its
+    successor's, so it is never chosen), found in ``SEARCH`` halvings of a table of a few hundred bytes that stays in
+    the L1 cache, where a table entry per block took 12 B per 1024 parameters on the device and a Python loop over
+    every block to build."""
     pid = tl.program_id(0)
-    t = tl.load(block_tensor + pid)
-    start = tl.multiple_of(tl.load(block_start + pid), BLOCK)
+    t = pid * 0  # int32 zero: tensor 0's first program is 0, at most any program's
+    for level in tl.static_range(SEARCH):
+        probe = t + (1 << (SEARCH - 1 - level))
+        t = tl.where(tl.load(first_blocks + probe) <= pid, probe, t)
+    start = tl.multiple_of((pid - tl.load(first_blocks + t)).to(tl.int64) * BLOCK, BLOCK)
     limit = tl.load(numels + t)
     if HAS_FLAG:
         limit = tl.where(tl.load(flag_ptr) == 0, limit, 0)
@@ -100,10 +111,10 @@ def _tensor_ptr(table, index, T: tl.constexpr, ALIGNED: tl.constexpr):
 
 @triton.jit
 def _check_kernel(
-    ptrs, numels, block_tensor, block_start, flag_ptr,
-    GRAD_T: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr,
+    ptrs, numels, first_blocks, flag_ptr,
+    GRAD_T: tl.constexpr, ALIGNED: tl.constexpr, SEARCH: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    t, start, limit = _span(numels, block_tensor, block_start, flag_ptr, False, BLOCK)
+    t, start, limit = _span(numels, first_blocks, flag_ptr, False, SEARCH, BLOCK)
     if start + BLOCK <= limit:
         _check_block(ptrs, t, start, limit, flag_ptr, GRAD_T, False, ALIGNED, BLOCK)
     else:
@@ -240,14 +251,14 @@ def _store_master(
 
 @triton.jit
 def _adam_kernel(
-    grad_ptrs, ptrs, numels, block_tensor, block_start, n_tensors, inv_scale_ptr, flag_ptr,
+    grad_ptrs, ptrs, numels, first_blocks, n_tensors, inv_scale_ptr, flag_ptr,
     step_scalars, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, decay_factor,
     GRAD_T: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_FLAG: tl.constexpr, MAXIMIZE: tl.constexpr,
     STORAGE: tl.constexpr, WEIGHT_T: tl.constexpr, WEIGHT_IS_BF16: tl.constexpr,
     DECAY: tl.constexpr,  # 0: none, 1: L2 (Adam), 2: decoupled (AdamW)
-    ALIGNED: tl.constexpr, BLOCK: tl.constexpr,
+    ALIGNED: tl.constexpr, SEARCH: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    t, start, limit = _span(numels, block_tensor, block_start, flag_ptr, HAS_FLAG, BLOCK)
+    t, start, limit = _span(numels, first_blocks, flag_ptr, HAS_FLAG, SEARCH, BLOCK)
     if start + BLOCK <= limit:
         _adam_block(
             grad_ptrs, ptrs, n_tensors, inv_scale_ptr, step_scalars, beta1, one_minus_beta1, beta2,
@@ -286,14 +297,14 @@ def _adam_block(
 
 @triton.jit
 def _sgd_kernel(
-    grad_ptrs, ptrs, numels, block_tensor, block_start, n_tensors, inv_scale_ptr, flag_ptr,
+    grad_ptrs, ptrs, numels, first_blocks, n_tensors, inv_scale_ptr, flag_ptr,
     lr, momentum, one_minus_dampening, weight_decay,
     GRAD_T: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_FLAG: tl.constexpr, MAXIMIZE: tl.constexpr,
     STORAGE: tl.constexpr, WEIGHT_T: tl.constexpr, WEIGHT_IS_BF16: tl.constexpr,
     HAS_DECAY: tl.constexpr, HAS_MOMENTUM: tl.constexpr, FIRST_STEP: tl.constexpr, NESTEROV: tl.constexpr,
-    ALIGNED: tl.constexpr, BLOCK: tl.constexpr,
+    ALIGNED: tl.constexpr, SEARCH: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    t, start, limit = _span(numels, block_tensor, block_start, flag_ptr, HAS_FLAG, BLOCK)
+    t, start, limit = _span(numels, first_blocks, flag_ptr, HAS_FLAG, SEARCH, BLOCK)
     if start + BLOCK <= limit:
         _sgd_block(
             grad_ptrs, ptrs, n_tensors, inv_scale_ptr, lr, momentum, one_minus_dampening, weight_decay, t, start,
@@ -330,13 +341,13 @@ def _sgd_block(
 
 # -- launching ------------------------------------------------------------------------------------------------
 class _Tables(NamedTuple):
-    """What a launch reads besides its scalars: the pointer table, and per block its tensor and start offset."""
+    """What a launch reads besides its scalars: the pointer table, and per tensor its size and first program."""
 
     pointers: torch.Tensor  # int64: each list's data pointers, list after list
     numels: torch.Tensor  # int64, per tensor of the first list
-    block_tensor: torch.Tensor  # int32, per block
-    block_start: torch.Tensor  # int64, per block
+    first_blocks: torch.Tensor  # int32, per tensor its first program, padded to 2**search entries (``_span``)
     n_blocks: int
+    search: int  # the kernels' SEARCH: halvings to find a program's tensor in first_blocks
     sizes: tuple[int, ...]  # numels, on the host
     aligned: bool  # every tensor starts on a 16-byte boundary (the kernels' ALIGNED)
 
@@ -411,8 +422,7 @@ def _check_lists(device: torch.device, lists: Sequence[Sequence[torch.Tensor]]) 
 
 def _build_tables(device: torch.device, lists: Sequence[Sequence[torch.Tensor]]) -> _Tables:
     """A launch's tables: its own pointer table, and the block tables of its sizes, which the finite check's launch
-    over grads of these sizes shares (12 B per block, 1.5 MB for 124M parameters, kept once instead of twice: the
-    second H200 check of 2026-11-27 found O5 remainder's peak 1-3 MiB over its bound, its own tables' size)."""
+    over grads of these sizes shares."""
     _check_lists(device, lists)
     addresses = [t.data_ptr() for tensors in lists for t in tensors]
     blocks = _size_tables(device, tuple(t.numel() for t in lists[0]))
@@ -422,17 +432,25 @@ def _build_tables(device: torch.device, lists: Sequence[Sequence[torch.Tensor]])
 
 def _tables_on(device: torch.device, numels: Sequence[int]) -> _Tables:
     """The block tables of tensors of ``numels`` elements (one program per block of each), copied to ``device``, with
-    an empty pointer table (a launch's own goes in by ``_replace``): a Python loop over the blocks, built once per set
-    of sizes."""
-    blocks = [(t, start) for t, n in enumerate(numels) for start in range(0, n, _BLOCK)]
+    an empty pointer table (a launch's own goes in by ``_replace``): each tensor's first program, which the kernels
+    search (``_span``), so a table entry per tensor, not per block (the H100 check of 2026-11-27: a table per block,
+    12 B per 1024 parameters, kept O5 remainder's peak 1.3 MiB over its bound, and its Python loop over 121k blocks
+    took tens of milliseconds at each rebuild)."""
+    firsts = list(itertools.accumulate((-(-n // _BLOCK) for n in numels), initial=0))
+    n_blocks = firsts.pop()  # the end of the last tensor's programs
+    search = max(len(numels) - 1, 0).bit_length()  # 2**search >= len(numels)
+    padded = firsts + [_MAX_PROGRAMS] * ((1 << search) - len(firsts))  # never at most a program's index
     host = (
-        torch.empty(0, dtype=torch.int64),
         torch.tensor(numels, dtype=torch.int64),
-        torch.tensor([b[0] for b in blocks], dtype=torch.int32),
-        torch.tensor([b[1] for b in blocks], dtype=torch.int64),
+        torch.tensor(padded, dtype=torch.int32),
     )
-    pointers, sizes, block_tensor, block_start = (_to_device(t, device) for t in host)
-    return _Tables(pointers, sizes, block_tensor, block_start, len(blocks), tuple(numels), True)
+    sizes, first_blocks = (_to_device(t, device) for t in host)
+    pointers = torch.empty(0, dtype=torch.int64, device=device)
+    return _Tables(pointers, sizes, first_blocks, n_blocks, search, tuple(numels), True)
+
+
+#: The padding of ``first_blocks``: above every program's index (a CUDA grid has at most 2**31 - 1 programs).
+_MAX_PROGRAMS = 2**31 - 1
 
 
 #: Block tables by ``(device, sizes)`` alone, shared by every launch over tensors of those sizes (the finite check's
@@ -490,11 +508,11 @@ def check_finite_(grads: TensorList, found_inf: torch.Tensor) -> None:
     _check_kernel[(tables.n_blocks,)](
         grad_table,
         tables.numels,
-        tables.block_tensor,
-        tables.block_start,
+        tables.first_blocks,
         found_inf,
         GRAD_T=_TL_DTYPES[grads[0].dtype],
         ALIGNED=aligned,
+        SEARCH=tables.search,
         BLOCK=_BLOCK,
         enable_fp_fusion=False,
     )
@@ -541,8 +559,7 @@ def _launch(
         grad_table,
         tables.pointers,
         tables.numels,
-        tables.block_tensor,
-        tables.block_start,
+        tables.first_blocks,
         len(grads),
         unread if inv_scale is None else inv_scale,
         unread if found_inf is None else found_inf,
@@ -552,6 +569,7 @@ def _launch(
         HAS_FLAG=found_inf is not None,
         MAXIMIZE=maximize,
         ALIGNED=tables.aligned and grads_aligned,
+        SEARCH=tables.search,
         BLOCK=_BLOCK,
         enable_fp_fusion=False,
         **storage,
