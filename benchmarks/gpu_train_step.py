@@ -792,7 +792,11 @@ def _summary_lines(name: str, summary: dict[str, Any], gap: str) -> list[str]:
 
 
 def profile_text(
-    profiles: dict[str, Any], device: torch.device, steps: int, master: dict[str, Any] | None = None
+    profiles: dict[str, Any],
+    device: torch.device,
+    steps: int,
+    master: dict[str, Any] | None = None,
+    launches: dict[str, float | None] | None = None,
 ) -> str:
     what = "device kernels, copies and memsets" if device.type == "cuda" else "CPU operators (self time)"
     gap = "device idle between them" if device.type == "cuda" else "host time outside any operator"
@@ -810,6 +814,8 @@ def profile_text(
             lines += _summary_lines(f"master step: {name} (device)", sides["device"], gap)
             lines += _summary_lines(f"master step: {name} (host)", sides["host"], "host time outside any operator")
             lines += _python_lines(f"master step: {name}", sides["python"])
+    if launches is not None:
+        lines += _launch_lines(launches)
     return "\n".join(lines)
 
 
@@ -846,6 +852,77 @@ def profile_master_pass(device: torch.device, params: int, tensors: int, steps: 
         finally:
             _release(variant, device)
     return results
+
+
+LAUNCH_CALLS = 200
+
+
+def launch_costs(device: torch.device, tensors: int, repeats: int = 5) -> dict[str, float | None]:
+    """Host microseconds per call of the pieces of a kernel step's launch, over ``tensors`` tiny bf16 grads (host
+    work grows with the tensor count, the device's with their size, which this keeps out): the finite check as amp
+    calls it (``check_finite_``: its storage key, its cached tables, the launch), the storage key alone, the same
+    launch through Triton's ``kernel[grid](...)`` with its arguments ready, and through the compiled kernel Triton
+    returned (``CompiledKernel[grid](*args)``, which skips the binding and specialisation of every argument); and a
+    one-element ``torch.add`` beside them. The fourteenth session's checks found 1.3-2.5 ms of Python per master
+    step outside any operator and the cProfile of the fifteenth's put about 150 us of it in each Triton launch:
+    these figures say what a launch path of amp's own would save. None where a piece cannot run (no CUDA, no
+    Triton, or a Triton whose compiled kernel does not take the call)."""
+    names = ("torch add", "check_finite_", "storage key", "kernel[grid]", "compiled[grid]")
+    costs: dict[str, float | None] = dict.fromkeys(names)
+    if device.type != "cuda":
+        return costs
+    try:
+        from ampinit._masters import triton_kernels as kernels
+    except ImportError:
+        return costs
+
+    def per_call(work: Callable[[], object]) -> float:
+        work()  # compiles, builds the tables
+        synchronize(device)
+        samples = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for _ in range(LAUNCH_CALLS):
+                work()
+            samples.append(time.perf_counter() - start)
+            synchronize(device)
+        return statistics.median(samples) / LAUNCH_CALLS * 1e6
+
+    one = torch.ones(1, device=device)
+    costs["torch add"] = per_call(lambda: torch.add(one, one))
+    grads = [torch.randn(64, device=device).bfloat16() for _ in range(tensors)]
+    flag = torch.zeros(1, device=device)
+    costs["check_finite_"] = per_call(lambda: kernels.check_finite_(grads, flag))
+    costs["storage key"] = per_call(lambda: kernels._storage_key(device, [grads]))
+    key = kernels._storage_key(device, [grads])
+    tables = kernels._size_tables(device, key[1])
+    table, aligned = kernels._grad_table(device, grads, tables.sizes, key)
+    grid = (tables.n_blocks,)
+    options = {
+        "GRAD_T": kernels._TL_DTYPES[torch.bfloat16],
+        "ALIGNED": aligned,
+        "SEARCH": tables.search,
+        "BLOCK": kernels._BLOCK,
+        "enable_fp_fusion": False,
+    }
+    arguments = (table, tables.numels, tables.first_blocks, flag)
+    costs["kernel[grid]"] = per_call(lambda: kernels._check_kernel[grid](*arguments, **options))
+    try:
+        compiled = kernels._check_kernel[grid](*arguments, **options)
+        # Every parameter in the signature's order, the constexprs too: what Triton's own launch passes on.
+        values = dict(zip(kernels._check_kernel.arg_names, arguments)) | options
+        ordered = [values[name] for name in kernels._check_kernel.arg_names]
+        runner = compiled[(grid[0], 1, 1)]
+        costs["compiled[grid]"] = per_call(lambda: runner(*ordered))
+    except Exception:  # a Triton whose compiled kernels take another call: reported as not measured
+        logging.getLogger(__name__).exception("launching the compiled check kernel directly failed")
+    return costs
+
+
+def _launch_lines(costs: dict[str, float | None]) -> list[str]:
+    lines = ["== master step: launch costs (host us per call; as many tiny bf16 grads as the master step's tensors)"]
+    lines += [f"  {name:>16}  {'n/a' if us is None else f'{us:.1f}':>8}" for name, us in costs.items()]
+    return [*lines, ""]
 
 
 # -- verdicts ----------------------------------------------------------------------------------------------------
@@ -1042,8 +1119,9 @@ def main(argv: list[str] | None = None) -> int:
         report["profile"] = profiles
         params, tensors = (200_000, 20) if args.tiny else (124_000_000, 150)
         report["profile_master_step"] = profile_master_pass(device, params, tensors, min(3, run.steps))
+        report["launch_costs_us"] = launch_costs(device, tensors)
         (args.out / "gpu_train_step_profile.txt").write_text(
-            profile_text(profiles, device, min(3, run.steps), report["profile_master_step"])
+            profile_text(profiles, device, min(3, run.steps), report["profile_master_step"], report["launch_costs_us"])
         )
     report["complete"] = True
     save()

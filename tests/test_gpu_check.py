@@ -69,6 +69,11 @@ def test_tiny_benchmark_measures_every_pass_and_calls_nothing_a_verdict(
     assert len(o5_python) == 12 and all(row["own_us_per_step"] >= 0 for row in o5_python)
     assert any(row["function"].startswith("_masters/") for row in o5_python), o5_python  # amp's step is in it
     assert report["fused_gelu"] == {}  # no Apex-list run here, and the fused gelu never runs on the CPU
+    # The launch costs are CUDA's: every piece named, none measured on the CPU.
+    assert report["launch_costs_us"] == dict.fromkeys(
+        ("torch add", "check_finite_", "storage key", "kernel[grid]", "compiled[grid]")
+    )
+    assert "== master step: launch costs" in profile and "  compiled[grid]       n/a\n" in profile
 
 
 def test_hand_written_masters_train_exactly_as_o5() -> None:
