@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import functools
 import gc
 import json
 import logging
@@ -574,10 +575,11 @@ def time_pass(names: list[str], run: Passes) -> None:
 
 
 # -- master step -------------------------------------------------------------------------------------------------
-def _master_variant(name: str, sizes: list[int], device: torch.device) -> Variant:
+def _master_variant(name: str, sizes: list[int], device: torch.device, mark: Callable[[], None] = _nothing) -> Variant:
     """The plain fused AdamW iteration on fp32 parameters, or the amp iteration of an opt level whose half grads
     are written directly (so only the amp machinery and the optimizer are timed); both hand over the same grads
-    from a list each iteration, as a training loop's backward would."""
+    from a list each iteration, as a training loop's backward would. ``mark`` is called at the end of each phase
+    (:data:`MASTER_PHASES`)."""
     gen = torch.Generator(device).manual_seed(0)
     model = nn.ParameterList([nn.Parameter(torch.randn(n, generator=gen, device=device) * 0.01) for n in sizes])
     opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
@@ -593,10 +595,14 @@ def _master_variant(name: str, sizes: list[int], device: torch.device) -> Varian
             # the amp variants' alone: on CUDA a kernel, a handoff to autograd's device thread and its kernel,
             # host work every training step pays with or without amp).
             opt.zero_grad()
+            mark()
             (anchor * 1.0).backward()
             for p, g in zip(weights, plain_grads):
                 p.grad = g
+            mark()
+            mark()  # no scale_loss exit
             opt.step()
+            mark()
 
         return Variant(plain_step, model, sum(sizes))
     ampinit.initialize(model, opt, opt_level=name, verbosity=0)  # type: ignore[call-overload]
@@ -610,13 +616,68 @@ def _master_variant(name: str, sizes: list[int], device: torch.device) -> Varian
         # GPU check timed that by mistake: 1.77x/1.93x plain fused AdamW, where the training step's kernel took
         # 1.29 ms of the 1.58 ms plain step.
         opt.zero_grad()
+        mark()
         with ampinit.scale_loss(anchor * 1.0, opt) as scaled:
             scaled.backward()
             for p, g in zip(weights, grads):
                 p.grad = g
+            mark()
+        mark()
         opt.step()
+        mark()
 
     return Variant(step, model, sum(sizes), close=session.close if session is not None else _nothing)
+
+
+#: The phases of a master-step iteration, each ended by a ``mark``: the plain iteration's exit phase is empty.
+MASTER_PHASES = ("zero_grad", "backward and grads", "scale_loss exit", "step")
+
+
+def master_phases(device: torch.device, params: int, tensors: int, iterations: int) -> dict[str, Any]:
+    """Host microseconds per phase of each master-step variant's iteration (median over ``iterations``, after a
+    warm-up), built alone: on CUDA the launches are queued, not waited for, so this is where the host's time goes
+    (the master step alone is host-bound on the GPU checks, and the profiler's host table does not say in which
+    phase). An error string for a variant that raised."""
+    sizes = [params // tensors + (1 if i < params % tensors else 0) for i in range(tensors)]
+    results: dict[str, Any] = {}
+    for name in (PLAIN_ADAMW, "O2", "O5"):
+        marks: list[float] = []
+        variant = None
+        try:
+            variant = _master_variant(name, sizes, device, functools.partial(_stamp, marks))
+            for _ in range(3):
+                variant.step()
+            synchronize(device)
+            samples: dict[str, list[float]] = {phase: [] for phase in MASTER_PHASES}
+            for _ in range(iterations):
+                marks.clear()
+                start = time.perf_counter()
+                variant.step()
+                for phase, begin, end in zip(MASTER_PHASES, [start, *marks], marks):
+                    samples[phase].append((end - begin) * 1e6)
+            synchronize(device)
+            results[name] = {phase: statistics.median(values) for phase, values in samples.items()}
+        except Exception as error:
+            results[name] = _failed(error)["error"]
+        finally:
+            _release(variant, device)
+    return results
+
+
+def _stamp(marks: list[float]) -> None:
+    marks.append(time.perf_counter())
+
+
+def _phase_lines(phases: dict[str, Any]) -> list[str]:
+    lines = ["== master step: host time per phase (us, median over iterations; launches queued, not waited for)"]
+    lines.append(f"  {'variant':>26}" + "".join(f"  {phase:>18}" for phase in MASTER_PHASES) + f"  {'total':>8}")
+    for name, row in phases.items():
+        if isinstance(row, str):
+            lines.append(f"  {name:>26}  {row}")
+            continue
+        cells = "".join(f"  {row[phase]:18.1f}" for phase in MASTER_PHASES)
+        lines.append(f"  {name:>26}{cells}  {sum(row.values()):8.1f}")
+    return [*lines, ""]
 
 
 def master_step(device: torch.device, params: int, tensors: int, run: Passes, results: dict[str, Any]) -> None:
@@ -797,6 +858,7 @@ def profile_text(
     steps: int,
     master: dict[str, Any] | None = None,
     launches: dict[str, float | None] | None = None,
+    phases: dict[str, Any] | None = None,
 ) -> str:
     what = "device kernels, copies and memsets" if device.type == "cuda" else "CPU operators (self time)"
     gap = "device idle between them" if device.type == "cuda" else "host time outside any operator"
@@ -814,6 +876,8 @@ def profile_text(
             lines += _summary_lines(f"master step: {name} (device)", sides["device"], gap)
             lines += _summary_lines(f"master step: {name} (host)", sides["host"], "host time outside any operator")
             lines += _python_lines(f"master step: {name}", sides["python"])
+    if phases is not None:
+        lines += _phase_lines(phases)
     if launches is not None:
         lines += _launch_lines(launches)
     return "\n".join(lines)
@@ -1119,9 +1183,17 @@ def main(argv: list[str] | None = None) -> int:
         report["profile"] = profiles
         params, tensors = (200_000, 20) if args.tiny else (124_000_000, 150)
         report["profile_master_step"] = profile_master_pass(device, params, tensors, min(3, run.steps))
+        report["master_step_phases_us"] = master_phases(device, params, tensors, 5 if args.tiny else 50)
         report["launch_costs_us"] = launch_costs(device, tensors)
         (args.out / "gpu_train_step_profile.txt").write_text(
-            profile_text(profiles, device, min(3, run.steps), report["profile_master_step"], report["launch_costs_us"])
+            profile_text(
+                profiles,
+                device,
+                min(3, run.steps),
+                report["profile_master_step"],
+                report["launch_costs_us"],
+                report["master_step_phases_us"],
+            )
         )
     report["complete"] = True
     save()

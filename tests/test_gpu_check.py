@@ -69,6 +69,12 @@ def test_tiny_benchmark_measures_every_pass_and_calls_nothing_a_verdict(
     assert len(o5_python) == 12 and all(row["own_us_per_step"] >= 0 for row in o5_python)
     assert any(row["function"].startswith("_masters/") for row in o5_python), o5_python  # amp's step is in it
     assert report["fused_gelu"] == {}  # no Apex-list run here, and the fused gelu never runs on the CPU
+    # The master step's host time by phase, every variant (the plain one has no scale_loss exit to time).
+    phases = report["master_step_phases_us"]
+    assert set(phases) == {"plain fused AdamW (fp32)", "O2", "O5"}
+    for name, row in phases.items():
+        assert list(row) == list(bench.MASTER_PHASES) and all(us > 0 for us in row.values()), (name, row)
+    assert "== master step: host time per phase" in profile
     # The launch costs are CUDA's: every piece named, none measured on the CPU.
     assert report["launch_costs_us"] == dict.fromkeys(
         ("torch add", "check_finite_", "storage key", "kernel[grid]", "compiled[grid]")

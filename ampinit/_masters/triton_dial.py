@@ -386,9 +386,9 @@ def _launch_tables(grads: TensorList, *lists: TensorList) -> tuple[_Tables, torc
 
     The grads are kept out of the state's tables as ``triton_kernels``' launch keeps them: a training loop makes
     them afresh each step, and where the caching allocator places them elsewhere (another model's step between two,
-    variable-length batches) a key holding their pointers rebuilt the whole block table, a Python loop over every
-    block of the model (on the H200 check of 2026-11-27, 38 ms of host time a step for 124M parameters, against a
-    37 ms step). Now a move costs a table of one entry per grad."""
+    variable-length batches) a key holding their pointers rebuilt every table, then a Python loop over every block
+    of the model (on the H200 check of 2026-11-27, 38 ms of host time a step for 124M parameters, against a 37 ms
+    step). Now a move costs a table of one entry per grad."""
     tables = _tables(grads[0].device, *lists)
     grad_table, grads_aligned = _grad_table(grads[0].device, grads, tables.sizes)
     return tables, grad_table, tables.aligned and grads_aligned

@@ -456,7 +456,7 @@ _MAX_PROGRAMS = 2**31 - 1
 #: Block tables by ``(device, sizes)`` alone, shared by every launch over tensors of those sizes (the finite check's
 #: over grads, and through ``_build_tables`` the steps'): grads, which a training loop makes afresh each step and the
 #: caching allocator may place elsewhere (variable-length batches move every activation), take their pointers from
-#: ``_grad_table`` (one table of as many entries as tensors), so a move never rebuilds a table entry per block.
+#: ``_grad_table`` (one table of as many entries as tensors), so a move rebuilds nothing else.
 _tables_by_sizes: dict[tuple[torch.device, tuple[int, ...]], _Tables] = {}
 
 
