@@ -930,8 +930,9 @@ def launch_costs(device: torch.device, tensors: int, repeats: int = 5) -> dict[s
     one-element ``torch.add`` beside them. The fourteenth session's checks found 1.3-2.5 ms of Python per master
     step outside any operator and the cProfile of the fifteenth's put about 150 us of it in each Triton launch:
     these figures say what a launch path of amp's own would save. None where a piece cannot run (no CUDA, no
-    Triton, or a Triton whose compiled kernel does not take the call)."""
-    names = ("torch add", "check_finite_", "storage key", "kernel[grid]", "compiled[grid]")
+    Triton, or a Triton whose compiled kernel does not take the call); ``compiled[grid] ran`` is 1.0 where that call
+    was seen to run the kernel (it found an inf placed in the last program's block, and none before), else 0.0."""
+    names = ("torch add", "check_finite_", "storage key", "kernel[grid]", "compiled[grid]", "compiled[grid] ran")
     costs: dict[str, float | None] = dict.fromkeys(names)
     if device.type != "cuda":
         return costs
@@ -978,6 +979,14 @@ def launch_costs(device: torch.device, tensors: int, repeats: int = 5) -> dict[s
         ordered = [values[name] for name in kernels._check_kernel.arg_names]
         runner = compiled[(grid[0], 1, 1)]
         costs["compiled[grid]"] = per_call(lambda: runner(*ordered))
+        # Whether that call ran the kernel over these grads: finite, the flag stays 0; one inf in the last grad's
+        # last element (the last program's), and it is raised. A cost of a launch that does nothing means nothing.
+        flag.zero_()
+        runner(*ordered)
+        finite = flag.item() == 0.0
+        grads[-1][-1] = float("inf")
+        runner(*ordered)
+        costs["compiled[grid] ran"] = float(finite and flag.item() == 1.0)
     except Exception:  # a Triton whose compiled kernels take another call: reported as not measured
         logging.getLogger(__name__).exception("launching the compiled check kernel directly failed")
     return costs
@@ -985,7 +994,14 @@ def launch_costs(device: torch.device, tensors: int, repeats: int = 5) -> dict[s
 
 def _launch_lines(costs: dict[str, float | None]) -> list[str]:
     lines = ["== master step: launch costs (host us per call; as many tiny bf16 grads as the master step's tensors)"]
-    lines += [f"  {name:>16}  {'n/a' if us is None else f'{us:.1f}':>8}" for name, us in costs.items()]
+    for name, value in costs.items():
+        if value is None:
+            text = "n/a"
+        elif name.endswith(" ran"):
+            text = "yes" if value else "no"
+        else:
+            text = f"{value:.1f}"
+        lines.append(f"  {name:>18}  {text:>8}")
     return [*lines, ""]
 
 
