@@ -80,6 +80,7 @@ from torch.nn import functional as F
 
 import ampinit
 from ampinit._casting import fused_gelu
+from ampinit._masters import kernel_step
 from ampinit._types import OptLevel
 from ampinit.compat.apex import amp as apex_amp
 from ampinit.optimizers import FusedAdam
@@ -921,7 +922,12 @@ def profile_master_pass(device: torch.device, params: int, tensors: int, steps: 
 LAUNCH_CALLS = 200
 
 
-def launch_costs(device: torch.device, tensors: int, repeats: int = 5) -> dict[str, float | None]:
+LAUNCH_PIECES = ("torch add", "check_finite_", "storage key", "kernel[grid]", "compiled[grid]", "compiled[grid] ran")
+
+
+def launch_costs(
+    device: torch.device, tensors: int, repeats: int = 5, calls: int = LAUNCH_CALLS
+) -> dict[str, float | None]:
     """Host microseconds per call of the pieces of a kernel step's launch, over ``tensors`` tiny bf16 grads (host
     work grows with the tensor count, the device's with their size, which this keeps out): the finite check as amp
     calls it (``check_finite_``: its storage key, its cached tables, the launch), the storage key alone, the same
@@ -929,39 +935,51 @@ def launch_costs(device: torch.device, tensors: int, repeats: int = 5) -> dict[s
     returned (``CompiledKernel[grid](*args)``, which skips the binding and specialisation of every argument); and a
     one-element ``torch.add`` beside them. The fourteenth session's checks found 1.3-2.5 ms of Python per master
     step outside any operator and the cProfile of the fifteenth's put about 150 us of it in each Triton launch:
-    these figures say what a launch path of amp's own would save. None where a piece cannot run (no CUDA, no
-    Triton, or a Triton whose compiled kernel does not take the call); ``compiled[grid] ran`` is 1.0 where that call
-    was seen to run the kernel (it found an inf placed in the last program's block, and none before), else 0.0."""
-    names = ("torch add", "check_finite_", "storage key", "kernel[grid]", "compiled[grid]", "compiled[grid] ran")
-    costs: dict[str, float | None] = dict.fromkeys(names)
-    if device.type != "cuda":
+    these figures say what a launch path of amp's own would save.
+
+    None where a piece did not run: where amp's kernels do not (no CUDA, no Triton), where the compiled kernel does
+    not take the call (Triton's interpreter has none), and after a piece that raised (logged: a probe must never
+    cost the report the figures measured before it, as it did the fifteenth session's second check). ``compiled[grid]
+    ran`` is 1.0 where that call was seen to run the kernel (it found an inf placed in the last program's block, and
+    none before), else 0.0."""
+    costs: dict[str, float | None] = dict.fromkeys(LAUNCH_PIECES)
+    kernels = kernel_step.kernels_for(device)
+    if kernels is None:
         return costs
     try:
-        from ampinit._masters import triton_kernels as kernels
-    except ImportError:
-        return costs
+        _measure_launches(kernels, device, tensors, repeats, calls, costs)
+    except Exception:
+        logging.getLogger(__name__).exception("measuring the launch costs failed")
+    return costs
 
+
+def _measure_launches(
+    kernels: Any, device: torch.device, tensors: int, repeats: int, calls: int, costs: dict[str, float | None]
+) -> None:
     def per_call(work: Callable[[], object]) -> float:
         work()  # compiles, builds the tables
         synchronize(device)
         samples = []
         for _ in range(repeats):
             start = time.perf_counter()
-            for _ in range(LAUNCH_CALLS):
+            for _ in range(calls):
                 work()
             samples.append(time.perf_counter() - start)
             synchronize(device)
-        return statistics.median(samples) / LAUNCH_CALLS * 1e6
+        return statistics.median(samples) / calls * 1e6
 
     one = torch.ones(1, device=device)
     costs["torch add"] = per_call(lambda: torch.add(one, one))
     grads = [torch.randn(64, device=device).bfloat16() for _ in range(tensors)]
-    flag = torch.zeros(1, device=device)
+    # The tensors' own device, as amp's launches take it: "cuda" is not equal to the grads' "cuda:0", and the
+    # tables' checks compare the two (the fifteenth session's second check lost its profile to that).
+    where = grads[0].device
+    flag = torch.zeros(1, device=where)
     costs["check_finite_"] = per_call(lambda: kernels.check_finite_(grads, flag))
-    costs["storage key"] = per_call(lambda: kernels._storage_key(device, [grads]))
-    key = kernels._storage_key(device, [grads])
-    tables = kernels._size_tables(device, key[1])
-    table, aligned = kernels._grad_table(device, grads, tables.sizes, key)
+    costs["storage key"] = per_call(lambda: kernels._storage_key(where, [grads]))
+    key = kernels._storage_key(where, [grads])
+    tables = kernels._size_tables(where, key[1])
+    table, aligned = kernels._grad_table(where, grads, tables.sizes, key)
     grid = (tables.n_blocks,)
     options = {
         "GRAD_T": kernels._TL_DTYPES[torch.bfloat16],
@@ -972,24 +990,22 @@ def launch_costs(device: torch.device, tensors: int, repeats: int = 5) -> dict[s
     }
     arguments = (table, tables.numels, tables.first_blocks, flag)
     costs["kernel[grid]"] = per_call(lambda: kernels._check_kernel[grid](*arguments, **options))
-    try:
-        compiled = kernels._check_kernel[grid](*arguments, **options)
-        # Every parameter in the signature's order, the constexprs too: what Triton's own launch passes on.
-        values = dict(zip(kernels._check_kernel.arg_names, arguments)) | options
-        ordered = [values[name] for name in kernels._check_kernel.arg_names]
-        runner = compiled[(grid[0], 1, 1)]
-        costs["compiled[grid]"] = per_call(lambda: runner(*ordered))
-        # Whether that call ran the kernel over these grads: finite, the flag stays 0; one inf in the last grad's
-        # last element (the last program's), and it is raised. A cost of a launch that does nothing means nothing.
-        flag.zero_()
-        runner(*ordered)
-        finite = flag.item() == 0.0
-        grads[-1][-1] = float("inf")
-        runner(*ordered)
-        costs["compiled[grid] ran"] = float(finite and flag.item() == 1.0)
-    except Exception:  # a Triton whose compiled kernels take another call: reported as not measured
-        logging.getLogger(__name__).exception("launching the compiled check kernel directly failed")
-    return costs
+    compiled = kernels._check_kernel[grid](*arguments, **options)
+    if compiled is None or not hasattr(compiled, "function"):
+        return  # Triton's interpreter: nothing compiled to call directly
+    # Every parameter in the signature's order, the constexprs too: what Triton's own launch passes on.
+    values = dict(zip(kernels._check_kernel.arg_names, arguments)) | options
+    ordered = [values[name] for name in kernels._check_kernel.arg_names]
+    runner = compiled[(grid[0], 1, 1)]
+    costs["compiled[grid]"] = per_call(lambda: runner(*ordered))
+    # Whether that call ran the kernel over these grads: finite, the flag stays 0; one inf in the last grad's last
+    # element (the last program's), and it is raised. A cost of a launch that does nothing means nothing.
+    flag.zero_()
+    runner(*ordered)
+    finite = flag.item() == 0.0
+    grads[-1][-1] = float("inf")
+    runner(*ordered)
+    costs["compiled[grid] ran"] = float(finite and flag.item() == 1.0)
 
 
 def _launch_lines(costs: dict[str, float | None]) -> list[str]:
@@ -1195,22 +1211,31 @@ def main(argv: list[str] | None = None) -> int:
     # Which (device, dtype) ran Apex's fp32 gelu fused (O1/O4 with Apex's lists), checked at initialize.
     report["fused_gelu"] = fused_gelu.status()
     if args.profile:
-        profiles = profile_pass([name for name in PROFILED if name in variants], run, steps=min(3, run.steps))
-        report["profile"] = profiles
+        steps = min(3, run.steps)
         params, tensors = (200_000, 20) if args.tiny else (124_000_000, 150)
-        report["profile_master_step"] = profile_master_pass(device, params, tensors, min(3, run.steps))
-        report["master_step_phases_us"] = master_phases(device, params, tensors, 5 if args.tiny else 50)
-        report["launch_costs_us"] = launch_costs(device, tensors)
-        (args.out / "gpu_train_step_profile.txt").write_text(
-            profile_text(
-                profiles,
+
+        def write_profile() -> None:
+            # After each piece, with what the later ones have not measured yet left out: a piece that fails or a
+            # run cut short keeps the earlier ones' text and JSON.
+            text = profile_text(
+                report.get("profile", {}),
                 device,
-                min(3, run.steps),
-                report["profile_master_step"],
-                report["launch_costs_us"],
-                report["master_step_phases_us"],
+                steps,
+                report.get("profile_master_step"),
+                report.get("launch_costs_us"),
+                report.get("master_step_phases_us"),
             )
-        )
+            (args.out / "gpu_train_step_profile.txt").write_text(text)
+            save()
+
+        report["profile"] = profile_pass([name for name in PROFILED if name in variants], run, steps=steps)
+        write_profile()
+        report["profile_master_step"] = profile_master_pass(device, params, tensors, steps)
+        write_profile()
+        report["master_step_phases_us"] = master_phases(device, params, tensors, 5 if args.tiny else 50)
+        write_profile()
+        report["launch_costs_us"] = launch_costs(device, tensors)
+        write_profile()
     report["complete"] = True
     save()
     print(markdown(report))

@@ -4,11 +4,13 @@ against the targets of docs/gpu.md, the summary, and the script's refusal withou
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
 import tarfile
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -80,6 +82,35 @@ def test_tiny_benchmark_measures_every_pass_and_calls_nothing_a_verdict(
         ("torch add", "check_finite_", "storage key", "kernel[grid]", "compiled[grid]", "compiled[grid] ran")
     )
     assert "== master step: launch costs" in profile and "    compiled[grid]       n/a\n" in profile
+
+
+def test_the_launch_probe_runs_on_the_tensors_own_device(
+    kernels_on_cpu: ModuleType, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The launch-cost probe runs its pieces where amp's launches run, on the grads' own device: given one that names
+    an index the tensors' device does not (the benchmark's "cuda" against the grads' "cuda:0" on the GPU, which
+    raised in the tables' check and cost the fifteenth session's second check its whole profile; "cpu:0" against
+    "cpu" here), every piece the interpreter can run is measured and nothing is logged as failed. The interpreter
+    compiles nothing, so the direct call of a compiled kernel is not measured."""
+    with caplog.at_level(logging.ERROR):
+        costs = bench.launch_costs(torch.device("cpu", 0), 3, repeats=1, calls=2)
+    assert not caplog.records, [r.getMessage() for r in caplog.records]
+    measured = [name for name, us in costs.items() if us is not None]
+    assert measured == ["torch add", "check_finite_", "storage key", "kernel[grid]"]
+    assert all(us is not None and us > 0 for us in costs.values() if us is not None)
+
+
+def test_a_failing_launch_probe_is_logged_and_leaves_its_figures(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A piece that raises ends the probe with what it measured, logged, never the benchmark's report."""
+    from ampinit._masters import kernel_step
+
+    class Broken:
+        def check_finite_(self, grads: list[torch.Tensor], flag: torch.Tensor) -> None:
+            raise RuntimeError("broken launch")
+
+    monkeypatch.setattr(kernel_step, "kernels_for", lambda device: Broken())
+    costs = bench.launch_costs(CPU, 3, repeats=1, calls=2)
+    assert costs["torch add"] is not None and costs["check_finite_"] is None
 
 
 def test_hand_written_masters_train_exactly_as_o5() -> None:
