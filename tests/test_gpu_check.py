@@ -100,7 +100,9 @@ def test_the_launch_probe_runs_on_the_tensors_own_device(
     assert all(us is not None and us > 0 for us in costs.values() if us is not None)
 
 
-def test_a_failing_launch_probe_is_logged_and_leaves_its_figures(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failing_launch_probe_is_logged_and_leaves_its_figures(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     """A piece that raises ends the probe with what it measured, logged, never the benchmark's report."""
     from ampinit._masters import kernel_step
 
@@ -109,8 +111,10 @@ def test_a_failing_launch_probe_is_logged_and_leaves_its_figures(monkeypatch: py
             raise RuntimeError("broken launch")
 
     monkeypatch.setattr(kernel_step, "kernels_for", lambda device: Broken())
-    costs = bench.launch_costs(CPU, 3, repeats=1, calls=2)
+    with caplog.at_level(logging.ERROR):
+        costs = bench.launch_costs(CPU, 3, repeats=1, calls=2)
     assert costs["torch add"] is not None and costs["check_finite_"] is None
+    assert "measuring the launch costs failed" in caplog.text and "broken launch" in caplog.text
 
 
 def test_hand_written_masters_train_exactly_as_o5() -> None:
