@@ -576,6 +576,11 @@ def time_pass(names: list[str], run: Passes) -> None:
 
 
 # -- master step -------------------------------------------------------------------------------------------------
+def master_sizes(params: int, tensors: int) -> list[int]:
+    """The master step alone's tensor sizes: ``params`` elements over ``tensors`` tensors, as even as they split."""
+    return [params // tensors + (1 if i < params % tensors else 0) for i in range(tensors)]
+
+
 def _master_variant(name: str, sizes: list[int], device: torch.device, mark: Callable[[], None] = _nothing) -> Variant:
     """The plain fused AdamW iteration on fp32 parameters, or the amp iteration of an opt level whose half grads
     are written directly (so only the amp machinery and the optimizer are timed); both hand over the same grads
@@ -639,7 +644,7 @@ def master_phases(device: torch.device, params: int, tensors: int, iterations: i
     warm-up), built alone: on CUDA the launches are queued, not waited for, so this is where the host's time goes
     (the master step alone is host-bound on the GPU checks, and the profiler's host table does not say in which
     phase). An error string for a variant that raised."""
-    sizes = [params // tensors + (1 if i < params % tensors else 0) for i in range(tensors)]
+    sizes = master_sizes(params, tensors)
     results: dict[str, Any] = {}
     for name in (PLAIN_ADAMW, "O2", "O5"):
         marks: list[float] = []
@@ -685,7 +690,7 @@ def master_step(device: torch.device, params: int, tensors: int, run: Passes, re
     """The O2/O5 optimizer step alone (unscale, fused AdamW on the fp32 masters, copy back) against fused AdamW on
     as many fp32 parameters: median ms per step over interleaved rounds, into ``results`` (an error string for a
     variant that raised)."""
-    sizes = [params // tensors + (1 if i < params % tensors else 0) for i in range(tensors)]
+    sizes = master_sizes(params, tensors)
     live: dict[str, Variant] = {}
     samples: dict[str, list[float]] = {}
     try:
@@ -888,7 +893,7 @@ def profile_master_pass(device: torch.device, params: int, tensors: int, steps: 
     """``torch.profiler`` over ``steps`` iterations of each master-step variant, built alone after a warm-up: the
     device's kernels (where the device idles) and the host's operators (what keeps it idle: the master step alone
     is host-bound on an H100, docs/gpu.md)."""
-    sizes = [params // tensors + (1 if i < params % tensors else 0) for i in range(tensors)]
+    sizes = master_sizes(params, tensors)
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)

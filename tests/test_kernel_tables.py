@@ -207,9 +207,9 @@ def test_the_dials_step_rebuilds_only_the_grads_pointers_when_grads_move(
     built: list[Any] = []
     build = kernels_on_cpu._build_tables
     monkeypatch.setattr(kernels_on_cpu, "_build_tables", lambda *a: built.append(a) or build(*a))
-    # triton_dial took _tables from the interpreted module at its import: the same function object, whose globals
+    # triton_dial took _launch_tables from the interpreted module at its import: the same function object, whose globals
     # (the patched _build_tables, the caches) are the module's.
-    assert triton_dial._tables is kernels_on_cpu._tables
+    assert triton_dial._launch_tables is kernels_on_cpu._launch_tables
     launches: list[int] = []
     name = "adam_dial_" if optimizer == "adamw" else "sgd_dial_"
     step = getattr(triton_dial, name)

@@ -51,13 +51,11 @@ from ampinit._masters.reference import AdamSettings, Masters, Moments, SgdSettin
 from ampinit._masters.triton_kernels import (
     _BLOCK,
     _TL_DTYPES,
-    _grad_table,
+    _launch_tables,
     _ld,
     _load_grad,
     _span,
     _st,
-    _Tables,
-    _tables,
     _tensor_ptr,
     _to_weight,
 )
@@ -378,20 +376,6 @@ def _map_table(qmap: QuantMap) -> torch.Tensor:
     if cached is None:
         cached = _map_tables[id(qmap)] = (qmap, torch.cat([qmap.values, qmap.mids]))
     return cached[1]
-
-
-def _launch_tables(grads: TensorList, *lists: TensorList) -> tuple[_Tables, torch.Tensor, bool]:
-    """A launch's block and pointer tables over ``lists`` (the state: masters and moments), cached by their storage,
-    and the grads' own pointer table, cached by theirs; and whether every tensor of both starts on 16 bytes.
-
-    The grads are kept out of the state's tables as ``triton_kernels``' launch keeps them: a training loop makes
-    them afresh each step, and where the caching allocator places them elsewhere (another model's step between two,
-    variable-length batches) a key holding their pointers rebuilt every table, then a Python loop over every block
-    of the model (on the H200 check of 2026-11-27, 38 ms of host time a step for 124M parameters, against a 37 ms
-    step). Now a move costs a table of one entry per grad."""
-    tables = _tables(grads[0].device, *lists)
-    grad_table, grads_aligned = _grad_table(grads[0].device, grads, tables.sizes)
-    return tables, grad_table, tables.aligned and grads_aligned
 
 
 def _format(*moments: Moments) -> int:
