@@ -46,10 +46,12 @@ import torch
 import triton
 import triton.language as tl
 
+from ampinit._masters import triton_launch
 from ampinit._masters.precision import QBLOCK, QuantMap
 from ampinit._masters.reference import AdamSettings, Masters, Moments, SgdSettings
 from ampinit._masters.triton_kernels import (
     _BLOCK,
+    _OPTIONS,
     _TL_DTYPES,
     _launch_tables,
     _ld,
@@ -395,7 +397,6 @@ def _common(
         "MAXIMIZE": maximize,
         "BLOCK": _BLOCK,
         "QBLOCK": QBLOCK,
-        "enable_fp_fusion": False,
     }
 
 
@@ -420,13 +421,20 @@ def adam_dial_(
     v_lists, v_keys, v_map = _moment_lists(exp_avg_sqs, grads, master_lists[0])
     tables, grad_table, aligned = _launch_tables(grads, *master_lists, *m_lists, *v_lists)
     unread = grads[0]
-    _adam_dial_kernel[(tables.n_blocks,)](
-        grad_table, tables.pointers, tables.numels, tables.first_blocks, len(grads),
-        unread if inv_scale is None else inv_scale, unread if found_inf is None else found_inf,
-        step_scalars.contiguous(), master_keys, m_keys, v_keys, m_map, v_map,
-        s.beta1, 1 - s.beta1, s.beta2, 1 - s.beta2, s.eps, s.weight_decay, 1 - s.lr * s.weight_decay,
-        FMT=fmt, DECAY=0 if s.weight_decay == 0 else (2 if s.decoupled else 1), ALIGNED=aligned, SEARCH=tables.search,
-        **constants, **_common(grads, inv_scale, found_inf, s.maximize),
+    triton_launch.launch(
+        _adam_dial_kernel,
+        tables.n_blocks,
+        (
+            grad_table, tables.pointers, tables.numels, tables.first_blocks, len(grads),
+            unread if inv_scale is None else inv_scale, unread if found_inf is None else found_inf,
+            step_scalars.contiguous(), master_keys, m_keys, v_keys, m_map, v_map,
+            s.beta1, 1 - s.beta1, s.beta2, 1 - s.beta2, s.eps, s.weight_decay, 1 - s.lr * s.weight_decay,
+        ),
+        {
+            "FMT": fmt, "DECAY": 0 if s.weight_decay == 0 else (2 if s.decoupled else 1), "ALIGNED": aligned,
+            "SEARCH": tables.search, **constants, **_common(grads, inv_scale, found_inf, s.maximize),
+        },
+        _OPTIONS,
     )  # fmt: skip
 
 
@@ -449,10 +457,17 @@ def sgd_dial_(
     tables, grad_table, aligned = _launch_tables(grads, *master_lists, *buf_lists)
     unread = grads[0]
     flags = {"HAS_DECAY": s.weight_decay != 0, "HAS_MOMENTUM": s.momentum != 0, "NESTEROV": s.nesterov}
-    _sgd_dial_kernel[(tables.n_blocks,)](
-        grad_table, tables.pointers, tables.numels, tables.first_blocks, len(grads),
-        unread if inv_scale is None else inv_scale, unread if found_inf is None else found_inf,
-        master_keys, buf_keys, buf_map, s.lr, s.momentum, 1 - s.dampening, s.weight_decay,
-        FMT=_format(momentum_buffers), FIRST_STEP=first_step, ALIGNED=aligned, SEARCH=tables.search,
-        **flags, **constants, **_common(grads, inv_scale, found_inf, s.maximize),
+    triton_launch.launch(
+        _sgd_dial_kernel,
+        tables.n_blocks,
+        (
+            grad_table, tables.pointers, tables.numels, tables.first_blocks, len(grads),
+            unread if inv_scale is None else inv_scale, unread if found_inf is None else found_inf,
+            master_keys, buf_keys, buf_map, s.lr, s.momentum, 1 - s.dampening, s.weight_decay,
+        ),
+        {
+            "FMT": _format(momentum_buffers), "FIRST_STEP": first_step, "ALIGNED": aligned, "SEARCH": tables.search,
+            **flags, **constants, **_common(grads, inv_scale, found_inf, s.maximize),
+        },
+        _OPTIONS,
     )  # fmt: skip

@@ -30,10 +30,15 @@ import torch
 import triton
 import triton.language as tl
 
+from ampinit._masters import triton_launch
 from ampinit._masters.reference import AdamSettings, Masters, SgdSettings
 from ampinit._types import TensorList
 
 _BLOCK = 1024
+
+#: Every launch's options: no fused multiply-add (the reference rounds each product). Said even where a kernel has
+#: no arithmetic to fuse, so that Triton 3.9 (whose default is changing) does not warn that it was left unset.
+_OPTIONS = {"enable_fp_fusion": False}
 
 _TL_DTYPES: dict[torch.dtype, Any] = {
     torch.float32: tl.float32,
@@ -518,18 +523,12 @@ def check_finite_(grads: TensorList, found_inf: torch.Tensor) -> None:
     if not tables.n_blocks:
         return  # empty grads only: nothing to read (and a launch of no programs is refused on CUDA)
     grad_table, aligned = _grad_table(device, grads, tables.sizes, key)
-    # No arithmetic to fuse here; said anyway, as every launch does, so that Triton 3.9 (whose default is
-    # changing) does not warn that the option was left unset.
-    _check_kernel[(tables.n_blocks,)](
-        grad_table,
-        tables.numels,
-        tables.first_blocks,
-        found_inf,
-        GRAD_T=_TL_DTYPES[grads[0].dtype],
-        ALIGNED=aligned,
-        SEARCH=tables.search,
-        BLOCK=_BLOCK,
-        enable_fp_fusion=False,
+    triton_launch.launch(
+        _check_kernel,
+        tables.n_blocks,
+        (grad_table, tables.numels, tables.first_blocks, found_inf),
+        {"GRAD_T": _TL_DTYPES[grads[0].dtype], "ALIGNED": aligned, "SEARCH": tables.search, "BLOCK": _BLOCK},
+        _OPTIONS,
     )
 
 
@@ -568,25 +567,31 @@ def _launch(
     first, second, storage = _storage(masters)
     tables, grad_table, aligned = _launch_tables(grads, *lists, first, second)
     unread = grads[0]  # passed for an absent scale or flag: the kernel never reads it
-    kernel[(tables.n_blocks,)](
-        grad_table,
-        tables.pointers,
-        tables.numels,
-        tables.first_blocks,
-        len(grads),
-        unread if inv_scale is None else inv_scale,
-        unread if found_inf is None else found_inf,
-        *scalars,
-        GRAD_T=_TL_DTYPES[grads[0].dtype],
-        HAS_SCALE=inv_scale is not None,
-        HAS_FLAG=found_inf is not None,
-        MAXIMIZE=maximize,
-        ALIGNED=aligned,
-        SEARCH=tables.search,
-        BLOCK=_BLOCK,
-        enable_fp_fusion=False,
-        **storage,
-        **constants,
+    triton_launch.launch(
+        kernel,
+        tables.n_blocks,
+        (
+            grad_table,
+            tables.pointers,
+            tables.numels,
+            tables.first_blocks,
+            len(grads),
+            unread if inv_scale is None else inv_scale,
+            unread if found_inf is None else found_inf,
+            *scalars,
+        ),
+        {
+            "GRAD_T": _TL_DTYPES[grads[0].dtype],
+            "HAS_SCALE": inv_scale is not None,
+            "HAS_FLAG": found_inf is not None,
+            "MAXIMIZE": maximize,
+            "ALIGNED": aligned,
+            "SEARCH": tables.search,
+            "BLOCK": _BLOCK,
+            **storage,
+            **constants,
+        },
+        _OPTIONS,
     )
 
 
