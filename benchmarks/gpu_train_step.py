@@ -927,7 +927,15 @@ def profile_master_pass(device: torch.device, params: int, tensors: int, steps: 
 LAUNCH_CALLS = 200
 
 
-LAUNCH_PIECES = ("torch add", "check_finite_", "storage key", "kernel[grid]", "compiled[grid]", "compiled[grid] ran")
+LAUNCH_PIECES = (
+    "torch add",
+    "check_finite_",
+    "storage key",
+    "kernel[grid]",
+    "amp launch",
+    "compiled[grid]",
+    "compiled[grid] ran",
+)
 
 
 def launch_costs(
@@ -936,11 +944,12 @@ def launch_costs(
     """Host microseconds per call of the pieces of a kernel step's launch, over ``tensors`` tiny bf16 grads (host
     work grows with the tensor count, the device's with their size, which this keeps out): the finite check as amp
     calls it (``check_finite_``: its storage key, its cached tables, the launch), the storage key alone, the same
-    launch through Triton's ``kernel[grid](...)`` with its arguments ready, and through the compiled kernel Triton
-    returned (``CompiledKernel[grid](*args)``, which skips the binding and specialisation of every argument); and a
-    one-element ``torch.add`` beside them. The fourteenth session's checks found 1.3-2.5 ms of Python per master
-    step outside any operator and the cProfile of the fifteenth's put about 150 us of it in each Triton launch:
-    these figures say what a launch path of amp's own would save.
+    launch through Triton's ``kernel[grid](...)`` with its arguments ready, through amp's own launch path (``amp
+    launch``: ``ampinit._masters.triton_launch``, which keys the arguments itself and calls the compiled kernel Triton
+    returned), and through that compiled kernel called bare (``CompiledKernel[grid](*args)``, which skips the binding
+    and specialisation of every argument); and a one-element ``torch.add`` beside them. The fourteenth session's
+    checks found 1.3-2.5 ms of Python per master step outside any operator and the cProfile of the fifteenth's put
+    about 150 us of it in each Triton launch: these figures say what amp's launch path saves of it.
 
     None where a piece did not run: where amp's kernels do not (no CUDA, no Triton), where the compiled kernel does
     not take the call (Triton's interpreter has none), and after a piece that raised (logged: a probe must never
@@ -995,6 +1004,14 @@ def _measure_launches(
     }
     arguments = (table, tables.numels, tables.first_blocks, flag)
     costs["kernel[grid]"] = per_call(lambda: kernels._check_kernel[grid](*arguments, **options))
+    # amp's own launch path (ampinit._masters.triton_launch, since the sixteenth session): Triton's call for a new
+    # specialisation, the compiled kernel kept from it after that.
+    from ampinit._masters import triton_launch  # imports triton: only where the kernels run
+
+    constants = {name: value for name, value in options.items() if name != "enable_fp_fusion"}
+    costs["amp launch"] = per_call(
+        lambda: triton_launch.launch(kernels._check_kernel, grid[0], arguments, constants, kernels._OPTIONS)
+    )
     compiled = kernels._check_kernel[grid](*arguments, **options)
     if compiled is None or not hasattr(compiled, "function"):
         return  # Triton's interpreter: nothing compiled to call directly

@@ -78,9 +78,8 @@ def test_tiny_benchmark_measures_every_pass_and_calls_nothing_a_verdict(
         assert list(row) == list(bench.MASTER_PHASES) and all(us > 0 for us in row.values()), (name, row)
     assert "== master step: host time per phase" in profile
     # The launch costs are CUDA's: every piece named, none measured on the CPU.
-    assert report["launch_costs_us"] == dict.fromkeys(
-        ("torch add", "check_finite_", "storage key", "kernel[grid]", "compiled[grid]", "compiled[grid] ran")
-    )
+    pieces = ("torch add", "check_finite_", "storage key", "kernel[grid]", "amp launch", "compiled[grid]")
+    assert report["launch_costs_us"] == dict.fromkeys((*pieces, "compiled[grid] ran"))
     assert "== master step: launch costs" in profile and "    compiled[grid]       n/a\n" in profile
 
 
@@ -96,7 +95,7 @@ def test_the_launch_probe_runs_on_the_tensors_own_device(
         costs = bench.launch_costs(torch.device("cpu", 0), 3, repeats=1, calls=2)
     assert not caplog.records, [r.getMessage() for r in caplog.records]
     measured = [name for name, us in costs.items() if us is not None]
-    assert measured == ["torch add", "check_finite_", "storage key", "kernel[grid]"]
+    assert measured == ["torch add", "check_finite_", "storage key", "kernel[grid]", "amp launch"]
     assert all(us is not None and us > 0 for us in costs.values() if us is not None)
 
 
