@@ -618,7 +618,7 @@ def test_the_gelu_kernels_compile_for_the_gpu_with_cudas_math_functions(gelu_lau
     ``expf`` are; their bits are checked on the GPU itself, fused_gelu's check), moves whole blocks in vector
     accesses, and rounds fp32 -> bf16 by the kernels' integer rounding, fp32 -> fp16 to nearest even."""
     assert len(gelu_launches) == 2 * (2 + 4 + 4)
-    assert {launch.args[-1] for launch in gelu_launches} == {True}  # LIBDEVICE, the last argument
+    assert {launch.signature()[1]["LIBDEVICE"] for launch in gelu_launches} == {True}
     for launch in gelu_launches:
         kernel = _compile_as_launched(launch, 90)
         assert kernel.asm.get("cubin"), launch.key()

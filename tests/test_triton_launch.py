@@ -209,3 +209,21 @@ def test_the_key_separates_every_specialisation_triton_makes() -> None:
     assert together is not None and together == triton_launch._arguments_key([*samples[:-2], 2.0, None])
     assert together != triton_launch._arguments_key([*samples[:sixteen], 17, *samples[sixteen + 1 :]])
     assert together != triton_launch._arguments_key([samples[1], *samples[1:]])  # an aligned tensor for an unaligned
+
+
+def test_the_fused_gelu_relaunches_as_triton_did(driver: FakeDriver, monkeypatch: pytest.MonkeyPatch) -> None:
+    """O1/O4's fused gelu (Apex's lists: two launches per gelu layer and step) takes the same path."""
+    import ampinit._casting.triton_gelu as gelu
+
+    forwards, backwards = _Runs(gelu._forward_kernel, monkeypatch), _Runs(gelu._backward_kernel, monkeypatch)
+    x = torch.randn(3000).to(torch.bfloat16)
+    for _ in range(2):
+        gelu.forward(x, gelu.FORWARD_VARIANTS[0])
+        gelu.backward(torch.ones(3000), x, gelu.BACKWARD_VARIANTS[0])
+    assert (forwards.count, backwards.count) == (1, 1)
+    forward, backward, forward_again, backward_again = driver.calls
+    assert forward.grid == (3, 1, 1) and forward.args[2] == 3000  # x, y, n, then the constants
+    # The outputs are fresh tensors each call: the same arguments but those.
+    assert forward_again.kernel == forward.kernel and forward_again.args[0] is x
+    assert forward_again.args[2:] == forward.args[2:] and backward_again.args[3:] == backward.args[3:]
+    assert backward_again.kernel == backward.kernel

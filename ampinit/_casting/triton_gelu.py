@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ampinit._masters import triton_launch
 from ampinit._masters.triton_kernels import _ld, _round_to_bf16, _st
 
 try:
@@ -163,8 +164,13 @@ def _libdevice(x: torch.Tensor) -> bool:
     return x.device.type == "cuda"
 
 
-def _grid(n: int) -> tuple[int]:
-    return (triton.cdiv(n, BLOCK),)
+def _programs(n: int) -> int:
+    return triton.cdiv(n, BLOCK)
+
+
+def _options(fused: bool) -> dict[str, bool]:
+    """Triton's launch options of a variant (``fused``: whether multiply-adds may fuse); subnormals kept always."""
+    return {"enable_fp_fusion": fused, "enable_reflect_ftz": False}
 
 
 def forward(x: torch.Tensor, variant: tuple[int, bool]) -> torch.Tensor:
@@ -172,17 +178,8 @@ def forward(x: torch.Tensor, variant: tuple[int, bool]) -> torch.Tensor:
     y = torch.empty(x.shape, dtype=torch.float32, device=x.device)
     n = x.numel()
     if n:
-        _forward_kernel[_grid(n)](
-            x,
-            y,
-            n,
-            _ALPHA,
-            x.dtype == torch.bfloat16,
-            BLOCK,
-            _libdevice(x),
-            enable_fp_fusion=variant[1],
-            enable_reflect_ftz=False,
-        )
+        constants = {"ALPHA": _ALPHA, "IS_BF16": x.dtype == torch.bfloat16, "BLOCK": BLOCK, "LIBDEVICE": _libdevice(x)}
+        triton_launch.launch(_forward_kernel, _programs(n), (x, y, n), constants, _options(variant[1]))
     return y
 
 
@@ -194,18 +191,13 @@ def backward(
     dx = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
     n = x.numel()
     if n:
-        _backward_kernel[_grid(n)](
-            dy,
-            x,
-            dx,
-            n,
-            _ALPHA,
-            _BETA,
-            x.dtype == torch.bfloat16,
-            variant[0],
-            BLOCK,
-            _libdevice(x),
-            enable_fp_fusion=variant[1],
-            enable_reflect_ftz=False,
-        )
+        constants = {
+            "ALPHA": _ALPHA,
+            "BETA": _BETA,
+            "IS_BF16": x.dtype == torch.bfloat16,
+            "VARIANT": variant[0],
+            "BLOCK": BLOCK,
+            "LIBDEVICE": _libdevice(x),
+        }
+        triton_launch.launch(_backward_kernel, _programs(n), (dy, x, dx, n), constants, _options(variant[1]))
     return dx
