@@ -12,6 +12,8 @@ takes exactly the arguments of the reference function of the same name and gives
 - fp32 -> bf16 rounds to nearest-even with integer ops of our own: Triton's interpreter truncates that cast,
   and writing it out keeps one code path for the GPU and for the interpreter that tests it on CPU;
 - the overflow flag masks every load and store, so a flagged step reads and writes nothing, without a host sync;
+- launched through ``ampinit._masters.triton_launch``, which calls the compiled kernel Triton made for the same
+  specialisation instead of binding every argument again (about half a launch's host time);
 - a whole block (every block but a tensor's last) loads and stores without a mask, and where every tensor of the
   launch starts on a 16-byte boundary (``ALIGNED``, checked on the host when the tables are built: a view into a
   flat buffer may not) the pointers say so: the compiler then moves 16 bytes per thread and instruction, as torch's

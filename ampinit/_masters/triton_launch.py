@@ -3,11 +3,11 @@
 ``kernel[grid](*args, **constants)`` binds every argument to the kernel's signature, computes a specialisation
 of each (a tensor's dtype and whether it starts on 16 bytes, an integer's range, whether it is 1 or a multiple of
 16), turns them into a cache key with the constants and options, looks the compiled kernel up, checks the globals
-it read, and only then calls the launcher. Measured on the development CPU with the launcher a no-op (Triton 3.6
-and 3.9 alike, ``tests/test_triton_launch.py``'s stand-in driver), that is 11.5 us per call of the master step's
-Adam launch, where calling the compiled kernel it returned (``CompiledKernel[grid](*args)``, the call Triton's own
-ahead-of-time path makes) is 2 us. The master step makes two or three launches a step, and on the GPU checks'
-hosts a microsecond here is two.
+it read, and only then calls the launcher. The master step alone is host-bound on the GPU checks' hosts
+(docs/gpu.md), and each step makes two or three launches. ``benchmarks/triton_launch_host.py`` runs both paths to
+a stand-in CUDA launcher on any machine: per call of the master step's Adam launch over 150 tensors, 12.6 us
+through Triton and 7.2 us through :func:`launch` on the development CPU (Triton 3.9; the finite check's 7.6 and
+5.1), where the compiled kernel called bare takes about 2 us.
 
 :func:`launch` keeps the compiled kernel Triton returned from its first launch of each specialisation, under a key
 that separates at least what Triton's does (:func:`_arguments_key`, checked against Triton's own
