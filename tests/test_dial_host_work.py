@@ -38,6 +38,7 @@ def no_launches(kernels_on_cpu: ModuleType, monkeypatch: pytest.MonkeyPatch) -> 
     stand_in = NoLaunch()
     for name in ("_adam_kernel", "_sgd_kernel"):
         monkeypatch.setattr(kernels_on_cpu, name, stand_in)
+    monkeypatch.setattr(kernels_on_cpu, "_step_scalars_kernel", NoLaunch())  # the scalars' launch, not the step's
     for name in ("_adam_dial_kernel", "_sgd_dial_kernel"):
         monkeypatch.setattr(triton_dial, name, stand_in)
     return stand_in

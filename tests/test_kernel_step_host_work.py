@@ -48,6 +48,7 @@ def no_launches(
     monkeypatch.setattr(kernels_on_cpu, "_adam_kernel", NoLaunch())
     monkeypatch.setattr(kernels_on_cpu, "_sgd_kernel", NoLaunch())
     monkeypatch.setattr(kernels_on_cpu, "_check_kernel", NoLaunch())
+    monkeypatch.setattr(kernels_on_cpu, "_step_scalars_kernel", NoLaunch())
     if request.param == "cpu-rules":
         yield
         return
@@ -218,24 +219,29 @@ class _Launches(TorchDispatchMode):
 
 
 def _launching_ops(iteration: Callable[[], None]) -> Counter[str]:
+    """The aten ops of ``iteration`` that launch a kernel, and its Triton launches (``"triton"``)."""
+    before = NoLaunch.every
     with _Launches() as mode:
         iteration()
+    mode.ops["triton"] = NoLaunch.every - before
     return mode.ops
 
 
-#: Kernel-launching ops of one steady-state iteration at the default dynamic scale (the few of the test's loss and
-#: backward included; none grows with the tensors): Adam's step scalars take five of them (ten before this bound).
-#: On CPU the host reads O2's overflow flag (one ``_local_scalar_dense``, a sync on a GPU); under CUDA's rules the
-#: device decides instead (a copy of the flag for the skip, the step counts' ``sub_`` of it, the skip count's
-#: ``add``): two more at O2. The grads' finite check is the Triton kernel at both levels, not an aten op (one
-#: fewer than torch's unscale kernel by 1, which O2 took before the fourteenth session).
+#: Kernel launches of one steady-state iteration at the default dynamic scale: the aten ops that launch one (the few
+#: of the test's loss and backward included; none grows with the tensors) and, since the sixteenth session, the
+#: Triton launches (the finite check, the step; for Adam the step scalars). Adam's step scalars: torch's ``pow`` and
+#: one Triton launch (``triton_kernels.step_scalars_``, which also takes the counts back by the flag), where the
+#: fifteenth session's bound had five ops and the counts' ``sub_`` (ten ops before that). On CPU the host reads O2's
+#: overflow flag (one ``_local_scalar_dense``, a sync on a GPU); under CUDA's rules the device decides instead (a
+#: copy of the flag for the skip, the skip count's ``add``). The grads' finite check is the Triton kernel at both
+#: levels, not an aten op (one fewer than torch's unscale kernel by 1, which O2 took before the fourteenth session).
 LAUNCHES_PER_ITERATION = {
-    ("O2", "adamw"): {"cpu-rules": 18, "cuda-rules": 20},
-    ("O2", "adamw-fused"): {"cpu-rules": 18, "cuda-rules": 20},
-    ("O2", "sgd"): {"cpu-rules": 12, "cuda-rules": 13},
-    ("O5", "adamw"): {"cpu-rules": 15, "cuda-rules": 15},
-    ("O5", "adamw-fused"): {"cpu-rules": 15, "cuda-rules": 15},
-    ("O5", "sgd"): {"cpu-rules": 8, "cuda-rules": 8},
+    ("O2", "adamw"): {"cpu-rules": 17, "cuda-rules": 18},
+    ("O2", "adamw-fused"): {"cpu-rules": 17, "cuda-rules": 18},
+    ("O2", "sgd"): {"cpu-rules": 14, "cuda-rules": 15},
+    ("O5", "adamw"): {"cpu-rules": 13, "cuda-rules": 13},
+    ("O5", "adamw-fused"): {"cpu-rules": 13, "cuda-rules": 13},
+    ("O5", "sgd"): {"cpu-rules": 10, "cuda-rules": 10},
 }
 
 
@@ -258,3 +264,46 @@ def test_the_kernels_step_scalars_are_the_references_bits(beta1: float, beta2: f
     got = kernel_step.step_scalars(steps, beta1, beta2, lr)
     want = reference.adam_step_scalars(steps, beta1, beta2, lr)
     assert got.dtype == want.dtype and torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+@pytest.mark.parametrize(
+    ("beta1", "beta2", "lr"), [(0.9, 0.999, 1e-3), (0.8, 0.95, 3e-4), (0.0, 0.5, 1.0), (0.99, 0.9999, 1 / 3)]
+)
+def test_the_step_scalars_launch_gives_the_references_bits(
+    beta1: float, beta2: float, lr: float, request: pytest.FixtureRequest
+) -> None:
+    # The launch that takes the five ops' place on the kernels' devices (``kernel_step._scalars``): through the
+    # interpreter on CPU, compiled on CUDA (the GPU check). lr = 1/3 is not an fp32 value: rounded to one first, as
+    # an unannotated float argument would be, step sizes move.
+    device = device_under_test()
+    if device.type == "cpu":
+        kernels = request.getfixturevalue("triton_interpreter")
+    else:
+        from ampinit._masters import triton_kernels as kernels
+    gen = torch.Generator().manual_seed(0)
+    counts = torch.cat([torch.arange(1, 20001, dtype=torch.float32), torch.randint(1, 10**7, (5000,), generator=gen)])
+    counts = counts.to(device)
+    powers = torch.pow(torch.tensor([[beta1], [beta2]], dtype=torch.float64, device=device), counts)
+    want = reference.adam_step_scalars(counts, beta1, beta2, lr)
+    got = kernels.step_scalars_(powers, lr)
+    assert got.dtype == want.dtype and torch.equal(got.view(torch.int32), want.view(torch.int32))
+    # With a flag, the counts are taken back by it (as ``sub_`` would) and the scalars are those of the powers read.
+    for raised in (0.0, 1.0):
+        steps = counts + 1
+        flagged = kernels.step_scalars_(powers, lr, steps, torch.full((1,), raised, device=device))
+        assert torch.equal(flagged.view(torch.int32), want.view(torch.int32))
+        assert torch.equal(steps, counts + 1 - raised)
+
+
+def test_the_step_scalars_launch_refuses_what_it_cannot_read(triton_interpreter: ModuleType) -> None:
+    powers = torch.rand(2, 5, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"float64 powers of shape \(2, n\), got torch.float32"):
+        triton_interpreter.step_scalars_(powers.float(), 1e-3)
+    with pytest.raises(ValueError, match=r"of shape \(5, 2\)"):
+        triton_interpreter.step_scalars_(powers.t(), 1e-3)
+    short = torch.ones(4)
+    with pytest.raises(ValueError, match="one per tensor"):
+        triton_interpreter.step_scalars_(powers, 1e-3, short, torch.ones(1))
+    assert torch.equal(short, torch.ones(4))  # nothing taken back
+    with pytest.raises(ValueError, match="one per tensor"):
+        triton_interpreter.step_scalars_(powers, 1e-3, None, torch.zeros(1))

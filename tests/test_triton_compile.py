@@ -61,6 +61,7 @@ POINTER_TYPES = {
     torch.int64: "*i64",
     torch.int32: "*i32",
     torch.int16: "*i16",
+    torch.float64: "*fp64",
 }
 
 
@@ -83,6 +84,8 @@ class Launch:
             if param.is_constexpr:
                 signature[param.name] = "constexpr"
                 constexprs[param.name] = value
+            elif getattr(param, "annotation_type", ""):
+                signature[param.name] = param.annotation_type  # a typed parameter: ``lr: tl.float64``
             elif isinstance(value, torch.Tensor):
                 signature[param.name] = POINTER_TYPES[value.dtype]
             elif isinstance(value, bool):
@@ -651,3 +654,38 @@ def test_the_gelu_kernels_keep_subnormals_where_triton_would_flush_them(gelu_lau
         flushing = Launch(launch.kernel, launch.args, {**launch.kwargs, "enable_reflect_ftz": True})
         flushed = _flushing_ops(_compile_as_launched(flushing, 90).asm["ptx"])
         assert "fma.rn.ftz.f32" in flushed, (launch.key(), sorted(set(flushed)))
+
+
+# -- Adam's step scalars (triton_kernels.step_scalars_) --------------------------------------------------------------
+@pytest.fixture(scope="module")
+def scalar_launches(compiled_modules: tuple[ModuleType, ModuleType]) -> list[Launch]:
+    """The step-scalars launches, captured from ``step_scalars_``: without a flag (FusedAdam's counts), and with one
+    over fp32 counts (torch's fused groups) and float64 ones (torch's other groups under a float64 default dtype)."""
+    kernels, _ = compiled_modules
+    powers = torch.rand(2, 40, dtype=torch.float64)
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        launches = _record(kernels, ("_step_scalars_kernel",), monkeypatch)
+        kernels.step_scalars_(powers, 1e-3)
+        for dtype in (torch.float32, torch.float64):
+            kernels.step_scalars_(powers, 1e-3, torch.ones(40, dtype=dtype), torch.zeros(1))
+    return launches
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("capability", CAPABILITIES)
+def test_the_step_scalars_compile_with_the_float64_rounding_of_torchs_ops(
+    scalar_launches: list[Launch], capability: int
+) -> None:
+    """What the bits of ``step_scalars_`` against torch's ops (``rsub``, ``reciprocal``, ``mul`` by lr, ``sqrt``, each
+    in float64, then rounded to fp32) rest on, where the interpreter's NumPy is IEEE by construction: the float64
+    division and square root correctly rounded, every float64 add, subtract and multiply with an explicit rounding
+    mode (no contraction), no fused multiply-add, round-to-nearest-even narrowing to fp32, and lr passed as a
+    float64 (Triton passes an unannotated Python float as fp32, which would round lr first)."""
+    assert {launch.signature()[1]["HAS_FLAG"] for launch in scalar_launches} == {False, True}
+    for launch in scalar_launches:
+        assert launch.signature()[0]["lr"] == "fp64"
+        ops = _assert_compiles_with_the_references_rounding(launch, capability)
+        assert {"div.rn.f64", "sqrt.rn.f64", "cvt.rn.f32.f64"} <= ops, sorted(ops)
+        unrounded = [op for op in ops if op.split(".")[0] in ("add", "sub", "mul") and ".rn." not in op]
+        assert unrounded == [], unrounded
+        assert re.search(r"\.param \.f64 \w+_param_5", _compile(launch, capability).asm["ptx"]), launch.key()

@@ -165,7 +165,7 @@ def _libdevice(x: torch.Tensor) -> bool:
 
 
 def _programs(n: int) -> int:
-    return triton.cdiv(n, BLOCK)
+    return -(-n // BLOCK)
 
 
 def _options(fused: bool) -> dict[str, bool]:

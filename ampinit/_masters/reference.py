@@ -240,6 +240,20 @@ def adam_step_scalars(
     return torch.stack([lr / bias_correction1, bias_correction2.sqrt()], dim=1).float()
 
 
+def step_scalars_(
+    powers: torch.Tensor, lr: float, steps: torch.Tensor | None = None, found_inf: torch.Tensor | None = None
+) -> torch.Tensor:
+    """:func:`adam_step_scalars`' rows from the counts' float64 powers ``powers = [beta1**step; beta2**step]``
+    (``2 x n``); with ``found_inf``, the counts ``steps`` (advanced by one) are taken back by it, after the powers
+    were computed (a step the flag skips uses no scalar)."""
+    bias_correction1, bias_correction2 = 1 - powers
+    scalars = torch.stack([lr / bias_correction1, bias_correction2.sqrt()], dim=1).float()
+    if found_inf is not None:
+        assert steps is not None, "a flag takes back counts"
+        steps.sub_(found_inf)
+    return scalars
+
+
 def check_finite_(grads: TensorList, found_inf: torch.Tensor) -> None:
     """Set ``found_inf`` (a one-element fp32 tensor) to 1.0 if any grad holds an inf or NaN; never clear it."""
     if not grads:

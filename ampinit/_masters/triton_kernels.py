@@ -117,6 +117,25 @@ def _tensor_ptr(table, index, T: tl.constexpr, ALIGNED: tl.constexpr):
 
 
 @triton.jit
+def _step_scalars_kernel(
+    powers, steps, flag_ptr, scalars, n, lr: tl.float64, HAS_FLAG: tl.constexpr, BLOCK: tl.constexpr
+):  # fmt: skip
+    """Adam's step scalars from ``powers`` (``[beta1**step; beta2**step]``, float64, 2 x n) and, with a flag, the
+    counts' advance taken back where it is raised: ``kernel_step.step_scalars``' last four ops and the counts'
+    ``sub_``, in float64 and each rounded once to fp32, as those ops do (division and square root correctly
+    rounded in float64: PTX's ``div.rn.f64``/``sqrt.rn.f64``, NumPy's in the interpreter)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    bias_correction1 = 1.0 - tl.load(powers + offs, mask=mask, other=0.0)
+    bias_correction2 = 1.0 - tl.load(powers + n + offs, mask=mask, other=0.0)
+    # ``lr / bias_correction1`` as torch runs it for a number over a tensor: the reciprocal, times lr.
+    tl.store(scalars + 2 * offs, ((1.0 / bias_correction1) * lr).to(tl.float32), mask=mask)
+    tl.store(scalars + 2 * offs + 1, tl.sqrt(bias_correction2).to(tl.float32), mask=mask)
+    if HAS_FLAG:
+        tl.store(steps + offs, tl.load(steps + offs, mask=mask) - tl.load(flag_ptr), mask=mask)
+
+
+@triton.jit
 def _check_kernel(
     ptrs, numels, first_blocks, flag_ptr,
     GRAD_T: tl.constexpr, ALIGNED: tl.constexpr, SEARCH: tl.constexpr, BLOCK: tl.constexpr,
@@ -513,6 +532,38 @@ def _to_device(table: torch.Tensor, device: torch.device) -> torch.Tensor:
     # From pinned memory the copy is asynchronous for real (from pageable memory CUDA stages it through a pinned
     # buffer on the host first); torch's pinned allocator keeps the buffer until the copy has run.
     return table.pin_memory().to(device, non_blocking=True)
+
+
+#: Programs of the step-scalars launch take this many tensors each: one program for any model's few hundred.
+_SCALARS_BLOCK = 256
+
+
+def step_scalars_(
+    powers: torch.Tensor, lr: float, steps: torch.Tensor | None = None, found_inf: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``[[step_size, sqrt(bias_correction2)], ...]`` (fp32, one row per tensor) from ``powers``, the float64
+    ``2 x n`` powers ``[beta1**step; beta2**step]`` of the counts; one launch where ``kernel_step.step_scalars``
+    takes four more ops, with its bits. With ``found_inf``, the counts ``steps`` (already advanced by one) are
+    taken back by it (their ``sub_``), after the powers were read: a step the flag skips uses no scalar."""
+    if powers.dtype != torch.float64 or powers.dim() != 2 or powers.shape[0] != 2 or not powers.is_contiguous():
+        raise ValueError(f"the step scalars need contiguous float64 powers of shape (2, n), got {powers.dtype} "
+                         f"of shape {tuple(powers.shape)}")  # fmt: skip
+    n = powers.shape[1]
+    if found_inf is not None and (
+        steps is None or steps.shape != (n,) or not steps.is_contiguous() or steps.device != powers.device
+    ):
+        raise ValueError("the counts a flag takes back must be contiguous, one per tensor, on the powers' device")
+    scalars = torch.empty((n, 2), dtype=torch.float32, device=powers.device)
+    if n:
+        triton_launch.launch(
+            _step_scalars_kernel,
+            triton.cdiv(n, _SCALARS_BLOCK),
+            (powers, powers if steps is None else steps, powers if found_inf is None else found_inf, scalars, n,
+             float(lr)),
+            {"HAS_FLAG": found_inf is not None, "BLOCK": _SCALARS_BLOCK},
+            _OPTIONS,
+        )  # fmt: skip
+    return scalars
 
 
 def check_finite_(grads: TensorList, found_inf: torch.Tensor) -> None:
