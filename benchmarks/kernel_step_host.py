@@ -31,13 +31,17 @@ they are launches, so this overstates what the route saves there, as the foreach
 work of both sides and nothing else. The plain baseline does its arithmetic on CPU tensor by tensor, host work a
 GPU's multi-tensor launch does not have, so it overstates what torch's step costs a GPU's host; this one does not.
 
+``--launch-path`` adds the same iterations with amp's launches made for real: Triton's whole launch path (amp's
+keys and tables, its launch path, kernels compiled for an H100) down to a stand-in CUDA launcher that records its
+calls (benchmarks/_fake_driver.py). Everything but the driver's own launch of a CUDA step's host work.
+
 ``--clip`` adds clipped iterations under the same rule: O5 clipping through ``amp.clip_grad_norm_`` (the norm
 from the half grads, the clip in the kernel's multiplier) and through Apex's line over ``amp.master_params``
 (fp32 master grads made, clipped by torch, read by the step), against torch's fused AdamW iteration clipping its
 fp32 parameters with torch's ``clip_grad_norm_``. On CPU the norms and multiplies do their arithmetic too.
 
     PYTHONPATH=. python benchmarks/kernel_step_host.py [--tensors 50,150,450] [--rounds 15] [--steps 20]
-        [--iterations-only] [--check-routes] [--without-kernels] [--clip]
+        [--iterations-only] [--check-routes] [--without-kernels] [--launch-path] [--clip]
 """
 
 from __future__ import annotations
@@ -85,6 +89,23 @@ def kernel_path_without_launches() -> Iterator[None]:
         kernel_step.TRITON_ON_CPU = saved[0]
         for name, kernel in zip(kernels, saved[1]):
             setattr(triton_kernels, name, kernel)
+
+
+@contextlib.contextmanager
+def kernel_path_with_launches() -> Iterator[None]:
+    """The kernel step taken for CPU tensors with Triton's whole launch path (amp's keys and tables, Triton's binding
+    or amp's launch path, the compiled kernels for an H100) down to a stand-in CUDA launcher that records its calls
+    (benchmarks/_fake_driver.py): the host work of a CUDA step but the driver's own launch."""
+    from benchmarks._fake_driver import fake_driver
+
+    saved = kernel_step.TRITON_ON_CPU
+    kernel_step.TRITON_ON_CPU = True
+    try:
+        with fake_driver() as driver:
+            yield
+            driver.calls.clear()
+    finally:
+        kernel_step.TRITON_ON_CPU = saved
 
 
 @contextlib.contextmanager
@@ -272,6 +293,19 @@ def measure_without_kernels(tensors: int, numel: int, rounds: int, steps: int) -
     return _iterations(variants, rounds, steps, cuda_unscale_rule())
 
 
+def measure_launch_path(tensors: int, numel: int, rounds: int, steps: int) -> dict[str, dict[str, float]]:
+    """:func:`measure_without_kernels` with amp's launches made for real up to the CUDA driver
+    (:func:`kernel_path_with_launches`; torch's fused kernel still a no-op): the CPU's closest look at the host
+    time of the H100 checks' master step alone."""
+    with kernel_path_with_launches():
+        variants: dict[str, Any] = {
+            "torch fused, no kernel": PlainStepNoKernel(tensors, numel),
+            "O2 iteration": AmpStep("O2", tensors, numel),
+            "O5 iteration": AmpStep("O5", tensors, numel),
+        }
+        return _iterations(variants, rounds, steps, cuda_unscale_rule())
+
+
 def measure_check_routes(tensors: int, numel: int, rounds: int, steps: int) -> dict[str, dict[str, float]]:
     """O5 iterations with CUDA's unscale rule, the bf16 check by the kernel and by inf-norms, against torch's fused
     AdamW iteration, interleaved."""
@@ -367,6 +401,11 @@ def main(argv: list[str] | None = None) -> int:
         help="also whole iterations against torch's fused AdamW with its kernel a no-op too (both sides' host work)",
     )
     parser.add_argument(
+        "--launch-path",
+        action="store_true",
+        help="also those iterations with amp's launches made through Triton to a stand-in CUDA launcher",
+    )
+    parser.add_argument(
         "--clip",
         action="store_true",
         help="also clipped iterations (CUDA's unscale rule): O5 with amp.clip_grad_norm_ and with Apex's line",
@@ -389,6 +428,8 @@ def main(argv: list[str] | None = None) -> int:
         bare = {
             n: measure_without_kernels(n, args.numel, args.rounds, args.steps) for n in counts if args.without_kernels
         }
+    # Outside the no-op stand-ins: the launches are made, to the stand-in driver.
+    launched = {n: measure_launch_path(n, args.numel, args.rounds, args.steps) for n in counts if args.launch_path}
     _print_rows(results, o4_results)
     _print_verdicts("target", results, ("O2 kernel step", "O5 kernel step"), TARGET, "torch's fused AdamW")
     print("whole iteration: zero_grad, grads handed over (amp: in a scale_loss block), step")
@@ -403,6 +444,10 @@ def main(argv: list[str] | None = None) -> int:
         print("whole iterations, no kernel on either side (torch's fused kernel a no-op too; CUDA's unscale rule)")
         print(f"{'tensors':>8} {'variant':<24} {'us/iter':>9} {'x torch':>8} {'us/tensor':>10}")
         _print_rows(bare)
+    if launched:
+        print("the same, amp's launches made through Triton to a stand-in CUDA launcher (benchmarks/_fake_driver.py)")
+        print(f"{'tensors':>8} {'variant':<24} {'us/iter':>9} {'x torch':>8} {'us/tensor':>10}")
+        _print_rows(launched)
     if clips:
         print(f"clipped iterations (max_norm {CLIP_NORM:g}; CUDA's unscale rule): amp.clip_grad_norm_ and Apex's line")
         print(f"{'tensors':>8} {'variant':<24} {'us/iter':>9} {'x torch':>8} {'us/tensor':>10}")
