@@ -227,3 +227,19 @@ def test_the_fused_gelu_relaunches_as_triton_did(driver: FakeDriver, monkeypatch
     assert forward_again.kernel == forward.kernel and forward_again.args[0] is x
     assert forward_again.args[2:] == forward.args[2:] and backward_again.args[3:] == backward.args[3:]
     assert backward_again.kernel == backward.kernel
+
+
+def test_the_step_scalars_relaunch_as_triton_did(driver: FakeDriver, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Adam's step-scalars launch: its lr is a float64 parameter (annotated), keyed as any float; a new lr is the same
+    compiled kernel with another argument."""
+    import ampinit._masters.triton_kernels as kernels
+
+    runs = _Runs(kernels._step_scalars_kernel, monkeypatch)
+    powers, steps, flag = torch.rand(2, 150, dtype=torch.float64), torch.ones(150), torch.zeros(1)
+    for lr in (1e-3, 1e-3, 1 / 3):
+        kernels.step_scalars_(powers, lr, steps, flag)
+    assert runs.count == 1
+    first, again, other_lr = driver.calls
+    assert first.grid == (1, 1, 1) and first.args[4:6] == (150, 1e-3)
+    assert again.kernel == first.kernel and again.args[:3] == first.args[:3] and again.args[4:] == first.args[4:]
+    assert other_lr.kernel == first.kernel and other_lr.args[5] == 1 / 3
