@@ -27,9 +27,10 @@ finite check by the master step's check kernel (its launch a no-op too) and by t
 (one output tensor per grad, a ``stack`` and five small ops). On CPU the norms also do their arithmetic; on a GPU
 they are launches, so this overstates what the route saves there, as the foreach row does.
 
-``--without-kernels`` adds whole iterations against torch's fused AdamW with its own kernel a no-op too: the host
-work of both sides and nothing else. The plain baseline does its arithmetic on CPU tensor by tensor, host work a
-GPU's multi-tensor launch does not have, so it overstates what torch's step costs a GPU's host; this one does not.
+``--without-kernels`` adds whole iterations against torch's fused AdamW with its own kernels no-ops too (the fused
+step and the counts' ``_foreach_add_``): the host work of both sides and nothing else. On CPU tensors both run
+tensor by tensor, host work a GPU's multi-tensor launches do not have, so the plain baseline overstates what
+torch's step costs a GPU's host; this one does not.
 
 ``--launch-path`` adds the same iterations with amp's launches made for real: Triton's whole launch path (amp's
 keys and tables, its launch path, kernels compiled for an H100) down to a stand-in CUDA launcher that records its
@@ -263,19 +264,21 @@ def measure_iterations(tensors: int, numel: int, rounds: int, steps: int) -> dic
 
 
 class PlainStepNoKernel(PlainStep):
-    """:class:`PlainStep` (fused AdamW) with torch's fused kernel a no-op during its step, as amp's launches are
-    here: both sides' host work and nothing else. On CPU the fused kernel does its arithmetic tensor by tensor
-    (per-tensor work a GPU's multi-tensor launch does not have on the host), so the plain baseline overstates the
-    host time torch's step costs on a GPU: until the sixteenth session the iteration table had only that baseline,
-    and read parity (1.00x) where the H100 measured 1.41-1.56x."""
+    """:class:`PlainStep` (fused AdamW) with torch's fused kernel and its step counts' ``_foreach_add_`` no-ops
+    during its step, as amp's launches are here: both sides' host work and nothing else. On CPU the fused kernel
+    does its arithmetic tensor by tensor, and ``_foreach_add_`` over 0-d CPU counts is a loop of one ``add_`` per
+    tensor (about 240 us of a 480 us step at 150 tensors on the development CPU), where on a GPU each is one
+    multi-tensor launch: the plain baseline overstates the host time torch's step costs on a GPU. Until the
+    sixteenth session the iteration table had only that baseline, and read parity (1.00x) where the H100 measured
+    1.41-1.56x. (amp's own count advance, one ``add_`` on a packed tensor, stays counted.)"""
 
     def iteration(self) -> None:
-        saved = torch._fused_adamw_
-        torch._fused_adamw_ = _no_kernel
+        saved = torch._fused_adamw_, torch._foreach_add_
+        torch._fused_adamw_ = torch._foreach_add_ = _no_kernel
         try:
             super().iteration()
         finally:
-            torch._fused_adamw_ = saved
+            torch._fused_adamw_, torch._foreach_add_ = saved
 
 
 def _no_kernel(*args: Any, **kwargs: Any) -> None:
@@ -441,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'tensors':>8} {'variant':<24} {'us/iter':>9} {'x torch':>8} {'us/tensor':>10}")
         _print_rows(routes)
     if bare:
-        print("whole iterations, no kernel on either side (torch's fused kernel a no-op too; CUDA's unscale rule)")
+        print("whole iterations, no kernel on either side (torch's fused step and count advance no-ops; CUDA's rule)")
         print(f"{'tensors':>8} {'variant':<24} {'us/iter':>9} {'x torch':>8} {'us/tensor':>10}")
         _print_rows(bare)
     if launched:
