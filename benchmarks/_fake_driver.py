@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 #: A device number no real GPU has: a kernel's per-device caches made under this driver are never a real device's.
-DEVICE = 1000
+DEVICE = 100  # within torch.device's index range (an int8)
 STREAM = 424242
 
 

@@ -243,3 +243,33 @@ def test_the_step_scalars_relaunch_as_triton_did(driver: FakeDriver, monkeypatch
     assert first.grid == (1, 1, 1) and first.args[4:6] == (150, 1e-3)
     assert again.kernel == first.kernel and again.args[:3] == first.args[:3] and again.args[4:] == first.args[4:]
     assert other_lr.kernel == first.kernel and other_lr.args[5] == 1 / 3
+
+
+def test_a_launch_for_another_cuda_device_is_made_with_that_device_current(
+    driver: FakeDriver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Triton launches on the current CUDA device; amp's launches make the tensors' device current first where it is
+    another (a model on cuda:1 in a process whose current device is 0), and only then."""
+    import contextlib
+
+    import ampinit._masters.triton_kernels as kernels
+    from ampinit._masters import triton_launch
+    from benchmarks._fake_driver import DEVICE
+
+    entered: list[torch.device] = []
+
+    @contextlib.contextmanager
+    def guard(device: torch.device) -> Iterator[None]:
+        entered.append(device)
+        yield
+
+    monkeypatch.setattr(triton_launch, "_device_guard", guard)
+    grads = [torch.ones(10)]
+    tables = kernels._size_tables(torch.device("cpu"), (10,))
+    table, _ = kernels._grad_table(torch.device("cpu"), grads, tables.sizes)
+    args = (table, tables.numels, tables.first_blocks, torch.zeros(1))
+    constants = {"GRAD_T": triton.language.float32, "ALIGNED": True, "SEARCH": 0, "BLOCK": 1024}
+    for device in (torch.device("cuda", 3), torch.device("cuda", DEVICE), torch.device("cpu"), None):
+        triton_launch.launch(kernels._check_kernel, 1, args, constants, kernels._OPTIONS, device)
+    assert entered == [torch.device("cuda", 3)]
+    assert len(driver.calls) == 4

@@ -179,7 +179,7 @@ def forward(x: torch.Tensor, variant: tuple[int, bool]) -> torch.Tensor:
     n = x.numel()
     if n:
         constants = {"ALPHA": _ALPHA, "IS_BF16": x.dtype == torch.bfloat16, "BLOCK": BLOCK, "LIBDEVICE": _libdevice(x)}
-        triton_launch.launch(_forward_kernel, _programs(n), (x, y, n), constants, _options(variant[1]))
+        triton_launch.launch(_forward_kernel, _programs(n), (x, y, n), constants, _options(variant[1]), x.device)
     return y
 
 
@@ -199,5 +199,5 @@ def backward(
             "BLOCK": BLOCK,
             "LIBDEVICE": _libdevice(x),
         }
-        triton_launch.launch(_backward_kernel, _programs(n), (dy, x, dx, n), constants, _options(variant[1]))
+        triton_launch.launch(_backward_kernel, _programs(n), (dy, x, dx, n), constants, _options(variant[1]), x.device)
     return dx

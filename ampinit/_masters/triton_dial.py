@@ -435,6 +435,7 @@ def adam_dial_(
             "SEARCH": tables.search, **constants, **_common(grads, inv_scale, found_inf, s.maximize),
         },
         _OPTIONS,
+        grads[0].device,
     )  # fmt: skip
 
 
@@ -470,4 +471,5 @@ def sgd_dial_(
             **flags, **constants, **_common(grads, inv_scale, found_inf, s.maximize),
         },
         _OPTIONS,
+        grads[0].device,
     )  # fmt: skip

@@ -562,6 +562,7 @@ def step_scalars_(
              float(lr)),
             {"HAS_FLAG": found_inf is not None, "BLOCK": _SCALARS_BLOCK},
             _OPTIONS,
+            powers.device,
         )  # fmt: skip
     return scalars
 
@@ -582,6 +583,7 @@ def check_finite_(grads: TensorList, found_inf: torch.Tensor) -> None:
         (grad_table, tables.numels, tables.first_blocks, found_inf),
         {"GRAD_T": _TL_DTYPES[grads[0].dtype], "ALIGNED": aligned, "SEARCH": tables.search, "BLOCK": _BLOCK},
         _OPTIONS,
+        device,
     )
 
 
@@ -645,6 +647,7 @@ def _launch(
             **constants,
         },
         _OPTIONS,
+        grads[0].device,
     )
 
 

@@ -83,12 +83,36 @@ def _arguments_key(args: Sequence[object]) -> tuple[object, ...] | None:
 
 
 def launch(
-    kernel: Any, programs: int, args: Sequence[object], constants: Mapping[str, object], options: Mapping[str, object]
+    kernel: Any,
+    programs: int,
+    args: Sequence[object],
+    constants: Mapping[str, object],
+    options: Mapping[str, object],
+    device: torch.device | None = None,
 ) -> None:
     """``kernel[(programs,)](*args, **constants, **options)``: ``args`` are the kernel's leading parameters in
     order, ``constants`` its remaining (``tl.constexpr``) ones by name, ``options`` Triton's launch options
     (``enable_fp_fusion``...). The first launch of a specialisation goes through Triton (which compiles it); later
-    ones call the kernel it compiled, on the current device and stream, as Triton would have."""
+    ones call the kernel it compiled, on the current stream, as Triton would have.
+
+    ``device``: the tensors' device. Triton launches on the current CUDA device whatever the tensors' (a model on
+    ``cuda:1`` in a process whose current device is 0 would have its kernels run on device 0, reading device 1's
+    memory: an illegal address without peer access), so a launch for another CUDA device is made with that device
+    current, as torch's own fused optimizers guard theirs."""
+    if device is not None and device.type == "cuda" and device.index != driver.active.get_current_device():
+        with _device_guard(device):
+            _launch(kernel, programs, args, constants, options)
+        return
+    _launch(kernel, programs, args, constants, options)
+
+
+#: Makes a CUDA device current for a block (a name of this module's, for the tests' stand-in driver).
+_device_guard = torch.cuda.device
+
+
+def _launch(
+    kernel: Any, programs: int, args: Sequence[object], constants: Mapping[str, object], options: Mapping[str, object]
+) -> None:
     if _CompiledKernel is None or not isinstance(kernel, triton.runtime.jit.JITFunction) or kernel.pre_run_hooks:
         kernel[(programs,)](*args, **constants, **options)
         return
@@ -96,8 +120,8 @@ def launch(
     if arguments is None:
         kernel[(programs,)](*args, **constants, **options)
         return
-    device = driver.active.get_current_device()
-    key = (id(kernel), device, arguments, tuple(constants.items()), tuple(options.items()))
+    current = driver.active.get_current_device()
+    key = (id(kernel), current, arguments, tuple(constants.items()), tuple(options.items()))
     found = _compiled.get(key)
     if found is not None:
         _, compiled, trailing = found
