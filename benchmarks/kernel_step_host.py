@@ -60,6 +60,7 @@ from torch import nn
 from ampinit import _torch_kernels, amp
 from ampinit._masters import grads as grads_module
 from ampinit._masters import kernel_step
+from benchmarks._fake_driver import FakeDriver, fake_driver
 
 TARGET = 1.2  # issue 24: host time of the kernel step <= 1.2x torch's fused AdamW at 150 tensors
 ITERATION_AIM = 1.5  # the whole iteration's host time against torch's fused AdamW's zero_grad + step
@@ -93,18 +94,15 @@ def kernel_path_without_launches() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def kernel_path_with_launches() -> Iterator[None]:
+def kernel_path_with_launches() -> Iterator[FakeDriver]:
     """The kernel step taken for CPU tensors with Triton's whole launch path (amp's keys and tables, Triton's binding
     or amp's launch path, the compiled kernels for an H100) down to a stand-in CUDA launcher that records its calls
-    (benchmarks/_fake_driver.py): the host work of a CUDA step but the driver's own launch."""
-    from benchmarks._fake_driver import fake_driver
-
+    (benchmarks/_fake_driver.py, the driver yielded): the host work of a CUDA step but the driver's own launch."""
     saved = kernel_step.TRITON_ON_CPU
     kernel_step.TRITON_ON_CPU = True
     try:
         with fake_driver() as driver:
-            yield
-            driver.calls.clear()
+            yield driver
     finally:
         kernel_step.TRITON_ON_CPU = saved
 
@@ -286,27 +284,19 @@ def _no_kernel(*args: Any, **kwargs: Any) -> None:
 
 
 def measure_without_kernels(tensors: int, numel: int, rounds: int, steps: int) -> dict[str, dict[str, float]]:
-    """Whole iterations with no kernel on either side (under CUDA's unscale rule): torch's fused AdamW with its kernel
-    a no-op against O2/O5 with their launches no-ops."""
-    variants: dict[str, Any] = {
-        "torch fused, no kernel": PlainStepNoKernel(tensors, numel),
-        "O2 iteration": AmpStep("O2", tensors, numel),
-        "O5 iteration": AmpStep("O5", tensors, numel),
-    }
+    """Whole iterations with no kernel on either side (under CUDA's unscale rule): torch's fused AdamW with its
+    kernels no-ops against O2/O5 with their launches no-ops."""
+    variants: dict[str, Any] = {"torch fused, no kernel": PlainStepNoKernel(tensors, numel)}
+    variants.update({f"{level} iteration": AmpStep(level, tensors, numel) for level in ("O2", "O5")})
     return _iterations(variants, rounds, steps, cuda_unscale_rule())
 
 
 def measure_launch_path(tensors: int, numel: int, rounds: int, steps: int) -> dict[str, dict[str, float]]:
     """:func:`measure_without_kernels` with amp's launches made for real up to the CUDA driver
-    (:func:`kernel_path_with_launches`; torch's fused kernel still a no-op): the CPU's closest look at the host
-    time of the H100 checks' master step alone."""
+    (:func:`kernel_path_with_launches`; torch's kernels still no-ops): the CPU's closest look at the host time of the
+    H100 checks' master step alone."""
     with kernel_path_with_launches():
-        variants: dict[str, Any] = {
-            "torch fused, no kernel": PlainStepNoKernel(tensors, numel),
-            "O2 iteration": AmpStep("O2", tensors, numel),
-            "O5 iteration": AmpStep("O5", tensors, numel),
-        }
-        return _iterations(variants, rounds, steps, cuda_unscale_rule())
+        return measure_without_kernels(tensors, numel, rounds, steps)
 
 
 def measure_check_routes(tensors: int, numel: int, rounds: int, steps: int) -> dict[str, dict[str, float]]:

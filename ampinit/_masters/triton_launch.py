@@ -42,7 +42,6 @@ _MAX_COMPILED = 256
 _INT32 = range(-(2**31), 2**31)
 _INT64 = range(-(2**63), 2**63)
 
-
 _TYPE_ONLY = frozenset((float, bool, type(None)))
 _TENSORS = frozenset((torch.Tensor, torch.nn.Parameter))  # plain tensors: a subclass may have no data pointer
 _KEYED = _TYPE_ONLY | _TENSORS | {int}
@@ -67,12 +66,14 @@ def _arguments_key(args: Sequence[object]) -> tuple[object, ...] | None:
     types = tuple(map(type, args))
     layout = _layouts.get(types)
     if layout is None:
-        if types in _layouts or not _KEYED.issuperset(types):
+        if types in _layouts:
+            return None
+        if len(_layouts) >= _MAX_COMPILED:
+            _layouts.clear()
+        if not _KEYED.issuperset(types):
             _layouts[types] = None
             return None
         layout = [i for i, t in enumerate(types) if t in _TENSORS], [i for i, t in enumerate(types) if t is int]
-        if len(_layouts) >= _MAX_COMPILED:
-            _layouts.clear()
         _layouts[types] = layout
     tensors, ints = layout
     return (
