@@ -5,6 +5,7 @@ restore state on an error) fails loudly instead of contaminating the next test."
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterator
 from types import ModuleType
 
@@ -123,3 +124,25 @@ def session_cleanup() -> Iterator[None]:
         current = _registry.current()
         assert current is not None
         current.close()
+
+
+@pytest.fixture
+def gloo_group(tmp_path: pytest.TempPathFactory) -> Iterator[None]:
+    """A one-rank gloo process group for the test, torn down only once nothing of the test still uses it.
+
+    A fresh-clone CI run of 2026-11-27 aborted in this teardown (a gloo thread, ``Resource deadlock avoided``:
+    a thread joining itself, as when the group's last reference is dropped on one of its own worker threads). So the
+    teardown waits for the group's earlier work (gloo's barrier waits for it), collects the test's DDP modules,
+    which sit in reference cycles and hold the group through their reducers, on this thread, and only then
+    destroys the group."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)  # type: ignore[operator]
+    try:
+        yield
+    finally:
+        try:
+            dist.barrier()
+        finally:
+            gc.collect()
+            dist.destroy_process_group()

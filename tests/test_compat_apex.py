@@ -425,18 +425,7 @@ def test_sync_batchnorm_options_and_conversion() -> None:
     torch.testing.assert_close(bn(x, z), reference)
 
 
-@pytest.fixture
-def process_group(tmp_path: pytest.TempPathFactory) -> Iterator[None]:
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)  # type: ignore[operator]
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-def test_ddp_explains_apex_only_arguments_once_and_honours_the_reduction(process_group: None) -> None:
+def test_ddp_explains_apex_only_arguments_once_and_honours_the_reduction(gloo_group: None) -> None:
     distributed._warned.clear()
     message = "these Apex-only arguments are accepted and have no effect: num_allreduce_streams=2"
     with pytest.warns(UserWarning, match=re.escape(message)):
@@ -511,7 +500,7 @@ def test_convert_syncbn_model_keeps_the_dtype_of_a_half_batchnorm() -> None:
     assert torch.equal(converted(x), expected)
 
 
-def test_ddp_disable_and_enable_allreduce(process_group: None) -> None:
+def test_ddp_disable_and_enable_allreduce(gloo_group: None) -> None:
     """Apex's ``DistributedDataParallel`` has ``disable_allreduce()`` and ``enable_allreduce()`` (they set
     ``self._disable_allreduce``, which its forward and its backward hooks check): gradient-accumulation loops
     call ``disable_allreduce()`` on the micro-batches that must not communicate. ampinit's class had neither

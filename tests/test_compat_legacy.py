@@ -113,18 +113,7 @@ def test_legacy_names_resolve_through_the_import_alias(alias: None) -> None:
     assert multi_tensor_l2norm is compat.amp_C.multi_tensor_l2norm
 
 
-@pytest.fixture
-def process_group(tmp_path: pytest.TempPathFactory) -> Iterator[None]:
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)  # type: ignore[operator]
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-def test_flat_dist_call_runs_one_call_per_dtype_and_copies_back(process_group: None) -> None:
+def test_flat_dist_call_runs_one_call_per_dtype_and_copies_back(gloo_group: None) -> None:
     import torch.distributed as dist
 
     from ampinit.compat.apex.parallel.distributed import flat_dist_call
@@ -153,7 +142,7 @@ class _WithUnused(nn.Module):
         return self.used(x)
 
 
-def test_delay_allreduce_is_find_unused_parameters(process_group: None) -> None:
+def test_delay_allreduce_is_find_unused_parameters(gloo_group: None) -> None:
     """Apex users set delay_allreduce=True for models with parameters that get no gradient; torch's DDP fails on
     the second iteration of such a model unless find_unused_parameters=True."""
     ddp = compat.parallel.DistributedDataParallel(_WithUnused(), delay_allreduce=True)
