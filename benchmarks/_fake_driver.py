@@ -38,6 +38,7 @@ class FakeDriver:
     """Enough of a Triton driver for ``JITFunction.run`` and ``CompiledKernel[grid]`` to run to the launcher."""
 
     calls: list[Call] = field(default_factory=list)
+    device: int = DEVICE  # the current device (a test may make another current)
 
     def __post_init__(self) -> None:
         from triton.backends.compiler import GPUTarget
@@ -49,7 +50,7 @@ class FakeDriver:
         return True
 
     def get_current_device(self) -> int:
-        return DEVICE
+        return self.device
 
     def get_current_stream(self, device: int | None = None) -> int:
         return STREAM

@@ -1,7 +1,7 @@
 """``triton_launch.launch``: a kernel launched again through the compiled kernel Triton returned, with what Triton
 would have passed, and through Triton wherever Triton's own specialisation could differ.
 
-Run on Triton's whole launch path with a stand-in driver (tests/_fake_driver.py): binding, specialisation and
+Run on Triton's whole launch path with a stand-in driver (benchmarks/_fake_driver.py): binding, specialisation and
 compilation for an H100 are Triton's, only the CUDA launcher records its calls instead of launching. On a GPU the
 same kernels run for real in every CUDA test of the master step (``--device cuda``)."""
 
@@ -132,7 +132,7 @@ def test_a_launch_triton_would_specialise_otherwise_goes_through_triton(
 
 
 @pytest.mark.parametrize("kernel", [NoLaunch(), None])
-def test_what_is_not_a_jit_function_is_launched_as_it_is(kernel: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_what_is_not_a_jit_function_is_launched_as_it_is(kernel: Any) -> None:
     from ampinit._masters import triton_launch
 
     calls: list[tuple[Any, ...]] = []
@@ -152,6 +152,16 @@ def test_what_is_not_a_jit_function_is_launched_as_it_is(kernel: Any, monkeypatc
     assert len(triton_launch._compiled) == kept
 
 
+def _check_launch(flag: torch.Tensor) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The finite check's arguments and constants over one grad of 10 elements, with ``flag`` as its flag."""
+    import ampinit._masters.triton_kernels as kernels
+
+    tables = kernels._size_tables(torch.device("cpu"), (10,))
+    table, _ = kernels._grad_table(torch.device("cpu"), [torch.ones(10)], tables.sizes)
+    constants = {"GRAD_T": triton.language.float32, "ALIGNED": True, "SEARCH": 0, "BLOCK": 1024}
+    return (table, tables.numels, tables.first_blocks, flag), constants
+
+
 class _Flag(torch.Tensor):
     """A tensor subclass: Triton takes its data pointer; amp's launches pass plain tensors only."""
 
@@ -163,16 +173,9 @@ def test_an_argument_without_a_rule_goes_through_triton_every_time(
     from ampinit._masters import triton_launch
 
     runs = _Runs(kernels._check_kernel, monkeypatch)
-    grads = [torch.ones(10)]
-    tables = kernels._size_tables(torch.device("cpu"), (10,))
-    table, _ = kernels._grad_table(torch.device("cpu"), grads, tables.sizes)
-    flag = torch.zeros(1).as_subclass(_Flag)
+    args, constants = _check_launch(torch.zeros(1).as_subclass(_Flag))
     for _ in range(2):
-        triton_launch.launch(
-            kernels._check_kernel, 1, (table, tables.numels, tables.first_blocks, flag),
-            {"GRAD_T": triton.language.float32, "ALIGNED": True, "SEARCH": 0, "BLOCK": 1024},
-            kernels._OPTIONS,
-        )  # fmt: skip
+        triton_launch.launch(kernels._check_kernel, 1, args, constants, kernels._OPTIONS)
     assert runs.count == 2 and len(driver.calls) == 2
 
 
@@ -260,16 +263,19 @@ def test_a_launch_for_another_cuda_device_is_made_with_that_device_current(
 
     @contextlib.contextmanager
     def guard(device: torch.device) -> Iterator[None]:
+        # What torch.cuda.device does: the device current inside the block, the previous one after.
         entered.append(device)
-        yield
+        previous, driver.device = driver.device, device.index
+        try:
+            yield
+        finally:
+            driver.device = previous
 
     monkeypatch.setattr(triton_launch, "_device_guard", guard)
-    grads = [torch.ones(10)]
-    tables = kernels._size_tables(torch.device("cpu"), (10,))
-    table, _ = kernels._grad_table(torch.device("cpu"), grads, tables.sizes)
-    args = (table, tables.numels, tables.first_blocks, torch.zeros(1))
-    constants = {"GRAD_T": triton.language.float32, "ALIGNED": True, "SEARCH": 0, "BLOCK": 1024}
+    args, constants = _check_launch(torch.zeros(1))
     for device in (torch.device("cuda", 3), torch.device("cuda", DEVICE), torch.device("cpu"), None):
         triton_launch.launch(kernels._check_kernel, 1, args, constants, kernels._OPTIONS, device)
     assert entered == [torch.device("cuda", 3)]
-    assert len(driver.calls) == 4
+    assert len(driver.calls) == 4 and driver.device == DEVICE
+    # The launch for cuda:3 was keyed by device 3, and kept apart from the current device's.
+    assert {key[1] for key in triton_launch._compiled} == {3, DEVICE}

@@ -550,7 +550,7 @@ def run_kernels(
     SGD two when some momentum buffers start."""
     read = grads if grads is not None else [_grad(p) for p in params]
     if update == "adam":
-        inputs = adam_inputs(opt, group, params, found_inf)
+        inputs = adam_inputs(opt, group, params, found_inf, kernels)
         kernels.adam_(read, masters, *inputs, inv_scale=inv_scale, found_inf=found_inf)
         return
     settings = group_settings(opt, update, group)
@@ -595,18 +595,23 @@ def adam_state(opt: torch.optim.Optimizer, group: dict[str, Any], param: torch.T
 
 
 def adam_inputs(
-    opt: torch.optim.Optimizer, group: dict[str, Any], params: list[torch.Tensor], found_inf: torch.Tensor | None
+    opt: torch.optim.Optimizer,
+    group: dict[str, Any],
+    params: list[torch.Tensor],
+    found_inf: torch.Tensor | None,
+    kernels: ModuleType | None = None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor, AdamSettings]:
     """What an Adam kernel takes besides grads and masters: ``(exp_avgs, exp_avg_sqs, step_scalars, settings)``.
 
     The step counts advance here (on the device, not where ``found_inf`` is set), as one tensor (:func:`packed_steps`).
+    ``kernels``: the fp32-master kernels, where the caller has them (else :func:`kernels_for` the counts' device).
     """
     own = _kernel_optimizer(opt)
     if own is not None:
         settings = own.kernel_settings(group)
         assert isinstance(settings, AdamSettings)
         exp_avgs, exp_avg_sqs, steps = cast(KernelAdamState, own).kernel_adam_state(group, params)
-        scalars = _scalars(steps, None, settings)  # the step numbers of this update already
+        scalars = _scalars(steps, None, settings, kernels)  # the step numbers of this update already
     else:
         found = _states_of(opt, params)
         if all(found):  # every state made (each step but the first): no Python call per parameter
@@ -616,18 +621,22 @@ def adam_inputs(
         steps = packed_steps(states, params[0].device)
         steps.add_(1.0)
         settings = AdamSettings.of(opt, group)
-        scalars = _scalars(steps, found_inf, settings)  # and the counts back by the flag (on the device)
+        scalars = _scalars(steps, found_inf, settings, kernels)  # and the counts back by the flag (on the device)
         exp_avgs, exp_avg_sqs = list(map(_EXP_AVG, states)), list(map(_EXP_AVG_SQ, states))
     return exp_avgs, exp_avg_sqs, scalars.to(params[0].device), settings
 
 
-def _scalars(steps: torch.Tensor, found_inf: torch.Tensor | None, settings: AdamSettings) -> torch.Tensor:
-    """:func:`step_scalars` of ``steps``, after taking them back by ``found_inf`` (a flagged step does not count):
-    where the kernels run, the powers by torch (float64 ``pow`` has no Triton twin the interpreter runs) and the rest
-    in one launch (``triton_kernels.step_scalars_``), whose flag is applied after the powers were read, since a
-    flagged step uses no scalar; five launches fewer a step than the torch ops (each 7-11 us of host time on the H100
-    checks' hosts)."""
-    kernels = kernels_for(steps.device)
+def _scalars(
+    steps: torch.Tensor, found_inf: torch.Tensor | None, settings: AdamSettings, kernels: ModuleType | None
+) -> torch.Tensor:
+    """:func:`step_scalars` of ``steps``, after taking them back by ``found_inf`` (a flagged step does not count).
+    Where the kernels run (``kernels``, else :func:`kernels_for` the counts' device): torch's float64 ``pow`` (it has
+    no Triton twin the interpreter runs) and one launch for the rest (``triton_kernels.step_scalars_``), which applies
+    the flag after the powers were read, since a flagged step uses no scalar. With the counts' ``add_``, three
+    launches a step where the torch ops took seven (six without a flag), each 7-11 us of host time on the H100
+    checks' hosts."""
+    if kernels is None:
+        kernels = kernels_for(steps.device)
     if kernels is None:
         if found_inf is not None:
             steps.sub_(found_inf)  # a one-element flag broadcasts: no reshape op

@@ -542,28 +542,30 @@ def step_scalars_(
     powers: torch.Tensor, lr: float, steps: torch.Tensor | None = None, found_inf: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``[[step_size, sqrt(bias_correction2)], ...]`` (fp32, one row per tensor) from ``powers``, the float64
-    ``2 x n`` powers ``[beta1**step; beta2**step]`` of the counts; one launch where ``kernel_step.step_scalars``
-    takes four more ops, with its bits. With ``found_inf``, the counts ``steps`` (already advanced by one) are
-    taken back by it (their ``sub_``), after the powers were read: a step the flag skips uses no scalar."""
+    ``2 x n`` powers ``[beta1**step; beta2**step]`` of the counts: in one launch, with its bits, what
+    ``kernel_step.step_scalars`` does after its ``pow`` (four ops). With ``found_inf``, the counts ``steps`` (already
+    advanced by one) are taken back by it (their ``sub_``), after the powers were read: a step the flag skips uses no
+    scalar. Without a flag the counts are not read."""
     if powers.dtype != torch.float64 or powers.dim() != 2 or powers.shape[0] != 2 or not powers.is_contiguous():
         raise ValueError(f"the step scalars need contiguous float64 powers of shape (2, n), got {powers.dtype} "
                          f"of shape {tuple(powers.shape)}")  # fmt: skip
     n = powers.shape[1]
-    if found_inf is not None and (
-        steps is None or steps.shape != (n,) or not steps.is_contiguous() or steps.device != powers.device
-    ):
+    if found_inf is None:
+        counts = flag = powers  # unread: the kernel's HAS_FLAG is off (one specialisation whatever the counts)
+    elif steps is None or steps.shape != (n,) or not steps.is_contiguous() or steps.device != powers.device:
         raise ValueError("the counts a flag takes back must be contiguous, one per tensor, on the powers' device")
+    else:
+        counts, flag = steps, found_inf
     scalars = torch.empty((n, 2), dtype=torch.float32, device=powers.device)
     if n:
         triton_launch.launch(
             _step_scalars_kernel,
             triton.cdiv(n, _SCALARS_BLOCK),
-            (powers, powers if steps is None else steps, powers if found_inf is None else found_inf, scalars, n,
-             float(lr)),
+            (powers, counts, flag, scalars, n, float(lr)),
             {"HAS_FLAG": found_inf is not None, "BLOCK": _SCALARS_BLOCK},
             _OPTIONS,
             powers.device,
-        )  # fmt: skip
+        )
     return scalars
 
 

@@ -100,20 +100,13 @@ def launch(
     ``cuda:1`` in a process whose current device is 0 would have its kernels run on device 0, reading device 1's
     memory: an illegal address without peer access), so a launch for another CUDA device is made with that device
     current, as torch's own fused optimizers guard theirs."""
-    if device is not None and device.type == "cuda" and device.index != driver.active.get_current_device():
-        with _device_guard(device):
-            _launch(kernel, programs, args, constants, options)
-        return
-    _launch(kernel, programs, args, constants, options)
-
-
-#: Makes a CUDA device current for a block (a name of this module's, for the tests' stand-in driver).
-_device_guard = torch.cuda.device
-
-
-def _launch(
-    kernel: Any, programs: int, args: Sequence[object], constants: Mapping[str, object], options: Mapping[str, object]
-) -> None:
+    current = None
+    if device is not None and device.type == "cuda":
+        current = driver.active.get_current_device()
+        if device.index != current:
+            with _device_guard(device):
+                launch(kernel, programs, args, constants, options, device)
+            return
     if _CompiledKernel is None or not isinstance(kernel, triton.runtime.jit.JITFunction) or kernel.pre_run_hooks:
         kernel[(programs,)](*args, **constants, **options)
         return
@@ -121,7 +114,8 @@ def _launch(
     if arguments is None:
         kernel[(programs,)](*args, **constants, **options)
         return
-    current = driver.active.get_current_device()
+    if current is None:
+        current = driver.active.get_current_device()
     key = (id(kernel), current, arguments, tuple(constants.items()), tuple(options.items()))
     found = _compiled.get(key)
     if found is not None:
@@ -134,6 +128,10 @@ def _launch(
         if len(_compiled) >= _MAX_COMPILED:
             _compiled.clear()
         _compiled[key] = kernel, compiled, tuple(constants[name] for name in names)
+
+
+#: Makes a CUDA device current for a block (a name of this module's, for the tests' stand-in driver).
+_device_guard = torch.cuda.device
 
 
 def forget() -> None:
