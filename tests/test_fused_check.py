@@ -146,7 +146,7 @@ BAD_STEP = 2  # its batch holds an inf: the check must raise the flag and the st
 def train(master_weights: bool | str, fused: bool, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     with monkeypatch.context() as patch:
         if not fused:
-            patch.setattr(grads_module, "_kernel_check", lambda grads, flag, checked: False)
+            patch.setattr(grads_module, "_kernel_check", lambda grads, flag, checked, keys=None: False)
         model, x, y = make_problem(3)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
         model, opt = amp.initialize(model, opt, opt_level="O5", master_weights=master_weights, verbosity=0)

@@ -108,3 +108,82 @@ def test_closing_the_session_lets_the_masters_go(kernels_on_cpu: ModuleType) -> 
     gc.collect()
     assert [m() for m in masters] == [None, None, None]
     assert all(p is w for p, w in zip(opt.param_groups[0]["params"], weights, strict=True))  # the model's, back
+
+
+def test_a_master_given_other_memory_is_checked_again(
+    kernels_on_cpu: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The plan checks a master's dtype, device and contiguity once, and after that only that it is the same tensor
+    # at the same data pointer (kernel_step._checked). A master given other memory by a .data assignment, here not
+    # contiguous, must be checked again and the step left to torch's path; taken by the kernels it would reach the
+    # launch tables, which refuse it (ValueError).
+    from ampinit._masters import kernel_step
+
+    weights, opt = _session(3)
+    try:
+        _steps(weights, opt, 2)
+        master = opt.param_groups[0]["params"][1]
+        strided = torch.empty(2 * master.numel())[::2]
+        strided.copy_(master.detach())
+        master.data = strided
+        before = master.detach().clone()
+        taken: list[int] = []
+        run_kernels = kernel_step.run_kernels
+
+        def spy(*args: object, **kwargs: object) -> None:
+            taken.append(1)
+            run_kernels(*args, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(kernel_step, "run_kernels", spy)
+        _steps(weights, opt, 1)
+        assert taken == []
+        assert not torch.equal(master.detach(), before)  # torch's step moved it
+    finally:
+        amp.deinitialize()
+
+
+def _weights_after_grads_replaced(replace: bool) -> list[torch.Tensor]:
+    """One O2 step after a first, whose scale_loss block hands over grads of 0.5 that are replaced by grads of 0.25
+    (new tensors; the old ones kept alive) between the block's exit and the step, or hands over 0.25 itself."""
+    weights, opt = _session(3)
+    session = amp.current_session()
+    assert session is not None
+    anchor = torch.zeros((), requires_grad=True)
+    try:
+        _steps(weights, opt, 1)
+        with session.scale_loss(anchor * 1.0, opt) as scaled:
+            scaled.backward()
+            for w in weights:
+                w.grad = torch.full_like(w, 0.5 if replace else 0.25)
+        checked = [w.grad for w in weights]  # alive: their memory holds 0.5 until the step
+        if replace:
+            for w in weights:
+                w.grad = torch.full_like(w, 0.25)
+        opt.step()
+        assert len(checked) == 3
+        return [w.detach().clone() for w in weights]
+    finally:
+        amp.deinitialize()
+
+
+def test_grads_replaced_after_the_exit_are_the_ones_the_step_reads(kernels_on_cpu: ModuleType) -> None:
+    # The exit's finite check reads the grads' data pointers and hands them to the step's launch, which then need
+    # not read them again: only while the step's plan holds the same grad tensors. Grads replaced in between are
+    # planned afresh and read at their own addresses (a launch through the check's pointers would read 0.5).
+    got = _weights_after_grads_replaced(replace=True)
+    want = _weights_after_grads_replaced(replace=False)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+
+def test_an_optimizer_state_of_other_sizes_is_refused(kernels_on_cpu: ModuleType) -> None:
+    # The kernels read every list with the masters' sizes: a moment of another size (an optimizer state_dict of
+    # another model loaded) would be read and written out of its bounds. torch's own fused step refuses it too.
+    weights, opt = _session(3)
+    try:
+        _steps(weights, opt, 1)
+        master = opt.param_groups[0]["params"][0]
+        opt.state[master]["exp_avg"] = torch.zeros(8)
+        with pytest.raises(ValueError, match=r"same sizes in every list .* got \[8, 16, 16\] and \[16, 16, 16\]"):
+            _steps(weights, opt, 1)
+    finally:
+        amp.deinitialize()

@@ -54,6 +54,7 @@ class PendingGrads(NamedTuple):
     before_widening: bool  # the exit would have unscaled the half grads in place before widening them
     exact: bool  # ``inv_scale`` is None or a power of two: a widened grad times it is exact in fp32
     plan: kernel_step.Plan  # the kernel step planned at the exit (the step takes it back if it still holds)
+    grad_key: tuple[Any, ...] | None = None  # the finite check's storage key of the plan's grads, in its order
 
 
 class OptimizerGrads:
@@ -315,10 +316,14 @@ class OptimizerGrads:
             kinds = {(dtype, device.type) for dtype, device in set(zip(map(_DTYPE, half), map(_DEVICE, half)))}
         before_widening = all(scaler.unscales_before_widening(dtype, device_type) for dtype, device_type in kinds)
         if plan is not None:
-            scaler.check_(copy_src, key, _kernel_check)
+            keys: list[tuple[Any, ...]] = []
+            scaler.check_(copy_src, key, functools.partial(_kernel_check, keys=keys))
+            # One launch over every grad (a key: one group, in the plan's order): the step's launches read the same
+            # grads, and take their pointers from this key instead of reading each grad's again.
+            grad_key = keys[0] if key is not None and len(keys) == 1 else None
             scaler.unscale_(direct, _kernel_check)
             inv_scale = None if scaler.unit else scaler.inv_scale.clone()
-            self._pending = PendingGrads(inv_scale, before_widening, scaler.powers_of_two, plan)
+            self._pending = PendingGrads(inv_scale, before_widening, scaler.powers_of_two, plan, grad_key)
             self._merge_stash()
             return
         for master in fresh:
@@ -472,10 +477,14 @@ class OptimizerGrads:
                 return False
             return kernel_step.step_fp32_masters(self.optimizer, self.update, {}, original, found_inf)
         pending = self._pending
-        inv_scale, plan = (None, None) if pending is None else (pending.inv_scale, pending.plan)
+        if pending is None:
+            inv_scale, plan, grad_key = None, None, None
+        else:
+            inv_scale, plan, grad_key = pending.inv_scale, pending.plan, pending.grad_key
         taken = kernel_step.step_fp32_masters(
-            self.optimizer, self.update, self._model_of, original, found_inf, pending is not None, inv_scale, plan
-        )
+            self.optimizer, self.update, self._model_of, original, found_inf, pending is not None, inv_scale, plan,
+            grad_key,
+        )  # fmt: skip
         if not taken:
             self.materialize_master_grads()
         return taken
@@ -525,15 +534,20 @@ _DEVICE = operator.attrgetter("device")
 _CHECKED_DTYPES = frozenset((torch.float32, torch.float16, torch.bfloat16))
 
 
-def _kernel_check(grads: list[torch.Tensor], flag: torch.Tensor, checked: bool) -> bool:
+def _kernel_check(
+    grads: list[torch.Tensor], flag: torch.Tensor, checked: bool, keys: list[tuple[Any, ...]] | None = None
+) -> bool:
     """The master step's one-launch finite check (``triton_kernels.check_finite_``), where its kernels run on the
     flag's device and read the grads (fp32, fp16 or bf16, contiguous plain tensors: ``checked`` says the caller
     knows they are); False elsewhere. Offered to the scaler's check of every group of grads
-    (``_torch_kernels.check_finite_``: read once, nothing written); Triton is imported only when it is asked."""
+    (``_torch_kernels.check_finite_``: read once, nothing written); Triton is imported only when it is asked.
+    ``keys``: each launch's storage key of its grads is appended (``triton_kernels.check_finite_``'s)."""
     if grads[0].dtype not in _CHECKED_DTYPES:
         return False
     kernels = kernel_step.kernels_for(flag.device)
     if kernels is None or not (checked or _torch_kernels.contiguous_plain(grads)):
         return False
-    kernels.check_finite_(grads, flag)
+    key = kernels.check_finite_(grads, flag)
+    if keys is not None and key is not None:
+        keys.append(key)
     return True

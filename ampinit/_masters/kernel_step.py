@@ -182,8 +182,10 @@ _TENSOR = frozenset((torch.Tensor,))
 _DEVICE = operator.attrgetter("device")
 _DTYPE = operator.attrgetter("dtype")
 _GRAD = operator.attrgetter("grad")
-_IS_SPARSE = operator.attrgetter("is_sparse")
+_LAYOUT = operator.attrgetter("layout")
+_NUMEL = torch.Tensor.numel
 _CONTIGUOUS = torch.Tensor.is_contiguous
+_DATA_PTR = torch.Tensor.data_ptr
 _IS_NOT_NONE = functools.partial(operator.is_not, None)
 _STEP = operator.itemgetter("step")
 _EXP_AVG = operator.itemgetter("exp_avg")
@@ -195,6 +197,24 @@ def _all_contiguous(tensors: Sequence[torch.Tensor]) -> bool:
     return all(map(_CONTIGUOUS, tensors))
 
 
+class _Checked(NamedTuple):
+    """Parameters and model weights that passed :func:`kernels_taking`'s checks, and what was read of them."""
+
+    params: list[torch.Tensor]
+    model: list[torch.Tensor | None]  # each parameter's model weight, or None
+    device: torch.device
+    master_dtypes: list[torch.dtype]
+    pointers: tuple[int, ...]  # the parameters' data pointers
+    weight_pointers: tuple[int, ...]  # the model weights' (the Nones of ``model`` left out)
+    sizes: tuple[int, ...]  # the parameters' numbers of elements
+    model_dtypes: list[torch.dtype | None]  # each parameter's model weight's dtype, or None
+
+
+#: Per optimizer, the parameters and model weights of its last kernel step that passed every check
+#: (:func:`kernels_taking`'s ``owner``). Dropped with the optimizer, or by :func:`forget_states`.
+_checked: weakref.WeakKeyDictionary[object, _Checked] = weakref.WeakKeyDictionary()
+
+
 def kernels_taking(
     params: list[torch.Tensor],
     found_inf: torch.Tensor | None,
@@ -204,6 +224,7 @@ def kernels_taking(
     *,
     model: Sequence[torch.Tensor | None] | None = None,
     grads_of_weights: bool = False,
+    owner: object | None = None,
 ) -> ModuleType | None:
     """The kernels, if they take every one of ``params`` (the optimizer's, each with a grad), else None.
 
@@ -213,6 +234,14 @@ def kernels_taking(
     grad, of its dtype); a master's may be its model weight's half grad. A caller that has them gives ``model``
     (each parameter's weight by ``weights``, or None) and says with ``grads_of_weights`` that it read the grad
     of every parameter with a weight from that weight, rather than have them found again.
+
+    ``owner`` (the optimizer, for the step's plan): the parameters and model weights that passed these checks at
+    its last call are not checked again where they are the same tensors at the same data pointers. What a check
+    reads (dtype, device, contiguity) changes under the same tensor object only with its memory (a ``.data``
+    assignment, ``set_``, a move), which moves its data pointer; the step's pointer tables already take the
+    moments' layout on that rule (``triton_kernels._tables``). The grads, fresh tensors each step, are always
+    checked. (About a third of the checks' reads: on the H100 checks' hosts each read of a tensor attribute cost
+    about 0.1 us, and the plan read the model's worth several times each step.)
     """
     if not params:
         return None
@@ -231,25 +260,56 @@ def kernels_taking(
         master_dtypes = list(map(_MASTER_DTYPES.__getitem__, map(remainders.__contains__, map(id, params))))
     else:
         master_dtypes = [torch.float32] * len(params)
+    # Plain tensors only: the kernels take raw data pointers, and a tensor subclass may have none (an FSDP2 /
+    # tensor-parallel DTensor's data_ptr() is 0) or lay its data out otherwise. ``type``, not ``__class__``: a
+    # builtin, no attribute read through the tensor (a third of the time), and a subclass cannot dress up as a
+    # plain tensor by overriding ``__class__``.
     if not (
-        # Plain tensors only: the kernels take raw data pointers, and a tensor subclass may have none (an
-        # FSDP2 / tensor-parallel DTensor's data_ptr() is 0) or lay its data out otherwise.
-        # ``type``, not ``__class__``: a builtin, no attribute read through the tensor (a third of the time), and a
-        # subclass cannot dress up as a plain tensor by overriding ``__class__``.
         _PLAIN.issuperset(map(type, params))
         and _TENSOR.issuperset(map(type, present))
         and _PLAIN.issuperset(map(type, model_weights))
-        and list(map(_DTYPE, params)) == master_dtypes
-        and set(map(_DEVICE, params)) == {device}
-        and set(map(_DEVICE, present)) == {device}
-        and not any(map(_IS_SPARSE, present))
-        and _all_contiguous(params)
+    ):
+        return None
+    checked = _checked.get(owner) if owner is not None else None
+    pointers = tuple(map(_DATA_PTR, params)) if owner is not None else ()
+    weight_pointers = tuple(map(_DATA_PTR, model_weights)) if owner is not None else ()
+    if not (
+        checked is not None
+        and checked.device == device
+        and checked.pointers == pointers
+        and checked.weight_pointers == weight_pointers
+        and checked.master_dtypes == master_dtypes
+        and _same_tensors(checked.params, params)
+        and _same_tensors(checked.model, model)
+    ):
+        if not (
+            list(map(_DTYPE, params)) == master_dtypes
+            and set(map(_DEVICE, params)) == {device}
+            and _all_contiguous(params)
+            and _all_contiguous(model_weights)
+        ):
+            return None
+        if owner is not None:
+            sizes = tuple(map(_NUMEL, params))
+            model_dtypes = list(map(getattr, model, repeat("dtype"), repeat(None)))
+            _checked[owner] = _Checked(
+                list(params), list(model), device, master_dtypes, pointers, weight_pointers, sizes, model_dtypes
+            )
+    if not (
+        set(map(_DEVICE, present)) == {device}
+        # Strided only: what the kernels read by pointer (a sparse grad, which torch's grad setter allows a dense
+        # parameter, is a COO one; other layouts' is_contiguous() raises).
+        and all(map(operator.is_, map(_LAYOUT, present), repeat(torch.strided)))
         and _all_contiguous(present)
-        and _all_contiguous(model_weights)
         and _grads_are_theirs(params, present, model, grads_of_weights)
     ):
         return None
     return kernels
+
+
+def _same_tensors(known: Sequence[torch.Tensor | None], tensors: Sequence[torch.Tensor | None]) -> bool:
+    """Whether ``tensors`` are the objects ``known``, in order (one identity test each: no tensor is read)."""
+    return len(known) == len(tensors) and all(map(operator.is_, known, tensors))
 
 
 def _grads_are_theirs(
@@ -305,6 +365,9 @@ class PlannedGroup(NamedTuple):
     params: list[torch.Tensor]  # the parameters with a grad
     grads: list[torch.Tensor]  # their grads
     launches: list[Launch]  # the group's launches, one per model weight dtype
+    # Where the group's grads lie in the list a ``scale_loss`` exit read (and checked): ``(start, end)`` when the
+    # group is one launch over that slice, else None (its launch reads their pointers itself).
+    span: tuple[int, int] | None = None
 
 
 class Launch(NamedTuple):
@@ -315,18 +378,28 @@ class Launch(NamedTuple):
     masters: list[torch.Tensor]
     weights: list[torch.Tensor]
     grads: list[torch.Tensor]
+    # What the plan read of the masters and weights when it checked them: their sizes and data pointers (the
+    # step's pointer tables take them rather than read every tensor again: ``triton_kernels._launch_tables``'
+    # ``known``). None where the group is split into several launches (they read their own).
+    known: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]] | None = None
 
 
 def _launches(
-    params: list[torch.Tensor], grads: list[torch.Tensor], weight_of: list[torch.Tensor | None], half_grads: bool
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    weight_of: list[torch.Tensor | None],
+    half_grads: bool,
+    dtype_of: list[torch.dtype | None] | None = None,
 ) -> list[Launch] | None:
-    """A group's launches: ``params`` with ``grads`` split by the dtype of their model weights ``weight_of``.
+    """A group's launches: ``params`` with ``grads`` split by the dtype of their model weights ``weight_of``
+    (``dtype_of``: those dtypes, where the caller has read them).
 
     ``half_grads``: a master's grad is its weight's, which must have the weight's dtype (None otherwise): a launch
     reads its grads as one dtype, and its grad table's cache knows only the first's. torch's grad setter and
     autograd never give a grad of another dtype, but a ``.data`` swap of the weight after its grad was set does.
     (The masters' own grads were checked against the masters' dtype by :func:`kernels_taking`.)"""
-    dtype_of = list(map(getattr, weight_of, repeat("dtype"), repeat(None)))
+    if dtype_of is None:
+        dtype_of = list(map(getattr, weight_of, repeat("dtype"), repeat(None)))
     grad_dtypes = list(map(_DTYPE, grads)) if half_grads else None
     kinds = set(dtype_of)
     if len(kinds) == 1:  # the common case: one launch, no lists to split
@@ -403,6 +476,7 @@ def step_fp32_masters(
     half_grads: bool = False,
     inv_scale: torch.Tensor | None = None,
     planned: Plan | None = None,
+    grad_key: tuple[Any, ...] | None = None,
 ) -> bool:
     """Take ``opt``'s step through the kernels, writing the half weights; False (nothing done) if it can't.
 
@@ -410,28 +484,41 @@ def step_fp32_masters(
     device flag of a step that skips by itself (sync-free mode), or None for a step decided on the host.
     ``half_grads``: the masters' grads are their weights' half grads, still to be multiplied by ``inv_scale``
     (None: by nothing); the grads of parameters without a weight are their own, unscaled. ``planned``: the plan
-    :func:`half_grads_plan` made at the backward's end, taken if it still holds (:func:`_plan_holds`).
+    :func:`half_grads_plan` made at the backward's end, taken if it still holds (:func:`_plan_holds`);
+    ``grad_key``: the finite check's storage key of that plan's grads (``triton_kernels.check_finite_``), whose
+    pointers its launches take rather than read every grad's again (the plan holds the same grad tensors).
     """
     update = kernel_update(opt, update)
     if not _takes_kernels(opt, update) or not _plain_step(opt, original):
         return False
     if planned is None or not _plan_holds(planned, opt, update, model_of, found_inf):
-        planned = _plan(opt, update, model_of, found_inf, half_grads)
+        planned, grad_key = _plan(opt, update, model_of, found_inf, half_grads), None
     if planned is None:
         return False
     kernels, plan = planned
     opt._opt_called = True  # type: ignore[attr-defined]  # what an lr scheduler's step wrapper records
     for planned_group in plan:
         group = planned_group.group
-        for weight_dtype, masters, weights, grads in planned_group.launches:
+        span = planned_group.span
+        launch_key = None if grad_key is None or span is None else _slice_key(grad_key, *span)
+        for weight_dtype, masters, weights, grads, known in planned_group.launches:
             scaled = half_grads and weight_dtype is not None
             run_kernels(
                 update, kernels, opt, group, masters, Masters.fp32(masters, weights), found_inf, grads,
-                inv_scale if scaled else None,
+                inv_scale if scaled else None, launch_key, known,
             )  # fmt: skip
         if planned_group.params:
             count_group_step(opt, update, group, found_inf)
     return True
+
+
+def _slice_key(key: tuple[Any, ...], start: int, end: int) -> tuple[Any, ...]:
+    """The storage key of tensors ``start:end`` of the list ``key`` is of (``triton_kernels._storage_key`` of one
+    list: device, sizes, then the first tensor's dtype and every data pointer; the list is of one dtype)."""
+    device, sizes, (dtype, pointers) = key
+    if start == 0 and end == len(sizes):
+        return key
+    return device, sizes[start:end], (dtype, pointers[start:end])
 
 
 def _plan(
@@ -444,8 +531,6 @@ def _plan(
 ) -> Plan | None:
     """The kernels and each group's parameters with a grad and those grads (a master's is its weight's with
     ``half_grads``), or None when any of them is beyond the kernels. ``known``: see :func:`half_grads_plan`."""
-    plan = []
-    model: list[torch.Tensor | None] = []  # each planned parameter's model weight, or None
     groups = opt.param_groups
     snapshots = [list(group["params"]) for group in groups]
     if half_grads and known is not None and _holds_in_order(snapshots, known[0]):
@@ -454,7 +539,8 @@ def _plan(
         slices = [(weights_known[a:b], grads_known[a:b]) for a, b in itertools.pairwise(bounds)]
     else:
         slices = None
-    for index, (group, snapshot) in enumerate(zip(groups, snapshots)):
+    found = []  # per group: its sources, their grads, the parameters with a grad, those grads and their weights
+    for index, snapshot in enumerate(snapshots):
         if slices is not None:  # every parameter a master: its weight is its source
             sources, read = slices[index]
             weight_of: list[torch.Tensor | None] = list(sources)
@@ -469,16 +555,34 @@ def _plan(
             weights = [weight_of[i] for i in taken]
         else:
             params, grads, weights = snapshot, cast(list[torch.Tensor], read), weight_of
-        launches = _launches(params, grads, weights, half_grads)
-        if launches is None:
-            return None
-        plan.append(PlannedGroup(group, snapshot, sources, read, params, grads, launches))
-        model += weights
-    params = list(itertools.chain.from_iterable(planned.params for planned in plan))
-    grads = list(itertools.chain.from_iterable(planned.grads for planned in plan))
-    kernels = kernels_taking(params, found_inf, model_of, (), grads, model=model, grads_of_weights=half_grads)
+        found.append((sources, read, params, grads, weights))
+    every_param = list(itertools.chain.from_iterable(entry[2] for entry in found))
+    every_grad = list(itertools.chain.from_iterable(entry[3] for entry in found))
+    model = list(itertools.chain.from_iterable(entry[4] for entry in found))
+    kernels = kernels_taking(
+        every_param, found_inf, model_of, (), every_grad, model=model, grads_of_weights=half_grads, owner=opt
+    )
     if kernels is None:
         return None
+    checked = _checked[opt]  # what kernels_taking read of these parameters and weights (or kept of them)
+    plan = []
+    start = weights_start = 0  # where the group's parameters, and its weights, start in checked's lists
+    for index, (group, snapshot, (sources, read, params, grads, weights)) in enumerate(zip(groups, snapshots, found)):
+        end = start + len(params)
+        launches = _launches(params, grads, weights, half_grads, checked.model_dtypes[start:end])
+        if launches is None:
+            return None
+        span = None
+        if len(launches) == 1:
+            (launch,) = launches
+            weights_end = weights_start + len(launch.weights)
+            state = checked.sizes[start:end], checked.pointers[start:end]
+            launches = [launch._replace(known=(*state, checked.weight_pointers[weights_start:weights_end]))]
+            if slices is not None and params is snapshot:
+                span = (bounds[index], bounds[index + 1])
+        weights_start += sum(map(_IS_NOT_NONE, weights))
+        start = end
+        plan.append(PlannedGroup(group, snapshot, sources, read, params, grads, launches, span))
     for planned in plan:
         if _first_momentum_may_skip(opt, update, planned.group, planned.params, found_inf):
             return None  # a first step that may be skipped on the device: torch's path handles it
@@ -544,26 +648,33 @@ def run_kernels(
     found_inf: torch.Tensor | None,
     grads: list[torch.Tensor] | None = None,
     inv_scale: torch.Tensor | None = None,
+    grad_key: tuple[Any, ...] | None = None,
+    known: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]] | None = None,
 ) -> None:
     """``update`` ("adam" or "sgd") on ``masters`` through ``kernels``; ``params`` (the optimizer's own) key the
     optimizer's state and hold the grads, unless ``grads`` (times ``inv_scale``) are given. Adam is one launch;
-    SGD two when some momentum buffers start."""
+    SGD two when some momentum buffers start. ``grad_key``: the storage key of ``grads``, read when they were
+    checked; ``known``: the masters' sizes and data pointers and the weights' pointers, read when they were checked
+    (``triton_kernels.adam_``'s and ``sgd_``'s: taken by a launch over the whole list)."""
     read = grads if grads is not None else [_grad(p) for p in params]
     if update == "adam":
         inputs = adam_inputs(opt, group, params, found_inf, kernels)
-        kernels.adam_(read, masters, *inputs, inv_scale=inv_scale, found_inf=found_inf)
+        kernels.adam_(read, masters, *inputs, inv_scale=inv_scale, found_inf=found_inf, grad_key=grad_key, known=known)
         return
     settings = group_settings(opt, update, group)
     assert isinstance(settings, SgdSettings)
     for first_step, chosen, buffers in sgd_batches(opt, group, params):
+        whole = len(chosen) == len(params)  # what was read of the grads and masters is of the whole list
         kernels.sgd_(
-            [read[i] for i in chosen],
+            read if whole else [read[i] for i in chosen],
             masters.take(chosen),
             buffers,
             settings,
             first_step=first_step,
             inv_scale=inv_scale,
             found_inf=found_inf,
+            grad_key=grad_key if whole else None,
+            known=known if whole else None,
         )
 
 
@@ -734,8 +845,10 @@ _MAX_FOUND = 16
 
 
 def forget_states(opt: torch.optim.Optimizer) -> None:
-    """Drop what :func:`_states_of` kept for ``opt`` (its masters are going back to the model's parameters)."""
+    """Drop what :func:`_states_of` and :func:`kernels_taking` kept for ``opt`` (its masters are going back to the
+    model's parameters)."""
     _found_states.pop(opt, None)
+    _checked.pop(opt, None)
 
 
 def stateless(opt: torch.optim.Optimizer, params: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -296,10 +296,14 @@ def adam_(
     *,
     inv_scale: torch.Tensor | None = None,
     found_inf: torch.Tensor | None = None,
+    grad_key: object = None,
+    known: object = None,
 ) -> None:
     """One Adam or AdamW step of ``masters`` from ``grads``.
 
-    ``step_scalars`` comes from :func:`adam_step_scalars` (one row per tensor).
+    ``step_scalars`` comes from :func:`adam_step_scalars` (one row per tensor). ``grad_key`` and ``known`` are the
+    Triton twin's (what the caller read of the grads, masters and weights when it checked them); the tensors are
+    read here as they are.
     """
     moments = Moments.fp32(exp_avgs), Moments.fp32(exp_avg_sqs)
     adam_dial_(grads, masters, *moments, step_scalars, settings, inv_scale=inv_scale, found_inf=found_inf)
@@ -350,10 +354,12 @@ def sgd_(
     first_step: bool,
     inv_scale: torch.Tensor | None = None,
     found_inf: torch.Tensor | None = None,
+    grad_key: object = None,
+    known: object = None,
 ) -> None:
     """One SGD step (torch's rule; with momentum the buffers are set to the grad on ``first_step``).
 
-    ``momentum_buffers`` is empty when ``settings.momentum == 0``.
+    ``momentum_buffers`` is empty when ``settings.momentum == 0``. ``grad_key`` and ``known``: as :func:`adam_`'s.
     """
     buffers = Moments.fp32(momentum_buffers)
     sgd_dial_(grads, masters, buffers, settings, first_step=first_step, inv_scale=inv_scale, found_inf=found_inf)

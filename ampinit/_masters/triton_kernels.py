@@ -385,24 +385,37 @@ _tables_by_storage: dict[tuple[Any, ...], _Tables] = {}
 _MAX_CACHED = 64  # a few optimizers x dtype lists x the grads' addresses (a caching allocator cycles through few)
 
 
-def _storage_key(device: torch.device, lists: Sequence[Sequence[torch.Tensor]]) -> tuple[Any, ...]:
-    # The first list's sizes too: they set the blocks, and memory freed and reallocated can hold another size.
-    # Read with ``map`` over the methods: a loop in C, no Python call per tensor.
-    sizes = tuple(map(torch.Tensor.numel, lists[0]))
-    return (
-        device,
-        sizes,
-        *((tensors[0].dtype if tensors else None, tuple(map(torch.Tensor.data_ptr, tensors))) for tensors in lists),
-    )
+#: What a caller read of a launch's last two lists when it checked them: the sizes (of every list, which
+#: ``_build_tables`` makes sure of) and each list's data pointers (``kernel_step.Launch.known``).
+Known = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
 
 
-def _tables(device: torch.device, *lists: Sequence[torch.Tensor]) -> _Tables:
+def _storage_key(
+    device: torch.device, lists: Sequence[Sequence[torch.Tensor]], known: Known | None = None
+) -> tuple[Any, ...]:
+    # The sizes too: they set the blocks, and memory freed and reallocated can hold another size.
+    # Read with ``map`` over the methods: a loop in C, no Python call per tensor. ``known``: the sizes and the last
+    # two lists' pointers as the caller read them (the same key, fewer reads).
+    if known is None:
+        sizes = tuple(map(torch.Tensor.numel, lists[0]))
+        pointers = [tuple(map(torch.Tensor.data_ptr, tensors)) for tensors in lists]
+    else:
+        sizes, *last = known
+        head = lists[: len(lists) - len(last)]
+        pointers = [*(tuple(map(torch.Tensor.data_ptr, tensors)) for tensors in head), *last]
+    return (device, sizes, *((tensors[0].dtype if tensors else None, p) for tensors, p in zip(lists, pointers)))
+
+
+def _tables(
+    device: torch.device, *lists: Sequence[torch.Tensor], known: Known | None = None, same_sizes: bool = False
+) -> _Tables:
     """The tables of a launch over ``lists`` (the first list sets the blocks), from the cache when the same
-    storage was launched on before; built, checked and copied to the device once otherwise."""
-    key = _storage_key(device, lists)
+    storage was launched on before; built, checked and copied to the device once otherwise. ``known``: see
+    ``_storage_key``; ``same_sizes``: every list must have the first one's sizes (checked when built)."""
+    key = _storage_key(device, lists, known)
     cached = _tables_by_storage.get(key)
     if cached is None:
-        cached = _build_tables(device, lists)
+        cached = _build_tables(device, lists, same_sizes)
         if len(_tables_by_storage) >= _MAX_CACHED:
             _tables_by_storage.clear()
         _tables_by_storage[key] = cached
@@ -435,7 +448,13 @@ def _grad_table(
     return cached
 
 
-def _launch_tables(grads: TensorList, *lists: TensorList) -> tuple[_Tables, torch.Tensor, bool]:
+def _launch_tables(
+    grads: TensorList,
+    *lists: TensorList,
+    grad_key: tuple[Any, ...] | None = None,
+    known: Known | None = None,
+    same_sizes: bool = False,
+) -> tuple[_Tables, torch.Tensor, bool]:
     """A step launch's tables over ``lists`` (the state: masters and moments), cached by their storage, and the
     grads' own pointer table, cached by theirs; and whether every tensor of both starts on 16 bytes.
 
@@ -443,14 +462,22 @@ def _launch_tables(grads: TensorList, *lists: TensorList) -> tuple[_Tables, torc
     allocator places them elsewhere (another model's step between two, variable-length batches) a key holding their
     pointers rebuilt every table, then a Python loop over every block of the model (on the H200 check of
     2026-11-27, the 8-bit dial's launch, which keyed them so: 38 ms of host time a step for 124M parameters, against
-    a 37 ms step). A move costs a table of one entry per grad."""
+    a 37 ms step). A move costs a table of one entry per grad.
+
+    ``grad_key``: ``_storage_key(device, [grads])`` as read when these grads were checked (the finite check's, at
+    the ``scale_loss`` exit that planned this step: the plan holds the same grad tensors), not read again; ``known``
+    likewise the sizes and the last two lists' pointers (``kernel_step.Launch.known``: the masters and weights, as
+    the plan read them when it checked them); ``same_sizes``: see ``_tables``."""
     device = grads[0].device
-    tables = _tables(device, *lists)
-    grad_table, grads_aligned = _grad_table(device, grads, tables.sizes)
+    tables = _tables(device, *lists, known=known, same_sizes=same_sizes)
+    grad_table, grads_aligned = _grad_table(device, grads, tables.sizes, grad_key)
     return tables, grad_table, tables.aligned and grads_aligned
 
 
-def _check_lists(device: torch.device, lists: Sequence[Sequence[torch.Tensor]]) -> None:
+def _check_lists(device: torch.device, lists: Sequence[Sequence[torch.Tensor]], same_sizes: bool = False) -> None:
+    """Raise unless every tensor is contiguous on ``device``, each list is of one dtype, and (``same_sizes``) every
+    non-empty list's sizes are the first list's."""
+    sizes = [t.numel() for t in lists[0]] if lists and same_sizes else []
     for tensors in lists:
         for tensor in tensors:
             if not tensor.is_contiguous() or tensor.device != device:
@@ -459,12 +486,19 @@ def _check_lists(device: torch.device, lists: Sequence[Sequence[torch.Tensor]]) 
             raise ValueError(
                 f"the fused master step needs one dtype per list, got {sorted({str(t.dtype) for t in tensors})}"
             )
+        # The fp32-master kernels read every list with the first one's sizes (an optimizer state loaded from a
+        # checkpoint of another model would be read and written out of its bounds). An empty list is unread.
+        if same_sizes and tensors and [t.numel() for t in tensors] != sizes:
+            raise ValueError(
+                "the fused master step needs the same sizes in every list (masters, weights, optimizer state: was "
+                f"an optimizer state of another model loaded?), got {sizes} and {[t.numel() for t in tensors]}"
+            )
 
 
-def _build_tables(device: torch.device, lists: Sequence[Sequence[torch.Tensor]]) -> _Tables:
+def _build_tables(device: torch.device, lists: Sequence[Sequence[torch.Tensor]], same_sizes: bool = False) -> _Tables:
     """A launch's tables: its own pointer table, and the block tables of its sizes, which the finite check's launch
     over grads of these sizes shares."""
-    _check_lists(device, lists)
+    _check_lists(device, lists, same_sizes)
     addresses = [t.data_ptr() for tensors in lists for t in tensors]
     blocks = _size_tables(device, tuple(t.numel() for t in lists[0]))
     pointers = _to_device(torch.tensor(addresses, dtype=torch.int64), device)
@@ -569,15 +603,17 @@ def step_scalars_(
     return scalars
 
 
-def check_finite_(grads: TensorList, found_inf: torch.Tensor) -> None:
-    """See ``ampinit._masters.reference.check_finite_``."""
+def check_finite_(grads: TensorList, found_inf: torch.Tensor) -> tuple[Any, ...] | None:
+    """See ``ampinit._masters.reference.check_finite_``. Returns the storage key of ``grads`` it read (their sizes
+    and data pointers, for a step's launch over the same grads: ``_launch_tables``' ``grad_key``), None where
+    nothing was launched."""
     if not grads:
-        return
+        return None
     device = grads[0].device
     key = _storage_key(device, [grads])  # read once: the sizes for the blocks, the pointers for the grads' table
     tables = _size_tables(device, key[1])
     if not tables.n_blocks:
-        return  # empty grads only: nothing to read (and a launch of no programs is refused on CUDA)
+        return None  # empty grads only: nothing to read (and a launch of no programs is refused on CUDA)
     grad_table, aligned = _grad_table(device, grads, tables.sizes, key)
     triton_launch.launch(
         _check_kernel,
@@ -587,6 +623,7 @@ def check_finite_(grads: TensorList, found_inf: torch.Tensor) -> None:
         _OPTIONS,
         device,
     )
+    return key
 
 
 def _storage(masters: Masters) -> tuple[TensorList, TensorList, dict[str, Any]]:
@@ -617,12 +654,19 @@ def _launch(
     found_inf: torch.Tensor | None,
     maximize: bool,
     constants: dict[str, Any],
+    grad_key: tuple[Any, ...] | None = None,
+    known: Known | None = None,
 ) -> None:
-    """One launch of ``kernel`` over ``grads``, ``lists`` and ``masters``, one program per block of each tensor."""
+    """One launch of ``kernel`` over ``grads``, ``lists`` and ``masters``, one program per block of each tensor
+    (``grad_key``, ``known``: see ``_launch_tables``; ``known`` describes the masters and their weights)."""
     if not grads:
         return
     first, second, storage = _storage(masters)
-    tables, grad_table, aligned = _launch_tables(grads, *lists, first, second)
+    if masters.remainders:
+        known = None  # its last lists are the weights and remainders, not what ``known`` describes
+    tables, grad_table, aligned = _launch_tables(
+        grads, *lists, first, second, grad_key=grad_key, known=known, same_sizes=True
+    )
     unread = grads[0]  # passed for an absent scale or flag: the kernel never reads it
     triton_launch.launch(
         kernel,
@@ -663,13 +707,20 @@ def adam_(
     *,
     inv_scale: torch.Tensor | None = None,
     found_inf: torch.Tensor | None = None,
+    grad_key: tuple[Any, ...] | None = None,
+    known: Known | None = None,
 ) -> None:
-    """See ``ampinit._masters.reference.adam_`` (same arguments, same bits)."""
+    """See ``ampinit._masters.reference.adam_`` (same arguments, same bits; ``grad_key``: the storage key of
+    ``grads`` where the caller read it when it checked them, ``check_finite_``'s; ``known``: the masters' sizes and
+    data pointers and the weights' pointers, likewise, ``kernel_step.Launch.known``)."""
     s = settings
     betas = (s.beta1, 1 - s.beta1, s.beta2, 1 - s.beta2)
     scalars = (step_scalars.contiguous(), *betas, s.eps, s.weight_decay, 1 - s.lr * s.weight_decay)
     constants = {"DECAY": 0 if s.weight_decay == 0 else (2 if s.decoupled else 1)}
-    _launch(_adam_kernel, grads, (exp_avgs, exp_avg_sqs), masters, scalars, inv_scale, found_inf, s.maximize, constants)
+    _launch(
+        _adam_kernel, grads, (exp_avgs, exp_avg_sqs), masters, scalars, inv_scale, found_inf, s.maximize, constants,
+        grad_key, known,
+    )  # fmt: skip
 
 
 def sgd_(
@@ -681,12 +732,17 @@ def sgd_(
     first_step: bool,
     inv_scale: torch.Tensor | None = None,
     found_inf: torch.Tensor | None = None,
+    grad_key: tuple[Any, ...] | None = None,
+    known: Known | None = None,
 ) -> None:
-    """See ``ampinit._masters.reference.sgd_`` (same arguments, same bits)."""
+    """See ``ampinit._masters.reference.sgd_`` (same arguments, same bits; ``grad_key`` and ``known``: as
+    :func:`adam_`'s)."""
     s = settings
     scalars = (s.lr, s.momentum, 1 - s.dampening, s.weight_decay)
     flags = {"HAS_DECAY": s.weight_decay != 0, "HAS_MOMENTUM": s.momentum != 0, "NESTEROV": s.nesterov}
     constants = {**flags, "FIRST_STEP": first_step}
     # Without momentum the buffers' list repeats the masters' first list (same sizes), unread.
     buffers = momentum_buffers or (masters.weights if masters.remainders else masters.masters)
-    _launch(_sgd_kernel, grads, (buffers,), masters, scalars, inv_scale, found_inf, s.maximize, constants)
+    _launch(
+        _sgd_kernel, grads, (buffers,), masters, scalars, inv_scale, found_inf, s.maximize, constants, grad_key, known
+    )
