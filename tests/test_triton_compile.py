@@ -689,3 +689,31 @@ def test_the_step_scalars_compile_with_the_float64_rounding_of_torchs_ops(
         unrounded = [op for op in ops if op.split(".")[0] in ("add", "sub", "mul") and ".rn." not in op]
         assert unrounded == [], unrounded
         assert re.search(r"\.param \.f64 \w+_param_5", _compile(launch, capability).asm["ptx"]), launch.key()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("capability", CAPABILITIES)
+def test_the_advancing_step_scalars_compile_with_libdevices_pow(
+    compiled_modules: tuple[ModuleType, ModuleType], capability: int
+) -> None:
+    """The CUDA launch of the counts' advance, their powers and the step scalars (``advance_step_scalars_``, which
+    refuses CPU tensors: built here as it launches): the powers by libdevice's float64 ``pow`` inlined (``__nv_pow``,
+    the function torch's CUDA ``pow`` calls, whose bits the GPU check compares), the rest with the rounding of
+    torch's ops as in the launch after torch's ``pow``, and the counts advanced by a rounded add in their dtype."""
+    kernels, _ = compiled_modules
+    betas = torch.tensor([0.9, 0.999], dtype=torch.float64)
+    for dtype in (torch.float32, torch.float64):
+        for flag, advance in ((True, True), (False, True), (False, False)):
+            args = (betas, torch.ones(40, dtype=dtype), torch.zeros(1), torch.empty(40, 2), 40, 1e-3)
+            constants = {"HAS_FLAG": flag, "POW": True, "ADVANCE": advance, "BLOCK": kernels._SCALARS_BLOCK}
+            launch = Launch(kernels._step_scalars_kernel, args, {**constants, **kernels._POW_OPTIONS})
+            assert launch.signature()[0]["lr"] == "fp64"
+            ptx = _compile(launch, capability).asm["ptx"]
+            # __nv_pow inlined (its exit label), calling libdevice's own __internal_accurate_pow and nothing else.
+            assert "%__nv_pow.exit" in ptx, "libdevice's pow is not in the kernel"
+            called = set(re.findall(r"\bcall(?:\.uni)?\s+(?:\(\w+\),\s*)?(\w+)", ptx))
+            assert called <= {"__internal_accurate_pow"}, called
+            ops = float_ops(ptx)
+            assert {"div.rn.f64", "sqrt.rn.f64", "cvt.rn.f32.f64"} <= ops, sorted(ops)
+            counts_add = "add.rn.f32" if dtype == torch.float32 else "add.rn.f64"
+            assert (counts_add in ops) == advance or dtype == torch.float64, sorted(ops)

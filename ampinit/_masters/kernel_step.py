@@ -722,7 +722,7 @@ def adam_inputs(
         settings = own.kernel_settings(group)
         assert isinstance(settings, AdamSettings)
         exp_avgs, exp_avg_sqs, steps = cast(KernelAdamState, own).kernel_adam_state(group, params)
-        scalars = _scalars(steps, None, settings, kernels)  # the step numbers of this update already
+        scalars = _scalars(steps, None, settings, kernels, advance=False)  # the step numbers of this update already
     else:
         found = _states_of(opt, params)
         if all(found):  # every state made (each step but the first): no Python call per parameter
@@ -730,29 +730,39 @@ def adam_inputs(
         else:
             states = [state or adam_state(opt, group, p) for p, state in zip(params, found)]
         steps = packed_steps(states, params[0].device)
-        steps.add_(1.0)
         settings = AdamSettings.of(opt, group)
-        scalars = _scalars(steps, found_inf, settings, kernels)  # and the counts back by the flag (on the device)
+        # The counts advanced by one, and taken back by the flag (on the device), with the scalars.
+        scalars = _scalars(steps, found_inf, settings, kernels, advance=True)
         exp_avgs, exp_avg_sqs = list(map(_EXP_AVG, states)), list(map(_EXP_AVG_SQ, states))
     return exp_avgs, exp_avg_sqs, scalars.to(params[0].device), settings
 
 
 def _scalars(
-    steps: torch.Tensor, found_inf: torch.Tensor | None, settings: AdamSettings, kernels: ModuleType | None
+    steps: torch.Tensor,
+    found_inf: torch.Tensor | None,
+    settings: AdamSettings,
+    kernels: ModuleType | None,
+    advance: bool,
 ) -> torch.Tensor:
-    """:func:`step_scalars` of ``steps``, after taking them back by ``found_inf`` (a flagged step does not count).
-    Where the kernels run (``kernels``, else :func:`kernels_for` the counts' device): torch's float64 ``pow`` (it has
-    no Triton twin the interpreter runs) and one launch for the rest (``triton_kernels.step_scalars_``), which applies
-    the flag after the powers were read, since a flagged step uses no scalar. With the counts' ``add_``, three
-    launches a step where the torch ops took seven (six without a flag), each 7-11 us of host time on the H100
-    checks' hosts."""
+    """:func:`step_scalars` of ``steps`` advanced by one (``advance``), the counts then taken back by ``found_inf``
+    (a flagged step does not count; its scalars are unused). Where the kernels run (``kernels``, else
+    :func:`kernels_for` the counts' device), on CUDA all of it is one launch (``triton_kernels.advance_step_scalars_``:
+    libdevice's ``pow``, the function torch's CUDA ``pow`` calls, in the launch); on CPU under the interpreter, which
+    has no libdevice, the counts' ``add_`` and torch's float64 ``pow`` come first and one launch does the rest
+    (``triton_kernels.step_scalars_``). One launch a step on a GPU, where the torch ops took eight (seven without a
+    flag) and the sixteenth session's launches three, each 10-25 us of host time on the H100 checks' hosts."""
     if kernels is None:
         kernels = kernels_for(steps.device)
-    if kernels is None:
+    betas = _betas(steps.device, settings.beta1, settings.beta2) if kernels is not None else None
+    if betas is not None and kernels is not None and steps.device.type == "cuda":
+        return cast(torch.Tensor, kernels.advance_step_scalars_(steps, betas, settings.lr, found_inf, advance))
+    if advance:
+        steps.add_(1.0)
+    if betas is None or kernels is None:
         if found_inf is not None:
             steps.sub_(found_inf)  # a one-element flag broadcasts: no reshape op
         return step_scalars(steps, settings.beta1, settings.beta2, settings.lr)
-    powers = torch.pow(_betas(steps.device, settings.beta1, settings.beta2), steps)
+    powers = torch.pow(betas, steps)
     return cast(torch.Tensor, kernels.step_scalars_(powers, settings.lr, steps, found_inf))
 
 

@@ -254,6 +254,22 @@ def step_scalars_(
     return scalars
 
 
+def advance_step_scalars_(
+    steps: torch.Tensor,
+    betas: torch.Tensor,
+    lr: float,
+    found_inf: torch.Tensor | None = None,
+    advance: bool = True,
+) -> torch.Tensor:
+    """:func:`step_scalars_` of the counts ``steps`` advanced by one (``advance``, in their dtype, as torch's
+    ``add_(1.0)``), their powers torch's float64 ``pow`` of ``betas`` (``[beta1, beta2]``); with ``found_inf``, the
+    advanced counts are taken back by it."""
+    if advance:
+        steps.add_(1.0)
+    powers = torch.pow(betas.reshape(2, 1), steps)
+    return step_scalars_(powers, lr, steps, found_inf)
+
+
 def check_finite_(grads: TensorList, found_inf: torch.Tensor) -> None:
     """Set ``found_inf`` (a one-element fp32 tensor) to 1.0 if any grad holds an inf or NaN; never clear it."""
     if not grads:
