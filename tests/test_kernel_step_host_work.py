@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ampinit import _overflow, amp
 from ampinit._masters import kernel_step, reference
 from benchmarks.kernel_step_host import cuda_unscale_rule
-from tests._device import device_under_test, requires_cuda
+from tests._device import device_under_test
 from tests._host_work import NoLaunch, aten_ops, third_step
 
 _M = TypeVar("_M")
@@ -266,66 +266,6 @@ def test_the_kernels_step_scalars_are_the_references_bits(beta1: float, beta2: f
     assert got.dtype == want.dtype and torch.equal(got.view(torch.int32), want.view(torch.int32))
 
 
-@pytest.mark.parametrize(
-    ("beta1", "beta2", "lr"), [(0.9, 0.999, 1e-3), (0.8, 0.95, 3e-4), (0.0, 0.5, 1.0), (0.99, 0.9999, 1 / 3)]
-)
-def test_the_step_scalars_launch_gives_the_references_bits(
-    beta1: float, beta2: float, lr: float, request: pytest.FixtureRequest
-) -> None:
-    # The launch that takes the five ops' place on the kernels' devices (``kernel_step._scalars``): through the
-    # interpreter on CPU, compiled on CUDA (the GPU check). lr = 1/3 is not an fp32 value: rounded to one first, as
-    # an unannotated float argument would be, step sizes move.
-    device = device_under_test()
-    if device.type == "cpu":
-        kernels = request.getfixturevalue("triton_interpreter")
-    else:
-        from ampinit._masters import triton_kernels as kernels
-    gen = torch.Generator().manual_seed(0)
-    counts = torch.cat([torch.arange(1, 20001, dtype=torch.float32), torch.randint(1, 10**7, (5000,), generator=gen)])
-    counts = counts.to(device)
-    powers = torch.pow(torch.tensor([[beta1], [beta2]], dtype=torch.float64, device=device), counts)
-    want = reference.adam_step_scalars(counts, beta1, beta2, lr)
-    got = kernels.step_scalars_(powers, lr)
-    assert got.dtype == want.dtype and torch.equal(got.view(torch.int32), want.view(torch.int32))
-    # With a flag, the counts are taken back by it (as ``sub_`` would) and the scalars are those of the powers read.
-    for raised in (0.0, 1.0):
-        steps = counts + 1
-        flagged = kernels.step_scalars_(powers, lr, steps, torch.full((1,), raised, device=device))
-        assert torch.equal(flagged.view(torch.int32), want.view(torch.int32))
-        assert torch.equal(steps, counts + 1 - raised)
-
-
-@requires_cuda("the counts' powers by libdevice's pow, which Triton's interpreter lacks")
-@pytest.mark.parametrize(
-    ("beta1", "beta2", "lr"), [(0.9, 0.999, 1e-3), (0.8, 0.95, 3e-4), (0.0, 0.5, 1.0), (0.99, 0.9999, 1 / 3)]
-)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_the_advancing_step_scalars_launch_gives_the_references_bits(
-    beta1: float, beta2: float, lr: float, dtype: torch.dtype
-) -> None:
-    # On CUDA the counts' add_, torch's pow and the step scalars are one launch (kernel_step._scalars), the powers
-    # libdevice's __nv_pow where torch's pow kernel calls the CUDA math library's pow: the same bits at every count,
-    # float32 counts (fused and capturable groups) and float64 ones (a float64 default dtype), with and without a
-    # flag, and without the advance (FusedAdam's counts).
-    from ampinit._masters import triton_kernels
-
-    gen = torch.Generator().manual_seed(0)
-    spread = torch.randint(1, 10**7, (5000,), generator=gen, dtype=dtype)
-    counts = torch.cat([torch.arange(0, 20000, dtype=dtype), spread]).to("cuda")
-    betas = torch.tensor([[beta1], [beta2]], dtype=torch.float64, device="cuda")
-    for flag in (None, 0.0, 1.0):
-        found_inf = None if flag is None else torch.full((1,), flag, device="cuda")
-        want_steps, got_steps = counts.clone(), counts.clone()
-        want = reference.advance_step_scalars_(want_steps, betas, lr, found_inf)
-        got = triton_kernels.advance_step_scalars_(got_steps, betas, lr, found_inf)
-        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), flag
-        assert got_steps.dtype == dtype and torch.equal(got_steps, want_steps), flag
-    steps = counts + 1
-    want = reference.advance_step_scalars_(steps.clone(), betas, lr, advance=False)
-    got = triton_kernels.advance_step_scalars_(steps, betas, lr, advance=False)
-    assert torch.equal(got.view(torch.int32), want.view(torch.int32)) and torch.equal(steps, counts + 1)
-
-
 def test_the_advancing_step_scalars_launch_refuses_what_it_cannot_take(triton_interpreter: ModuleType) -> None:
     advance = triton_interpreter.advance_step_scalars_
     betas = torch.tensor([0.9, 0.999], dtype=torch.float64)
@@ -334,12 +274,12 @@ def test_the_advancing_step_scalars_launch_refuses_what_it_cannot_take(triton_in
         advance(counts.half(), betas, 1e-3)
     with pytest.raises(ValueError, match=r"1-D .* of shape \(5, 2\)"):
         advance(torch.ones(5, 2), betas, 1e-3)
+    with pytest.raises(ValueError, match=r"of shape \(5,\) and strides \(0,\)"):
+        advance(torch.ones(1).expand(5), betas, 1e-3)  # FusedAdam's counts: one count for every tensor
     with pytest.raises(ValueError, match=r"two betas as contiguous float64 on cpu, got torch.float32 of shape \(2,\)"):
         advance(counts, betas.float(), 1e-3)
     with pytest.raises(ValueError, match=r"got torch.float64 of shape \(3,\)"):
         advance(counts, torch.ones(3, dtype=torch.float64), 1e-3)
-    with pytest.raises(ValueError, match="a flag takes back the counts' advance: it needs advance=True"):
-        advance(counts, betas, 1e-3, torch.zeros(1), advance=False)
     with pytest.raises(ValueError, match=r"on CUDA only .* got counts on cpu: use step_scalars_"):
         advance(counts, betas, 1e-3)
     assert torch.equal(counts, torch.ones(5))  # nothing advanced

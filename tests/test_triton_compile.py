@@ -703,9 +703,9 @@ def test_the_advancing_step_scalars_compile_with_libdevices_pow(
     kernels, _ = compiled_modules
     betas = torch.tensor([0.9, 0.999], dtype=torch.float64)
     for dtype in (torch.float32, torch.float64):
-        for flag, advance in ((True, True), (False, True), (False, False)):
+        for flag in (True, False):
             args = (betas, torch.ones(40, dtype=dtype), torch.zeros(1), torch.empty(40, 2), 40, 1e-3)
-            constants = {"HAS_FLAG": flag, "POW": True, "ADVANCE": advance, "BLOCK": kernels._SCALARS_BLOCK}
+            constants = {"HAS_FLAG": flag, "POW": True, "BLOCK": kernels._SCALARS_BLOCK}
             launch = Launch(kernels._step_scalars_kernel, args, {**constants, **kernels._POW_OPTIONS})
             assert launch.signature()[0]["lr"] == "fp64"
             ptx = _compile(launch, capability).asm["ptx"]
@@ -715,5 +715,5 @@ def test_the_advancing_step_scalars_compile_with_libdevices_pow(
             assert called <= {"__internal_accurate_pow"}, called
             ops = float_ops(ptx)
             assert {"div.rn.f64", "sqrt.rn.f64", "cvt.rn.f32.f64"} <= ops, sorted(ops)
-            counts_add = "add.rn.f32" if dtype == torch.float32 else "add.rn.f64"
-            assert (counts_add in ops) == advance or dtype == torch.float64, sorted(ops)
+            if dtype == torch.float32:  # the counts' advance: a rounded float32 add (float64 adds are the powers')
+                assert "add.rn.f32" in ops, sorted(ops)

@@ -255,17 +255,12 @@ def step_scalars_(
 
 
 def advance_step_scalars_(
-    steps: torch.Tensor,
-    betas: torch.Tensor,
-    lr: float,
-    found_inf: torch.Tensor | None = None,
-    advance: bool = True,
+    steps: torch.Tensor, betas: torch.Tensor, lr: float, found_inf: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """:func:`step_scalars_` of the counts ``steps`` advanced by one (``advance``, in their dtype, as torch's
-    ``add_(1.0)``), their powers torch's float64 ``pow`` of ``betas`` (``[beta1, beta2]``); with ``found_inf``, the
-    advanced counts are taken back by it."""
-    if advance:
-        steps.add_(1.0)
+    """:func:`step_scalars_` of the counts ``steps`` advanced by one (in their dtype, torch's ``add_(1.0)``), their
+    powers torch's float64 ``pow`` of ``betas`` (``[beta1, beta2]``); with ``found_inf``, the advanced counts are
+    taken back by it."""
+    steps.add_(1.0)
     powers = torch.pow(betas.reshape(2, 1), steps)
     return step_scalars_(powers, lr, steps, found_inf)
 

@@ -127,23 +127,21 @@ def _tensor_ptr(table, index, T: tl.constexpr, ALIGNED: tl.constexpr):
 @triton.jit
 def _step_scalars_kernel(
     powers, steps, flag_ptr, scalars, n, lr: tl.float64,
-    HAS_FLAG: tl.constexpr, POW: tl.constexpr, ADVANCE: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_FLAG: tl.constexpr, POW: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """Adam's step scalars from ``powers`` (``[beta1**step; beta2**step]``, float64, 2 x n) and, with a flag, the
     counts' advance taken back where it is raised: ``kernel_step.step_scalars``' last four ops and the counts'
     ``sub_``, in float64 and each rounded once to fp32, as those ops do (division and square root correctly
     rounded in float64: PTX's ``div.rn.f64``/``sqrt.rn.f64``, NumPy's in the interpreter).
 
-    ``POW`` (CUDA only: the interpreter has no libdevice): ``powers`` is ``[beta1, beta2]`` and the powers are
-    computed here, libdevice's float64 ``pow`` (``__nv_pow``, what torch's CUDA ``pow`` of two float64 tensors
-    calls) of each beta and count, after ``ADVANCE`` added one to the counts in their dtype (torch's ``add_(1.0)``);
-    the advanced counts are written back, less the flag where it is raised."""
+    ``POW`` (CUDA only: the interpreter has no libdevice): ``powers`` is ``[beta1, beta2]``, the counts are advanced
+    by one here in their dtype (torch's ``add_(1.0)``) and the powers are libdevice's float64 ``pow`` (``__nv_pow``,
+    what torch's CUDA ``pow`` of two float64 tensors calls) of each beta and advanced count; the advanced counts are
+    written back, less the flag where it is raised."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     if POW:
-        counts = tl.load(steps + offs, mask=mask, other=0.0)
-        if ADVANCE:
-            counts = counts + 1.0
+        counts = tl.load(steps + offs, mask=mask, other=0.0) + 1.0
         exponent = counts.to(tl.float64)
         power1 = libdevice.pow(tl.broadcast_to(tl.load(powers), [BLOCK]), exponent)
         power2 = libdevice.pow(tl.broadcast_to(tl.load(powers + 1), [BLOCK]), exponent)
@@ -155,7 +153,7 @@ def _step_scalars_kernel(
     # ``lr / bias_correction1`` as torch runs it for a number over a tensor: the reciprocal, times lr.
     tl.store(scalars + 2 * offs, ((1.0 / bias_correction1) * lr).to(tl.float32), mask=mask)
     tl.store(scalars + 2 * offs + 1, tl.sqrt(bias_correction2).to(tl.float32), mask=mask)
-    if POW and ADVANCE:
+    if POW:
         if HAS_FLAG:
             counts = counts - tl.load(flag_ptr)
         tl.store(steps + offs, counts, mask=mask)
@@ -624,7 +622,7 @@ def step_scalars_(
             _step_scalars_kernel,
             triton.cdiv(n, _SCALARS_BLOCK),
             (powers, counts, flag, scalars, n, float(lr)),
-            {"HAS_FLAG": found_inf is not None, "POW": False, "ADVANCE": False, "BLOCK": _SCALARS_BLOCK},
+            {"HAS_FLAG": found_inf is not None, "POW": False, "BLOCK": _SCALARS_BLOCK},
             _OPTIONS,
             powers.device,
         )
@@ -632,27 +630,21 @@ def step_scalars_(
 
 
 def advance_step_scalars_(
-    steps: torch.Tensor,
-    betas: torch.Tensor,
-    lr: float,
-    found_inf: torch.Tensor | None = None,
-    advance: bool = True,
+    steps: torch.Tensor, betas: torch.Tensor, lr: float, found_inf: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """On CUDA, in one launch: the counts ``steps`` advanced by one (``advance``; taken back where ``found_inf`` is
-    raised), the float64 powers of ``betas`` (``[beta1, beta2]``, float64) to the advanced counts, and the step
-    scalars of :func:`step_scalars_` from them: the counts' ``add_``, torch's ``pow`` and that launch, with their
-    bits (the powers by libdevice's ``pow``, the function torch's CUDA ``pow`` calls; checked on the GPU,
-    tests/test_kernel_step_host_work.py). Two launches fewer a step, each 10-25 us of host time on the H100
-    checks' hosts. Without ``advance`` the counts are those of this update already (FusedAdam's) and not written."""
+    """On CUDA, in one launch: the counts ``steps`` advanced by one (taken back where ``found_inf`` is raised), the
+    float64 powers of ``betas`` (``[beta1, beta2]``, float64) to the advanced counts, and the step scalars of
+    :func:`step_scalars_` from them: the counts' ``add_``, torch's ``pow`` and that launch, meant to give their bits
+    (the powers by libdevice's ``pow``, the function torch's CUDA ``pow`` calls; ``kernel_step.POWERS_IN_LAUNCH``
+    says whether the step takes it: not until a GPU check has compared the bits). Two launches fewer a step, each
+    10-25 us of host time on the H100 checks' hosts."""
     device = steps.device
     if steps.dim() != 1 or not steps.is_contiguous() or steps.dtype not in (torch.float32, torch.float64):
         raise ValueError(f"the step scalars need contiguous 1-D float32 or float64 counts, got {steps.dtype} of "
-                         f"shape {tuple(steps.shape)}")  # fmt: skip
+                         f"shape {tuple(steps.shape)} and strides {steps.stride()}")  # fmt: skip
     if betas.dtype != torch.float64 or betas.numel() != 2 or not betas.is_contiguous() or betas.device != device:
         raise ValueError(f"the step scalars need the two betas as contiguous float64 on {device}, got {betas.dtype} "
                          f"of shape {tuple(betas.shape)} on {betas.device}")  # fmt: skip
-    if found_inf is not None and not advance:
-        raise ValueError("a flag takes back the counts' advance: it needs advance=True")
     if device.type != "cuda":
         raise ValueError(f"the step scalars' powers are computed in the launch on CUDA only (libdevice's pow), got "
                          f"counts on {device}: use step_scalars_ after torch's pow")  # fmt: skip
@@ -663,7 +655,7 @@ def advance_step_scalars_(
             _step_scalars_kernel,
             triton.cdiv(n, _SCALARS_BLOCK),
             (betas, steps, steps if found_inf is None else found_inf, scalars, n, float(lr)),
-            {"HAS_FLAG": found_inf is not None, "POW": True, "ADVANCE": advance, "BLOCK": _SCALARS_BLOCK},
+            {"HAS_FLAG": found_inf is not None, "POW": True, "BLOCK": _SCALARS_BLOCK},
             _POW_OPTIONS,
             device,
         )
