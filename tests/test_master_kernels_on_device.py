@@ -72,7 +72,9 @@ def test_compiled_adam_writes_the_references_bits(
         run_both(compiled, "adam_", state, scalars, settings, inv_scale=inv_scale, found_inf=flag)
 
 
-@pytest.mark.parametrize(("weight_dtype", "momentum", "nesterov"), [(torch.bfloat16, 0.9, True), (torch.float16, 0.0, False)])
+@pytest.mark.parametrize(
+    ("weight_dtype", "momentum", "nesterov"), [(torch.bfloat16, 0.9, True), (torch.float16, 0.0, False)]
+)
 def test_compiled_sgd_writes_the_references_bits(
     compiled: Any, weight_dtype: torch.dtype, momentum: float, nesterov: bool
 ) -> None:
