@@ -18,8 +18,9 @@
 #    comes back whole from a device call (at most 8 files of 16 MiB). The last line printed is the verdict.
 # At the default limits the worst case, start-up, summary and packing included, is about 540 s (230 + 170 + 2 x 35,
 # four KILL_AFTERs of at most 15, 5, 5 and 15 s, and about 30 s for the rest); the two checks of the ninth session
-# took 264 and 365 s on an H100, the fourteenth's 297 and 363 s on an H200, the fifteenth's 317 and 344 s on an H100
-# (cast-list runs cut to 1 s). The cast-list runs compare gradients too since the tenth session (35 s each, was 25).
+# took 264 and 365 s on an H100, the fourteenth's 297 and 363 s on an H200, the fifteenth's 317 and 344 s and the
+# seventeenth's 301 and 387 s on an H100 (cast-list runs cut to 1 s; the seventeenth's second suite took 220 s of its
+# 230 on a slow host). The cast-list runs compare gradients too since the tenth session (35 s each, was 25).
 #
 # Exit status: 0 when the suite passed and every target was met, 1 otherwise, 2 when no GPU is usable.
 # PYTHON picks the interpreter (default: python3); it needs torch with CUDA, pytest, pytest-xdist, pytest-timeout,
