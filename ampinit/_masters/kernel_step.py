@@ -237,9 +237,11 @@ def kernels_taking(
 
     ``owner`` (the optimizer, for the step's plan): the parameters and model weights that passed these checks at
     its last call are not checked again where they are the same tensors at the same data pointers. What a check
-    reads (dtype, device, contiguity) changes under the same tensor object only with its memory (a ``.data``
+    reads (dtype, device, contiguity, size) changes under the same tensor object only with its memory (a ``.data``
     assignment, ``set_``, a move), which moves its data pointer; the step's pointer tables already take the
-    moments' layout on that rule (``triton_kernels._tables``). The grads, fresh tensors each step, are always
+    moments' layout on that rule (``triton_kernels._tables``). Not seen: what keeps the address (a ``.data``
+    assignment of a transposed view of the same storage, ``as_strided_``, a shrinking ``resize_``), which no
+    training code does to a parameter. The grads, fresh tensors each step, are always
     checked. (About a third of the checks' reads: on the H100 checks' hosts each read of a tensor attribute cost
     about 0.1 us, and the plan read the model's worth several times each step.)
     """
@@ -752,15 +754,17 @@ def _scalars(
     (``triton_kernels.advance_step_scalars_``)."""
     if kernels is None:
         kernels = kernels_for(steps.device)
-    betas = _betas(steps.device, settings.beta1, settings.beta2) if kernels is not None else None
-    if POWERS_IN_LAUNCH and advance and betas is not None and kernels is not None and steps.device.type == "cuda":
-        return cast(torch.Tensor, kernels.advance_step_scalars_(steps, betas, settings.lr, found_inf))
-    if advance:
-        steps.add_(1.0)
-    if betas is None or kernels is None:
+    if kernels is None:
+        if advance:
+            steps.add_(1.0)
         if found_inf is not None:
             steps.sub_(found_inf)  # a one-element flag broadcasts: no reshape op
         return step_scalars(steps, settings.beta1, settings.beta2, settings.lr)
+    betas = _betas(steps.device, settings.beta1, settings.beta2)
+    if POWERS_IN_LAUNCH and advance and steps.device.type == "cuda":
+        return cast(torch.Tensor, kernels.advance_step_scalars_(steps, betas, settings.lr, found_inf))
+    if advance:
+        steps.add_(1.0)
     powers = torch.pow(betas, steps)
     return cast(torch.Tensor, kernels.step_scalars_(powers, settings.lr, steps, found_inf))
 
