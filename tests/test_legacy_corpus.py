@@ -37,9 +37,21 @@ def test_the_corpus_is_what_the_readme_names() -> None:
     assert len({name.split("__")[0] for name in files}) >= 12
 
 
+#: The corpus in two halves, the second in test_legacy_corpus_second_half.py: under ``--dist loadfile`` a file runs
+#: in one worker, and the whole corpus was the GPU check's longest file (167 s of a 220 s suite on the seventeenth
+#: session's slower H100 host).
+NAMES = sorted(EXPECTED)
+FIRST_HALF, SECOND_HALF = NAMES[: len(NAMES) // 2], NAMES[len(NAMES) // 2 :]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(EXPECTED))
+@pytest.mark.parametrize("name", FIRST_HALF)
 def test_corpus_file_migrates_as_expected(name: str) -> None:
+    assert_migrates_as_expected(name)
+
+
+def assert_migrates_as_expected(name: str) -> None:
+    """Both migrations of corpus file ``name`` compile, import only names that exist and have the reviewed outcome."""
     source = (CORPUS / name).read_text(encoding="utf-8")
     expected = EXPECTED[name]
     to_ampinit = migrate_source(source, "ampinit", name)
