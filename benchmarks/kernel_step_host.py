@@ -173,6 +173,20 @@ class AmpStep:
             self.clip(self.opt)
         self.opt.step()
 
+    def marked_iteration(self, mark: Callable[[], None]) -> None:
+        """:meth:`iteration` (without a clip) with ``mark`` called at the end of each of :data:`PHASES`."""
+        assert self.session is not None
+        self.opt.zero_grad()
+        mark()
+        with self.session.scale_loss(self.anchor * 1.0, self.opt) as scaled:
+            scaled.backward()
+            for p, g in zip(self.weights, self.grads):
+                p.grad = g
+            mark()
+        mark()
+        self.opt.step()
+        mark()
+
     def close(self) -> None:
         assert self.session is not None
         self.session.close()
@@ -278,6 +292,24 @@ class PlainStepNoKernel(PlainStep):
         finally:
             torch._fused_adamw_, torch._foreach_add_ = saved
 
+    def marked_iteration(self, mark: Callable[[], None]) -> None:
+        """:meth:`iteration` with ``mark`` at the end of each of :data:`PHASES` (the exit's phase empty: torch's loop
+        has no ``scale_loss`` block)."""
+        saved = torch._fused_adamw_, torch._foreach_add_
+        torch._fused_adamw_ = torch._foreach_add_ = _no_kernel
+        try:
+            self.opt.zero_grad()
+            mark()
+            (self.anchor * 1.0).backward()
+            for p, g in zip(self.params, self.grads):
+                p.grad = g
+            mark()
+            mark()
+            self.opt.step()
+            mark()
+        finally:
+            torch._fused_adamw_, torch._foreach_add_ = saved
+
 
 def _no_kernel(*args: Any, **kwargs: Any) -> None:
     return None
@@ -297,6 +329,36 @@ def measure_launch_path(tensors: int, numel: int, rounds: int, steps: int) -> di
     H100 checks' master step alone."""
     with kernel_path_with_launches():
         return measure_without_kernels(tensors, numel, rounds, steps)
+
+
+#: The phases of an iteration, as ``benchmarks/gpu_train_step.py --profile`` times them on a GPU (its
+#: ``MASTER_PHASES``): the same names, so that the CPU's figures and the GPU checks' sit side by side.
+PHASES = ("zero_grad", "backward and grads", "scale_loss exit", "step")
+
+
+def measure_phases(tensors: int, numel: int, rounds: int, steps: int) -> dict[str, dict[str, float]]:
+    """Host microseconds per phase of the launch path's iterations (:func:`measure_launch_path`'s variants: torch's
+    fused AdamW without its kernels, O2, O5), medians over ``rounds`` x ``steps`` iterations in a rotating order."""
+    with kernel_path_with_launches(), cuda_unscale_rule():
+        variants: dict[str, Any] = {"torch fused, no kernel": PlainStepNoKernel(tensors, numel)}
+        variants.update({f"{level} iteration": AmpStep(level, tensors, numel) for level in ("O2", "O5")})
+        try:
+            samples = {name: {phase: [] for phase in PHASES} for name in variants}
+            marks: list[float] = []
+            names = list(variants)
+            for r in range(rounds + 1):  # the first round untimed (state, caches, compilation)
+                for name in names[r % len(names) :] + names[: r % len(names)]:
+                    for _ in range(steps):
+                        marks.clear()
+                        start = time.perf_counter()
+                        variants[name].marked_iteration(lambda: marks.append(time.perf_counter()))
+                        if r:
+                            for phase, begin, end in zip(PHASES, [start, *marks], marks):
+                                samples[name][phase].append((end - begin) * 1e6)
+            return {name: {p: statistics.median(v) for p, v in phases.items()} for name, phases in samples.items()}
+        finally:
+            for variant in variants.values():
+                variant.close()
 
 
 def measure_check_routes(tensors: int, numel: int, rounds: int, steps: int) -> dict[str, dict[str, float]]:
@@ -403,6 +465,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also clipped iterations (CUDA's unscale rule): O5 with amp.clip_grad_norm_ and with Apex's line",
     )
+    parser.add_argument(
+        "--phases",
+        action="store_true",
+        help="also the launch path's iterations timed by phase (zero_grad, backward and grads, exit, step)",
+    )
     args = parser.parse_args(argv)
     counts = [int(n) for n in args.tensors.split(",")]
     torch.set_num_threads(1)  # host work is single-threaded; threads on tiny tensors only wait for each other
@@ -423,6 +490,7 @@ def main(argv: list[str] | None = None) -> int:
         }
     # Outside the no-op stand-ins: the launches are made, to the stand-in driver.
     launched = {n: measure_launch_path(n, args.numel, args.rounds, args.steps) for n in counts if args.launch_path}
+    phased = {n: measure_phases(n, args.numel, args.rounds, args.steps) for n in counts if args.phases}
     _print_rows(results, o4_results)
     _print_verdicts("target", results, ("O2 kernel step", "O5 kernel step"), TARGET, "torch's fused AdamW")
     print("whole iteration: zero_grad, grads handed over (amp: in a scale_loss block), step")
@@ -445,6 +513,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"clipped iterations (max_norm {CLIP_NORM:g}; CUDA's unscale rule): amp.clip_grad_norm_ and Apex's line")
         print(f"{'tensors':>8} {'variant':<24} {'us/iter':>9} {'x torch':>8} {'us/tensor':>10}")
         _print_rows(clips)
+    if phased:
+        print("the launch path's iterations by phase (us, medians; gpu_train_step --profile's phases on a GPU)")
+        print(f"{'tensors':>8} {'variant':<24}" + "".join(f" {phase:>18}" for phase in PHASES) + f" {'total':>8}")
+        for n, rows in phased.items():
+            for name, row in rows.items():
+                cells = "".join(f" {row[phase]:>18.1f}" for phase in PHASES)
+                print(f"{n:>8} {name:<24}{cells} {sum(row.values()):>8.1f}")
 
 
 def _print_rows(*tables: dict[int, dict[str, dict[str, float]]]) -> None:

@@ -53,3 +53,17 @@ def test_both_paths_of_each_timed_launch_make_the_same_call() -> None:
             through_triton, first, kept = driver.calls
             assert through_triton.kernel == first.kernel == kept.kernel
             assert through_triton.grid == kept.grid and through_triton.args == kept.args
+
+
+def test_the_phases_split_each_iteration_where_the_gpu_benchmark_does() -> None:
+    # The CPU's per-phase figures sit beside gpu_train_step --profile's: the same phases, the exit empty for torch
+    # (no scale_loss block), amp's exit holding its check and plan, and the phases summing to about an iteration.
+    from benchmarks import gpu_train_step
+
+    assert kernel_step_host.PHASES == gpu_train_step.MASTER_PHASES
+    phases = kernel_step_host.measure_phases(8, 64, 1, 3)
+    assert set(phases) == {"torch fused, no kernel", "O2 iteration", "O5 iteration"}
+    assert all(set(row) == set(kernel_step_host.PHASES) and min(row.values()) >= 0 for row in phases.values())
+    torch_row, o5 = phases["torch fused, no kernel"], phases["O5 iteration"]
+    assert torch_row["scale_loss exit"] < o5["scale_loss exit"]  # an empty phase against amp's check and plan
+    assert not kernel_step_host.kernel_step.TRITON_ON_CPU  # put back
