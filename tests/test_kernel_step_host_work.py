@@ -168,12 +168,14 @@ def _tensor_reads(iteration: Callable[[], None]) -> Counter[str]:
 #: grads: read by the scale_loss exit (the weight's and the master's, to tell a fresh backward, handed on to the
 #: plan), by the step's check that the plan holds and by torch's zero_grad of a master; set by the loop handing them
 #: over, amp's zero_grad and scale_loss entry of the weights, and the step's release of the masters'. Read once, by
-#: the scale_loss exit, and handed on to the step: the grads' device, layout, contiguity and dtype (checked), sizes
-#: and data pointers (the finite check's table, then the step's); the masters' and weights' data pointers (whether
-#: they are the tensors checked before, kernel_step._checked; then the step's table). The step reads the two moments'
-#: data pointers (its table's key) and the step counts' (that they are still one tensor's). Until the seventeenth
-#: session: 27 reads and sets per tensor, now 19 (dtype 3 -> 1, device 2 -> 1, contiguity 3 -> 1, sizes 3 -> 1,
-#: data pointers 7 -> 6; is_sparse became layout: strided, not only not sparse COO).
+#: the scale_loss exit: the grads' device, layout, contiguity and dtype (checked) and sizes (the finite check's
+#: table, handed on to the step's); the masters' and weights' dtypes, devices, contiguity and sizes only when they
+#: are not the tensors checked before at the same data pointers (kernel_step._checked). Data pointers: the exit
+#: reads the masters', the weights' and the grads' (the memo, the finite check's table); the step reads them again
+#: (a tensor given other memory in between must not be written through its old address) with the two moments'
+#: (its table's key) and the step counts' (that they are still one tensor's). Until the seventeenth session: 27
+#: reads and sets per tensor, now 22 (dtype 3 -> 1, device 2 -> 1, contiguity 3 -> 1, sizes 3 -> 1, data pointers
+#: 7 -> 9; is_sparse became layout: strided, not only not sparse COO).
 READS_PER_TENSOR = {
     "grad.__get__": 4,
     "grad.__set__": 4,
@@ -182,7 +184,7 @@ READS_PER_TENSOR = {
     "layout.__get__": 1,
     "is_contiguous": 1,
     "numel": 1,
-    "data_ptr": 6,
+    "data_ptr": 9,
 }
 
 

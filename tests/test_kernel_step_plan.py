@@ -187,3 +187,44 @@ def test_an_optimizer_state_of_other_sizes_is_refused(kernels_on_cpu: ModuleType
             _steps(weights, opt, 1)
     finally:
         amp.deinitialize()
+
+
+def _after_memory_moves(move: str) -> list[torch.Tensor]:
+    """Weights and masters after two O2 steps, the second with ``move`` done between its scale_loss exit and its step:
+    ``grads``: each weight's grad given other memory holding 0.25 by a ``.data`` assignment (the block handed over
+    0.5; the old memory kept alive); ``masters``: each master given a copy of itself by one; ``""``: the block hands
+    over 0.25 and nothing moves."""
+    weights, opt = _session(3)
+    session = amp.current_session()
+    assert session is not None
+    anchor = torch.zeros((), requires_grad=True)
+    try:
+        _steps(weights, opt, 1)
+        with session.scale_loss(anchor * 1.0, opt) as scaled:
+            scaled.backward()
+            for w in weights:
+                w.grad = torch.full_like(w, 0.5 if move == "grads" else 0.25)
+        kept = [w.grad.data for w in weights if w.grad is not None]  # the memory the exit checked, alive
+        for w in weights if move == "grads" else []:
+            assert w.grad is not None
+            w.grad.data = torch.full_like(w, 0.25)
+        masters = opt.param_groups[0]["params"]
+        for m in masters if move == "masters" else []:
+            kept.append(m.data)
+            m.data = m.data.clone()
+        opt.step()
+        return [w.detach().clone() for w in weights] + [m.detach().clone() for m in masters]
+    finally:
+        amp.deinitialize()
+
+
+@pytest.mark.parametrize("move", ["grads", "masters"])
+def test_memory_moved_between_the_exit_and_the_step_is_where_the_step_reads_and_writes(
+    kernels_on_cpu: ModuleType, move: str
+) -> None:
+    # The exit hands the grads' and masters' pointers to the step (no second read of their sizes), but the step reads
+    # the pointers again: a tensor given other memory in between (p.grad.data = ..., as gradient processing after
+    # the block may do) is read and written at its new address, never through the one the exit saw.
+    got = _after_memory_moves(move)
+    want = _after_memory_moves("")
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))

@@ -420,15 +420,16 @@ def _storage_key(
     device: torch.device, lists: Sequence[Sequence[torch.Tensor]], known: Known | None = None
 ) -> tuple[Any, ...]:
     # The sizes too: they set the blocks, and memory freed and reallocated can hold another size.
-    # Read with ``map`` over the methods: a loop in C, no Python call per tensor. ``known``: the sizes and the last
-    # two lists' pointers as the caller read them (the same key, fewer reads).
-    if known is None:
-        sizes = tuple(map(torch.Tensor.numel, lists[0]))
-        pointers = [tuple(map(torch.Tensor.data_ptr, tensors)) for tensors in lists]
+    # Read with ``map`` over the methods: a loop in C, no Python call per tensor. Every pointer is read here, at
+    # the launch: a tensor given other memory since it was checked (a ``.data`` assignment between the scale_loss
+    # exit and the step) must not be written through its old address. ``known``: the sizes and the last two lists'
+    # pointers as the caller read them when it checked them; where those pointers still hold, its sizes are taken
+    # (the tensors are the ones checked, at the same addresses) instead of read again.
+    pointers = [tuple(map(torch.Tensor.data_ptr, tensors)) for tensors in lists]
+    if known is not None and pointers[len(lists) - len(known) + 1 :] == list(known[1:]):
+        sizes = known[0]
     else:
-        sizes, *last = known
-        head = lists[: len(lists) - len(last)]
-        pointers = [*(tuple(map(torch.Tensor.data_ptr, tensors)) for tensors in head), *last]
+        sizes = tuple(map(torch.Tensor.numel, lists[0]))
     return (device, sizes, *((tensors[0].dtype if tensors else None, p) for tensors, p in zip(lists, pointers)))
 
 
@@ -491,11 +492,15 @@ def _launch_tables(
     a 37 ms step). A move costs a table of one entry per grad.
 
     ``grad_key``: ``_storage_key(device, [grads])`` as read when these grads were checked (the finite check's, at
-    the ``scale_loss`` exit that planned this step: the plan holds the same grad tensors), not read again; ``known``
-    likewise the sizes and the last two lists' pointers (``kernel_step.Launch.known``: the masters and weights, as
-    the plan read them when it checked them); ``same_sizes``: see ``_tables``."""
+    the ``scale_loss`` exit that planned this step: the plan holds the same grad tensors); ``known`` likewise the
+    sizes and the last two lists' pointers (``kernel_step.Launch.known``: the masters and weights, as the plan read
+    them when it checked them). The pointers are read again here and the sizes taken where they still hold: a
+    tensor may have been given other memory in between (``p.grad.data = p.grad.clamp(...)`` after the block),
+    and a launch through its old address would read freed memory. ``same_sizes``: see ``_tables``."""
     device = grads[0].device
     tables = _tables(device, *lists, known=known, same_sizes=same_sizes)
+    if grad_key is not None and tuple(map(torch.Tensor.data_ptr, grads)) != grad_key[2][1]:
+        grad_key = None  # a grad given other memory since it was checked (``.data`` assigned): its key read afresh
     grad_table, grads_aligned = _grad_table(device, grads, tables.sizes, grad_key)
     return tables, grad_table, tables.aligned and grads_aligned
 
