@@ -319,7 +319,7 @@ class OptimizerGrads:
             keys: list[tuple[Any, ...]] = []
             scaler.check_(copy_src, key, functools.partial(_kernel_check, keys=keys))
             # One launch over every grad (a key: one group, in the plan's order): the step's launches read the same
-            # grads, and take their pointers from this key instead of reading each grad's again.
+            # grads, and take their sizes from this key where their pointers, read again, are the same.
             grad_key = keys[0] if key is not None and len(keys) == 1 else None
             scaler.unscale_(direct, _kernel_check)
             inv_scale = None if scaler.unit else scaler.inv_scale.clone()

@@ -381,8 +381,8 @@ class Launch(NamedTuple):
     weights: list[torch.Tensor]
     grads: list[torch.Tensor]
     # What the plan read of the masters and weights when it checked them: their sizes and data pointers (the
-    # step's pointer tables take them rather than read every tensor again: ``triton_kernels._launch_tables``'
-    # ``known``). None where the group is split into several launches (they read their own).
+    # step's pointer tables read the pointers again and take the sizes where those hold:
+    # ``triton_kernels._launch_tables``' ``known``). None where the group is split into several launches.
     known: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]] | None = None
 
 
@@ -488,7 +488,7 @@ def step_fp32_masters(
     (None: by nothing); the grads of parameters without a weight are their own, unscaled. ``planned``: the plan
     :func:`half_grads_plan` made at the backward's end, taken if it still holds (:func:`_plan_holds`);
     ``grad_key``: the finite check's storage key of that plan's grads (``triton_kernels.check_finite_``), whose
-    pointers its launches take rather than read every grad's again (the plan holds the same grad tensors).
+    sizes its launches take where the grads' pointers, read again, are the ones it holds.
     """
     update = kernel_update(opt, update)
     if not _takes_kernels(opt, update) or not _plain_step(opt, original):
