@@ -285,19 +285,13 @@ class PlainStepNoKernel(PlainStep):
     1.41-1.56x. (amp's own count advance, one ``add_`` on a packed tensor, stays counted.)"""
 
     def iteration(self) -> None:
-        saved = torch._fused_adamw_, torch._foreach_add_
-        torch._fused_adamw_ = torch._foreach_add_ = _no_kernel
-        try:
+        with _without_torch_kernels():
             super().iteration()
-        finally:
-            torch._fused_adamw_, torch._foreach_add_ = saved
 
     def marked_iteration(self, mark: Callable[[], None]) -> None:
         """:meth:`iteration` with ``mark`` at the end of each of :data:`PHASES` (the exit's phase empty: torch's loop
         has no ``scale_loss`` block)."""
-        saved = torch._fused_adamw_, torch._foreach_add_
-        torch._fused_adamw_ = torch._foreach_add_ = _no_kernel
-        try:
+        with _without_torch_kernels():
             self.opt.zero_grad()
             mark()
             (self.anchor * 1.0).backward()
@@ -307,8 +301,17 @@ class PlainStepNoKernel(PlainStep):
             mark()
             self.opt.step()
             mark()
-        finally:
-            torch._fused_adamw_, torch._foreach_add_ = saved
+
+
+@contextlib.contextmanager
+def _without_torch_kernels() -> Iterator[None]:
+    """torch's fused AdamW kernel and its counts' ``_foreach_add_`` no-ops inside (:class:`PlainStepNoKernel`)."""
+    saved = torch._fused_adamw_, torch._foreach_add_
+    torch._fused_adamw_ = torch._foreach_add_ = _no_kernel
+    try:
+        yield
+    finally:
+        torch._fused_adamw_, torch._foreach_add_ = saved
 
 
 def _no_kernel(*args: Any, **kwargs: Any) -> None:

@@ -142,9 +142,11 @@ def test_a_master_given_other_memory_is_checked_again(
         amp.deinitialize()
 
 
-def _weights_after_grads_replaced(replace: bool) -> list[torch.Tensor]:
-    """One O2 step after a first, whose scale_loss block hands over grads of 0.5 that are replaced by grads of 0.25
-    (new tensors; the old ones kept alive) between the block's exit and the step, or hands over 0.25 itself."""
+def _after_a_change(change: str) -> list[torch.Tensor]:
+    """Weights and masters after two O2 steps, the second with ``change`` made between its scale_loss exit and its
+    step, the block having handed over grads of 0.5 (of 0.25 where nothing changes, ``""``): ``replace``: new grad
+    tensors of 0.25; ``grads``: each grad given other memory holding 0.25 by a ``.data`` assignment; ``masters``:
+    each master given a copy of itself by one. What the exit checked stays alive (its memory still holds 0.5)."""
     weights, opt = _session(3)
     session = amp.current_session()
     assert session is not None
@@ -154,14 +156,21 @@ def _weights_after_grads_replaced(replace: bool) -> list[torch.Tensor]:
         with session.scale_loss(anchor * 1.0, opt) as scaled:
             scaled.backward()
             for w in weights:
-                w.grad = torch.full_like(w, 0.5 if replace else 0.25)
-        checked = [w.grad for w in weights]  # alive: their memory holds 0.5 until the step
-        if replace:
-            for w in weights:
+                w.grad = torch.full_like(w, 0.5 if change in ("replace", "grads") else 0.25)
+        kept = [w.grad.data for w in weights if w.grad is not None]
+        for w in weights:
+            assert w.grad is not None
+            if change == "replace":
                 w.grad = torch.full_like(w, 0.25)
+            elif change == "grads":
+                w.grad.data = torch.full_like(w, 0.25)
+        masters = opt.param_groups[0]["params"]
+        for m in masters if change == "masters" else []:
+            kept.append(m.data)
+            m.data = m.data.clone()
         opt.step()
-        assert len(checked) == 3
-        return [w.detach().clone() for w in weights]
+        assert len(kept) >= 3
+        return [w.detach().clone() for w in weights] + [m.detach().clone() for m in masters]
     finally:
         amp.deinitialize()
 
@@ -170,8 +179,8 @@ def test_grads_replaced_after_the_exit_are_the_ones_the_step_reads(kernels_on_cp
     # The exit's finite check reads the grads' data pointers and hands them to the step's launch, which then need
     # not read them again: only while the step's plan holds the same grad tensors. Grads replaced in between are
     # planned afresh and read at their own addresses (a launch through the check's pointers would read 0.5).
-    got = _weights_after_grads_replaced(replace=True)
-    want = _weights_after_grads_replaced(replace=False)
+    got = _after_a_change("replace")
+    want = _after_a_change("")
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
 
 
@@ -189,35 +198,6 @@ def test_an_optimizer_state_of_other_sizes_is_refused(kernels_on_cpu: ModuleType
         amp.deinitialize()
 
 
-def _after_memory_moves(move: str) -> list[torch.Tensor]:
-    """Weights and masters after two O2 steps, the second with ``move`` done between its scale_loss exit and its step:
-    ``grads``: each weight's grad given other memory holding 0.25 by a ``.data`` assignment (the block handed over
-    0.5; the old memory kept alive); ``masters``: each master given a copy of itself by one; ``""``: the block hands
-    over 0.25 and nothing moves."""
-    weights, opt = _session(3)
-    session = amp.current_session()
-    assert session is not None
-    anchor = torch.zeros((), requires_grad=True)
-    try:
-        _steps(weights, opt, 1)
-        with session.scale_loss(anchor * 1.0, opt) as scaled:
-            scaled.backward()
-            for w in weights:
-                w.grad = torch.full_like(w, 0.5 if move == "grads" else 0.25)
-        kept = [w.grad.data for w in weights if w.grad is not None]  # the memory the exit checked, alive
-        for w in weights if move == "grads" else []:
-            assert w.grad is not None
-            w.grad.data = torch.full_like(w, 0.25)
-        masters = opt.param_groups[0]["params"]
-        for m in masters if move == "masters" else []:
-            kept.append(m.data)
-            m.data = m.data.clone()
-        opt.step()
-        return [w.detach().clone() for w in weights] + [m.detach().clone() for m in masters]
-    finally:
-        amp.deinitialize()
-
-
 @pytest.mark.parametrize("move", ["grads", "masters"])
 def test_memory_moved_between_the_exit_and_the_step_is_where_the_step_reads_and_writes(
     kernels_on_cpu: ModuleType, move: str
@@ -225,6 +205,6 @@ def test_memory_moved_between_the_exit_and_the_step_is_where_the_step_reads_and_
     # The exit hands the grads' and masters' pointers to the step (no second read of their sizes), but the step reads
     # the pointers again: a tensor given other memory in between (p.grad.data = ..., as gradient processing after
     # the block may do) is read and written at its new address, never through the one the exit saw.
-    got = _after_memory_moves(move)
-    want = _after_memory_moves("")
+    got = _after_a_change(move)
+    want = _after_a_change("")
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
