@@ -41,8 +41,11 @@ from the half grads, the clip in the kernel's multiplier) and through Apex's lin
 (fp32 master grads made, clipped by torch, read by the step), against torch's fused AdamW iteration clipping its
 fp32 parameters with torch's ``clip_grad_norm_``. On CPU the norms and multiplies do their arithmetic too.
 
+``--phases`` times the launch path's iterations (``--launch-path``'s variants) by phase: ``zero_grad``, the backward
+and the grads' hand-over, the ``scale_loss`` exit, the step, the phases ``gpu_train_step --profile`` times on a GPU.
+
     PYTHONPATH=. python benchmarks/kernel_step_host.py [--tensors 50,150,450] [--rounds 15] [--steps 20]
-        [--iterations-only] [--check-routes] [--without-kernels] [--launch-path] [--clip]
+        [--iterations-only] [--check-routes] [--without-kernels] [--launch-path] [--clip] [--phases]
 """
 
 from __future__ import annotations
