@@ -164,10 +164,6 @@ def _libdevice(x: torch.Tensor) -> bool:
     return x.device.type == "cuda"
 
 
-def _programs(n: int) -> int:
-    return -(-n // BLOCK)
-
-
 def _options(fused: bool) -> dict[str, bool]:
     """Triton's launch options of a variant (``fused``: whether multiply-adds may fuse); subnormals kept always."""
     return {"enable_fp_fusion": fused, "enable_reflect_ftz": False}
@@ -179,7 +175,9 @@ def forward(x: torch.Tensor, variant: tuple[int, bool]) -> torch.Tensor:
     n = x.numel()
     if n:
         constants = {"ALPHA": _ALPHA, "IS_BF16": x.dtype == torch.bfloat16, "BLOCK": BLOCK, "LIBDEVICE": _libdevice(x)}
-        triton_launch.launch(_forward_kernel, _programs(n), (x, y, n), constants, _options(variant[1]), x.device)
+        triton_launch.launch(
+            _forward_kernel, triton.cdiv(n, BLOCK), (x, y, n), constants, _options(variant[1]), x.device
+        )
     return y
 
 
@@ -199,5 +197,7 @@ def backward(
             "BLOCK": BLOCK,
             "LIBDEVICE": _libdevice(x),
         }
-        triton_launch.launch(_backward_kernel, _programs(n), (dy, x, dx, n), constants, _options(variant[1]), x.device)
+        triton_launch.launch(
+            _backward_kernel, triton.cdiv(n, BLOCK), (dy, x, dx, n), constants, _options(variant[1]), x.device
+        )
     return dx

@@ -426,7 +426,7 @@ def _storage_key(
     # pointers as the caller read them when it checked them; where those pointers still hold, its sizes are taken
     # (the tensors are the ones checked, at the same addresses) instead of read again.
     pointers = [tuple(map(torch.Tensor.data_ptr, tensors)) for tensors in lists]
-    if known is not None and pointers[len(lists) - len(known) + 1 :] == list(known[1:]):
+    if known is not None and pointers[-2:] == list(known[1:]):  # the last two lists: the masters and the weights
         sizes = known[0]
     else:
         sizes = tuple(map(torch.Tensor.numel, lists[0]))
