@@ -50,6 +50,7 @@ class OptimizerRecord:
         self.stage = Stage.READY
         self.skip_pending = False  # an overflow read on the host: skip the next step
         self.skip_flag: torch.Tensor | None = None  # sync-free: the overflow flag, on the device, for the next step
+        self._taken_skip: tuple[bool, torch.Tensor | None] = (False, None)  # what take_skip consumed last
         self.last_skipped: bool | torch.Tensor = False  # the last step's fate (a device flag in sync-free mode)
         # delay_unscale: the scaler, its version and the scale that the kept grads are multiplied by.
         self._kept_scale: tuple[LossScaler, int, torch.Tensor] | None = None
@@ -155,8 +156,14 @@ class OptimizerRecord:
             raise RuntimeError(CLOSURE_MESSAGE)
         if not skip and self.grads.master_weights and self.stage is not Stage.UNSCALED and self.grads.has_model_grads():
             raise RuntimeError(_NOT_TRANSFERRED)
+        self._taken_skip = self.skip_pending, self.skip_flag
         self.skip_pending, self.skip_flag = False, None
         return skip, flag
+
+    def give_back_skip(self) -> None:
+        """Undo the last :meth:`take_skip`: its step raised (an optimizer state the kernels refuse, say), and a retried
+        step must be decided as that one was, not taken as a clean step."""
+        self.skip_pending, self.skip_flag = self._taken_skip
 
     def step(
         self,

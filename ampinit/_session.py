@@ -291,8 +291,12 @@ class AmpSession:
         self._overflow.before_step(record, self.verbosity)
         skip, flag = record.take_skip(args, kwargs)
         measured = None if self._stuck is None else self._stuck.before_step(record, skip, self.master_for)
-        with self.disable_casts():
-            result = record.step(original, skip, flag, args, kwargs)
+        try:
+            with self.disable_casts():
+                result = record.step(original, skip, flag, args, kwargs)
+        except BaseException:
+            record.give_back_skip()  # the step did not happen: its skip decision waits for the next one
+            raise
         self.clear_cast_cache()
         self._counts.count(record, skip, flag)
         if measured is not None:

@@ -3,6 +3,7 @@ holds at the step (not what it held when the step last looked)."""
 
 from __future__ import annotations
 
+import math
 from types import ModuleType
 
 import pytest
@@ -182,6 +183,64 @@ def test_grads_replaced_after_the_exit_are_the_ones_the_step_reads(kernels_on_cp
     got = _after_a_change("replace")
     want = _after_a_change("")
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+
+def _refused_then_retried(refuse: bool, overflow: bool, device_decides: bool) -> list[torch.Tensor]:
+    """Weights, masters, moments and counts after three O2 steps (dynamic scale) with grads of 0.5, the second's
+    grads an inf when ``overflow``; with ``refuse``, that step is first attempted with bf16 first moments in
+    ``opt.state`` (refused), then, the moments put back, called again."""
+    gen = torch.Generator().manual_seed(0)
+    params = nn.ParameterList([nn.Parameter(torch.randn(16, generator=gen)) for _ in range(3)])
+    opt = torch.optim.AdamW(params.parameters(), lr=1e-2, betas=(BETA1, 0.999), fused=True)
+    amp.initialize(params, opt, opt_level="O2", verbosity=0, sync_free=device_decides)  # type: ignore[arg-type]
+    session = amp.current_session()
+    assert session is not None
+    weights = list(params)
+    anchor = torch.zeros((), requires_grad=True)
+    try:
+        for step in range(3):
+            with session.scale_loss(anchor * 1.0, opt) as scaled:
+                scaled.backward()
+                for w in weights:
+                    w.grad = torch.full_like(w, math.inf if overflow and step == 1 else 0.5)
+            masters = opt.param_groups[0]["params"]
+            if refuse and step == 1:
+                kept = [opt.state[m]["exp_avg"] for m in masters]
+                for m in masters:
+                    opt.state[m]["exp_avg"] = opt.state[m]["exp_avg"].bfloat16()
+                with pytest.raises(ValueError, match=r"reads every exp_avg as torch.float32, got torch.bfloat16"):
+                    opt.step()
+                for m, moment in zip(masters, kept):
+                    opt.state[m]["exp_avg"] = moment
+            opt.step()
+        states = [opt.state[m] for m in masters]
+        moments = [state[key] for state in states for key in ("exp_avg", "exp_avg_sq")]
+        counts = [state["step"].reshape(1) for state in states]
+        return [w.detach().clone() for w in weights] + [m.detach().clone() for m in masters] + moments + counts
+    finally:
+        amp.deinitialize()
+
+
+@pytest.mark.parametrize(
+    ("overflow", "device_decides"),
+    # An overflow decided on the host skips the step before anything reads the moments: nothing to refuse.
+    [(False, False), (False, True), (True, True)],
+    ids=["clean-host-decides", "clean-device-decides", "overflow-device-decides"],
+)
+def test_a_refused_step_changes_nothing_and_its_retry_is_the_step(
+    kernels_on_cpu: ModuleType, overflow: bool, device_decides: bool
+) -> None:
+    # The kernels read an optimizer state's moments through raw pointers as fp32: bf16 moments put in opt.state
+    # would be written past their end (the process aborted, heap corrupted, before the seventeenth session's
+    # successor). They are refused when the launch's tables are built, after the step counts advanced: the counts
+    # must go back (a count one ahead moves every later bias correction), and the step's skip decision must wait
+    # for the retried step (taken as clean, an inf grad reaches every master). The retry, the moments put back,
+    # must then be the step that was never refused, in every bit.
+    got = _refused_then_retried(True, overflow, device_decides)
+    want = _refused_then_retried(False, overflow, device_decides)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    if overflow:
+        assert all(torch.isfinite(t).all() for t in got)
 
 
 def test_an_optimizer_state_of_other_sizes_is_refused(kernels_on_cpu: ModuleType) -> None:

@@ -660,8 +660,17 @@ def run_kernels(
     (``triton_kernels.adam_``'s and ``sgd_``'s: taken by a launch over the whole list)."""
     read = grads if grads is not None else [_grad(p) for p in params]
     if update == "adam":
-        inputs = adam_inputs(opt, group, params, found_inf, kernels)
-        kernels.adam_(read, masters, *inputs, inv_scale=inv_scale, found_inf=found_inf, grad_key=grad_key, known=known)
+        inputs, advanced = _adam_inputs(opt, group, params, found_inf, kernels)
+        try:
+            kernels.adam_(
+                read, masters, *inputs, inv_scale=inv_scale, found_inf=found_inf, grad_key=grad_key, known=known
+            )
+        except BaseException:
+            # Refused before its launch (an optimizer state of other sizes or precision, found when the launch's
+            # tables are built): the counts go back to where the step found them, as the rest of the state is.
+            if advanced is not None:
+                _take_back(advanced, found_inf)
+            raise
         return
     settings = group_settings(opt, update, group)
     assert isinstance(settings, SgdSettings)
@@ -719,12 +728,25 @@ def adam_inputs(
     The step counts advance here (on the device, not where ``found_inf`` is set), as one tensor (:func:`packed_steps`).
     ``kernels``: the fp32-master kernels, where the caller has them (else :func:`kernels_for` the counts' device).
     """
+    return _adam_inputs(opt, group, params, found_inf, kernels)[0]
+
+
+def _adam_inputs(
+    opt: torch.optim.Optimizer,
+    group: dict[str, Any],
+    params: list[torch.Tensor],
+    found_inf: torch.Tensor | None,
+    kernels: ModuleType | None = None,
+) -> tuple[tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor, AdamSettings], torch.Tensor | None]:
+    """:func:`adam_inputs`, and the packed counts it advanced (None: a :class:`KernelOptimizer`'s, which count
+    after the launches), for :func:`_take_back`."""
     own = _kernel_optimizer(opt)
     if own is not None:
         settings = own.kernel_settings(group)
         assert isinstance(settings, AdamSettings)
         exp_avgs, exp_avg_sqs, steps = cast(KernelAdamState, own).kernel_adam_state(group, params)
         scalars = _scalars(steps, None, settings, kernels, advance=False)  # the step numbers of this update already
+        advanced = None
     else:
         found = _states_of(opt, params)
         if all(found):  # every state made (each step but the first): no Python call per parameter
@@ -736,7 +758,16 @@ def adam_inputs(
         # The counts advanced by one, and taken back by the flag (on the device), with the scalars.
         scalars = _scalars(steps, found_inf, settings, kernels, advance=True)
         exp_avgs, exp_avg_sqs = list(map(_EXP_AVG, states)), list(map(_EXP_AVG_SQ, states))
-    return exp_avgs, exp_avg_sqs, scalars.to(params[0].device), settings
+        advanced = steps
+    return (exp_avgs, exp_avg_sqs, scalars.to(params[0].device), settings), advanced
+
+
+def _take_back(steps: torch.Tensor, found_inf: torch.Tensor | None) -> None:
+    """Undo :func:`_scalars`' advance of ``steps`` (one count up, then ``found_inf`` down): exact, the counts being
+    whole numbers far below 2**24."""
+    steps.sub_(1.0)
+    if found_inf is not None:
+        steps.add_(found_inf)
 
 
 def _scalars(

@@ -415,6 +415,11 @@ _MAX_CACHED = 64  # a few optimizers x dtype lists x the grads' addresses (a cac
 #: ``_build_tables`` makes sure of) and each list's data pointers (``kernel_step.Launch.known``).
 Known = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
 
+#: What a launch's kernel reads one of its lists as: ``(what the list holds, its dtype)``, or None (any dtype: one
+#: the launch passes to the kernel as a constant, or a list the kernel does not read).
+ListDtype = tuple[str, torch.dtype] | None
+_FP32_MOMENTS: tuple[ListDtype, ...] = (("exp_avg", torch.float32), ("exp_avg_sq", torch.float32))
+
 
 def _storage_key(
     device: torch.device, lists: Sequence[Sequence[torch.Tensor]], known: Known | None = None
@@ -434,15 +439,20 @@ def _storage_key(
 
 
 def _tables(
-    device: torch.device, *lists: Sequence[torch.Tensor], known: Known | None = None, same_sizes: bool = False
+    device: torch.device,
+    *lists: Sequence[torch.Tensor],
+    known: Known | None = None,
+    same_sizes: bool = False,
+    dtypes: Sequence[ListDtype] = (),
 ) -> _Tables:
     """The tables of a launch over ``lists`` (the first list sets the blocks), from the cache when the same
     storage was launched on before; built, checked and copied to the device once otherwise. ``known``: see
-    ``_storage_key``; ``same_sizes``: every list must have the first one's sizes (checked when built)."""
+    ``_storage_key``; ``same_sizes``: every list must have the first one's sizes; ``dtypes``: what the kernel reads
+    each list as (both checked when built: the key holds each list's dtype and sizes)."""
     key = _storage_key(device, lists, known)
     cached = _tables_by_storage.get(key)
     if cached is None:
-        cached = _build_tables(device, lists, same_sizes)
+        cached = _build_tables(device, lists, same_sizes, dtypes)
         if len(_tables_by_storage) >= _MAX_CACHED:
             _tables_by_storage.clear()
         _tables_by_storage[key] = cached
@@ -481,6 +491,7 @@ def _launch_tables(
     grad_key: tuple[Any, ...] | None = None,
     known: Known | None = None,
     same_sizes: bool = False,
+    dtypes: Sequence[ListDtype] = (),
 ) -> tuple[_Tables, torch.Tensor, bool]:
     """A step launch's tables over ``lists`` (the state: masters and moments), cached by their storage, and the
     grads' own pointer table, cached by theirs; and whether every tensor of both starts on 16 bytes.
@@ -496,20 +507,26 @@ def _launch_tables(
     sizes and the last two lists' pointers (``kernel_step.Launch.known``: the masters and weights, as the plan read
     them when it checked them). The pointers are read again here and the sizes taken where they still hold: a
     tensor may have been given other memory in between (``p.grad.data = p.grad.clamp(...)`` after the block),
-    and a launch through its old address would read freed memory. ``same_sizes``: see ``_tables``."""
+    and a launch through its old address would read freed memory. ``same_sizes``, ``dtypes``: see ``_tables``."""
     device = grads[0].device
-    tables = _tables(device, *lists, known=known, same_sizes=same_sizes)
+    tables = _tables(device, *lists, known=known, same_sizes=same_sizes, dtypes=dtypes)
     if grad_key is not None and tuple(map(torch.Tensor.data_ptr, grads)) != grad_key[2][1]:
         grad_key = None  # a grad given other memory since it was checked (``.data`` assigned): its key read afresh
     grad_table, grads_aligned = _grad_table(device, grads, tables.sizes, grad_key)
     return tables, grad_table, tables.aligned and grads_aligned
 
 
-def _check_lists(device: torch.device, lists: Sequence[Sequence[torch.Tensor]], same_sizes: bool = False) -> None:
-    """Raise unless every tensor is contiguous on ``device``, each list is of one dtype, and (``same_sizes``) every
-    non-empty list's sizes are the first list's."""
+def _check_lists(
+    device: torch.device,
+    lists: Sequence[Sequence[torch.Tensor]],
+    same_sizes: bool = False,
+    dtypes: Sequence[ListDtype] = (),
+) -> None:
+    """Raise unless every tensor is contiguous on ``device``, each list is of one dtype, (``same_sizes``) every
+    non-empty list's sizes are the first list's, and each list's dtype is the one ``dtypes`` names for it (by
+    position; None or a missing entry: any)."""
     sizes = [t.numel() for t in lists[0]] if lists and same_sizes else []
-    for tensors in lists:
+    for tensors, wanted in itertools.zip_longest(lists, dtypes[: len(lists)]):
         for tensor in tensors:
             if not tensor.is_contiguous() or tensor.device != device:
                 raise ValueError(f"the fused master step needs contiguous tensors on {device}, got {tensor.device}")
@@ -524,12 +541,26 @@ def _check_lists(device: torch.device, lists: Sequence[Sequence[torch.Tensor]], 
                 "the fused master step needs the same sizes in every list (masters, weights, optimizer state: was "
                 f"an optimizer state of another model loaded?), got {sizes} and {[t.numel() for t in tensors]}"
             )
+        # The kernels read each list through raw pointers as one dtype: an optimizer state of another precision
+        # (bf16 moments assigned into ``opt.state``) would be read as fp32 and written twice its bytes.
+        if wanted is not None and tensors and tensors[0].dtype != wanted[1]:
+            name, dtype = wanted
+            raise ValueError(
+                f"the fused master step reads every {name} as {dtype}, got {tensors[0].dtype} (was an optimizer "
+                "state of another precision put in opt.state? torch's load_state_dict casts it to the masters' "
+                "dtype)"
+            )
 
 
-def _build_tables(device: torch.device, lists: Sequence[Sequence[torch.Tensor]], same_sizes: bool = False) -> _Tables:
+def _build_tables(
+    device: torch.device,
+    lists: Sequence[Sequence[torch.Tensor]],
+    same_sizes: bool = False,
+    dtypes: Sequence[ListDtype] = (),
+) -> _Tables:
     """A launch's tables: its own pointer table, and the block tables of its sizes, which the finite check's launch
     over grads of these sizes shares."""
-    _check_lists(device, lists, same_sizes)
+    _check_lists(device, lists, same_sizes, dtypes)
     addresses = [t.data_ptr() for tensors in lists for t in tensors]
     blocks = _size_tables(device, tuple(t.numel() for t in lists[0]))
     pointers = _to_device(torch.tensor(addresses, dtype=torch.int64), device)
@@ -691,7 +722,8 @@ def check_finite_(grads: TensorList, found_inf: torch.Tensor) -> tuple[Any, ...]
 
 
 def _storage(masters: Masters) -> tuple[TensorList, TensorList, dict[str, Any]]:
-    """The kernels' last two lists, and their STORAGE constants (the weight dtype matters only when written)."""
+    """The kernels' last two lists, and their STORAGE constants (the weight dtype matters only when written). What
+    the kernels read them as: :data:`_STORAGE_DTYPES`."""
     if masters.kind not in ("fp32", "remainder"):
         # An int8 remainder would be read as int16, a bare bf16 weight as an fp32 master: triton_dial steps these.
         raise ValueError(
@@ -708,10 +740,19 @@ def _storage(masters: Masters) -> tuple[TensorList, TensorList, dict[str, Any]]:
     return *lists, {"STORAGE": storage, "WEIGHT_T": weight_t, "WEIGHT_IS_BF16": weight_is_bf16}
 
 
+#: By STORAGE, what the kernels read ``_storage``'s two lists as (a model weight's dtype is the WEIGHT_T constant).
+_STORAGE_DTYPES: dict[int, tuple[ListDtype, ListDtype]] = {
+    _REMAINDER: (("bf16 weight", torch.bfloat16), ("remainder", torch.int16)),
+    _MASTER_AND_WEIGHT: (("master", torch.float32), None),
+    _MASTER: (("master", torch.float32), None),
+}
+
+
 def _launch(
     kernel: Any,
     grads: TensorList,
     lists: Sequence[TensorList],
+    list_dtypes: Sequence[ListDtype],
     masters: Masters,
     scalars: Sequence[object],
     inv_scale: torch.Tensor | None,
@@ -722,14 +763,16 @@ def _launch(
     known: Known | None = None,
 ) -> None:
     """One launch of ``kernel`` over ``grads``, ``lists`` and ``masters``, one program per block of each tensor
-    (``grad_key``, ``known``: see ``_launch_tables``; ``known`` describes the masters and their weights)."""
+    (``list_dtypes``: what the kernel reads each of ``lists`` as; ``grad_key``, ``known``: see ``_launch_tables``;
+    ``known`` describes the masters and their weights)."""
     if not grads:
         return
     first, second, storage = _storage(masters)
     if masters.remainders:
         known = None  # its last lists are the weights and remainders, not what ``known`` describes
+    dtypes = (*list_dtypes, *_STORAGE_DTYPES[storage["STORAGE"]])
     tables, grad_table, aligned = _launch_tables(
-        grads, *lists, first, second, grad_key=grad_key, known=known, same_sizes=True
+        grads, *lists, first, second, grad_key=grad_key, known=known, same_sizes=True, dtypes=dtypes
     )
     unread = grads[0]  # passed for an absent scale or flag: the kernel never reads it
     triton_launch.launch(
@@ -782,8 +825,8 @@ def adam_(
     scalars = (step_scalars.contiguous(), *betas, s.eps, s.weight_decay, 1 - s.lr * s.weight_decay)
     constants = {"DECAY": 0 if s.weight_decay == 0 else (2 if s.decoupled else 1)}
     _launch(
-        _adam_kernel, grads, (exp_avgs, exp_avg_sqs), masters, scalars, inv_scale, found_inf, s.maximize, constants,
-        grad_key, known,
+        _adam_kernel, grads, (exp_avgs, exp_avg_sqs), _FP32_MOMENTS, masters, scalars, inv_scale, found_inf,
+        s.maximize, constants, grad_key, known,
     )  # fmt: skip
 
 
@@ -807,6 +850,8 @@ def sgd_(
     constants = {**flags, "FIRST_STEP": first_step}
     # Without momentum the buffers' list repeats the masters' first list (same sizes), unread.
     buffers = momentum_buffers or (masters.weights if masters.remainders else masters.masters)
+    read_as: tuple[ListDtype] = (("momentum_buffer", torch.float32) if momentum_buffers else None,)
     _launch(
-        _sgd_kernel, grads, (buffers,), masters, scalars, inv_scale, found_inf, s.maximize, constants, grad_key, known
-    )
+        _sgd_kernel, grads, (buffers,), read_as, masters, scalars, inv_scale, found_inf, s.maximize, constants,
+        grad_key, known,
+    )  # fmt: skip
