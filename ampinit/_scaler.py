@@ -119,13 +119,14 @@ class LossScaler:
 
     def _refresh_inv_scale(self) -> None:
         assert self._scale is not None
-        # One fp32 kernel into a persistent tensor. Dynamic scales are powers of two, whose fp32 reciprocal is
-        # exact; GradScaler's float64 detour only matters for odd static scales, which never change (so it is
-        # paid once, at materialize, below).
+        # One fp32 kernel. Dynamic scales are powers of two, whose fp32 reciprocal is exact; GradScaler's float64
+        # detour only matters for odd static scales, which never change (so it is paid once, at materialize,
+        # below). A new tensor at each update, never one written in place: a pending master step keeps the
+        # reciprocal its grads were scaled with (``OptimizerGrads.post_backward``) without a copy of its own.
         if self._inv_scale is None or self.config is None:
             self._inv_scale = self._scale.double().reciprocal().float()
         else:
-            torch.reciprocal(self._scale, out=self._inv_scale)
+            self._inv_scale = torch.reciprocal(self._scale)
 
     @property
     def scale_tensor(self) -> torch.Tensor:
@@ -134,6 +135,8 @@ class LossScaler:
 
     @property
     def inv_scale(self) -> torch.Tensor:
+        """``1 / scale`` (fp32, on the device): the tensor of the current scale, replaced (not written) when the
+        scale changes, so that one taken stays the reciprocal of the scale it was taken at."""
         assert self._inv_scale is not None, "materialize() first"
         return self._inv_scale
 

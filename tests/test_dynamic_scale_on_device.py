@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import ampinit
-from ampinit import _overflow, _skip, amp
+from ampinit import _optimizer_record, _overflow, _skip, amp
 from tests._amp_loop import mse, overflowing_run
 from tests._device import HostSyncCounter, requires_cuda
 from tests.conftest import make_problem
@@ -185,3 +185,29 @@ def test_a_failing_flush_still_closes_the_session(
     assert amp.current_session() is None
     assert all(p.dtype == torch.float32 for p in model.parameters())  # the O2 model cast back
     assert "step" not in vars(opt)  # amp's step wrapper removed
+
+
+@pytest.mark.usefixtures("on_an_accelerator")
+@pytest.mark.parametrize("level", ["O2", "O5"])
+def test_device_skips_are_counted_across_the_counts_folds(level: str) -> None:
+    """The session sums its device-decided skips every ``StepCounts.FOLD`` steps, not at each step: overflows on
+    both sides of a fold (the first step, the last before one, the first after, one in the next window) are each
+    counted once, read at any step, against the plain count of the overflows planted."""
+    fold = _optimizer_record.StepCounts.FOLD
+    planted = {0, fold - 1, fold, fold + 1, 2 * fold + 5}
+    model, x, y = make_problem()
+    opt = torch.optim.AdamW(model.parameters(), 1e-2, fused=True)
+    amp.initialize(model, opt, opt_level=level, verbosity=0)
+    try:
+        for step in range(2 * fold + 7):
+            opt.zero_grad()
+            with amp.scale_loss(mse(model(x), y), opt) as scaled:
+                scaled.backward()
+                if step in planted:
+                    model.fc1.bias.grad[0] = float("inf")  # type: ignore[index]
+            opt.step()
+            if step in (fold - 2, fold - 1, fold, 2 * fold, 2 * fold + 6):
+                assert amp.stats().skipped_steps == sum(1 for s in planted if s <= step), step
+        assert amp.stats().steps == 2 * fold + 7
+    finally:
+        amp.deinitialize()

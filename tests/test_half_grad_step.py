@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch import nn
 
+import ampinit
 from ampinit import amp
 from ampinit._masters import kernel_step
 
@@ -91,6 +92,37 @@ def test_the_exit_writes_no_master_grad_and_the_step_gives_the_same_bits(
     asked = run(monkeypatch, True, level, train(ask=True))
     assert seen == [None] * 3  # no fp32 master grad between the exit and the step
     assert_same(lazy, asked)
+
+
+def test_the_pending_step_multiplies_by_the_scale_its_grads_were_scaled_with(kernels_on_cpu: ModuleType) -> None:
+    """A scale that grows at every clean exit (growth_interval 1): the exit's update doubles it after the half grads
+    were scaled by the old one, and the pending step must take the old one's reciprocal (weights moved as by the
+    unscaled grads, not by half of them)."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    model, opt = amp.initialize(
+        model,
+        opt,
+        opt_level="O2",
+        verbosity=0,
+        loss_scale=ampinit.DynamicLossScale(init_scale=2.0**4, growth_interval=1),
+    )
+    session = amp.current_session()
+    assert session is not None
+    try:
+        for seed in range(3):
+            (scaler,) = session.scalers
+            before = scaler.loss_scale()
+            _backward(model, opt, "O2", seed)
+            record = session._record_of(opt)
+            assert record is not None and record.grads._pending is not None
+            taken = record.grads._pending.inv_scale
+            assert scaler.loss_scale() == 2 * before
+            assert taken is not None and float(taken) == 1 / before
+            opt.step()
+            opt.zero_grad()
+    finally:
+        session.close()
 
 
 @pytest.mark.parametrize("level", ["O2", "O5"])

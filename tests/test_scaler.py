@@ -144,3 +144,18 @@ def test_apex_field_assignments_change_one_field_and_keep_the_rest() -> None:
     scaler.set_loss_scale(96.0)
     assert (scaler.loss_scale(), scaler.unskipped(), scaler.hysteresis_left()) == (96.0, 7, 2)
     assert scaler.inv_scale.item() == torch.tensor(1 / 96.0, dtype=torch.float32).item()
+
+
+def test_an_update_replaces_the_reciprocal_and_leaves_the_one_taken_as_it_was() -> None:
+    # A pending master step keeps the 1/scale its half grads were multiplied by (OptimizerGrads.post_backward) and
+    # applies it after the exit's update: the update must hand out a new tensor, not write the one taken.
+    scaler = LossScaler(DynamicLossScale(init_scale=2.0**4, growth_interval=1))
+    scaler.materialize(torch.device("cpu"))
+    taken = scaler.inv_scale
+    scaler.update()  # a clean step: grows (growth_interval 1)
+    assert scaler.loss_scale() == 2.0**5
+    assert float(taken) == 2.0**-4 and float(scaler.inv_scale) == 2.0**-5
+    scaler.found_inf.fill_(1.0)
+    again = scaler.inv_scale
+    scaler.update()  # an overflow: backs off
+    assert float(again) == 2.0**-5 and float(scaler.inv_scale) == 2.0**-4

@@ -322,7 +322,7 @@ class OptimizerGrads:
             # grads, and take their sizes from this key where their pointers, read again, are the same.
             grad_key = keys[0] if key is not None and len(keys) == 1 else None
             scaler.unscale_(direct, _kernel_check)
-            inv_scale = None if scaler.unit else scaler.inv_scale.clone()
+            inv_scale = None if scaler.unit else scaler.inv_scale  # replaced, never written, by the update
             self._pending = PendingGrads(inv_scale, before_widening, scaler.powers_of_two, plan, grad_key)
             self._merge_stash()
             return

@@ -73,6 +73,13 @@ def kernels_for(device: torch.device) -> ModuleType | None:
     """``ampinit._masters.triton_kernels`` if the kernels run on ``device``, else None."""
     if device.type != "cuda" and not (device.type == "cpu" and TRITON_ON_CPU):
         return None
+    return _imported_kernels()
+
+
+@functools.cache
+def _imported_kernels() -> ModuleType | None:
+    """The kernels' module, imported at the first step that takes it (None without ``triton``): looked up once,
+    where an import statement per call cost a microsecond, and a step asks several times."""
     if not triton_available():
         return None
     from ampinit._masters import triton_kernels
@@ -129,8 +136,12 @@ def _takes_kernels(opt: torch.optim.Optimizer, update: Update | None) -> bool:
 
 
 def takes_group(opt: torch.optim.Optimizer, update: Update | None, group: dict[str, Any]) -> bool:
-    """Whether ``group`` of ``opt`` fits the kernels (see :func:`group_settings`)."""
-    return group_settings(opt, update, group) is not None
+    """Whether ``group`` of ``opt`` fits the kernels (see :func:`group_settings`; for torch's optimizers their rule
+    alone, without making the settings, which a step asks for several times)."""
+    own = _kernel_optimizer(opt)
+    if own is not None:
+        return own.kernel_settings(group) is not None
+    return group_takes_kernels(update, group)
 
 
 def group_settings(
