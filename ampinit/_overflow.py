@@ -55,10 +55,9 @@ class OverflowDecisions:
             return
         held = self._deferred.get(scaler)
         if held is None:
-            self._deferred[scaler] = (scaler.found_inf.clone(), dict.fromkeys(records))
+            self._deferred[scaler] = (scaler.lend_flag(), dict.fromkeys(records))
         else:
-            torch.maximum(held[0], scaler.found_inf, out=held[0])
-            held[1].update(dict.fromkeys(records))
+            self._deferred[scaler] = (torch.maximum(held[0], scaler.lend_flag()), {**held[1], **dict.fromkeys(records)})
 
     def device_decides(self, scaler: LossScaler) -> bool:
         """Whether a dynamic ``scaler``'s overflow is decided on the device: ``sync_free`` when given; by default
@@ -79,7 +78,7 @@ class OverflowDecisions:
         for scaler, (flag, waiting) in list(self._deferred.items()):
             if record in waiting:
                 del self._deferred[scaler]
-                scaler.found_inf.copy_(flag)  # the flag the deferred unscale steps raised, decided now
+                scaler.take_flag(flag)  # the flag the deferred unscale steps raised (its own), decided now
                 self._decide(scaler, list(waiting), verbosity)
 
     def _decide(self, scaler: LossScaler, records: Sequence[OptimizerRecord], verbosity: int) -> None:
@@ -87,13 +86,13 @@ class OverflowDecisions:
             scaler.clear_overflow()  # Apex: a static scale never skips, and counts every unscale step as clean
             scaler.update()
             return
-        agree_on_overflow_(scaler.found_inf)
+        agree_on_overflow_(scaler.writable_flag())
         if not scaler.dynamic or self.device_decides(scaler):
             logs = scaler.dynamic and self._log.enabled(verbosity)
             scale_before = scaler.scale_tensor.clone() if logs else None
             scaler.update()
             for record in records:
-                record.skip_next_step(scaler.found_inf)
+                record.skip_next_step(scaler.lend_flag())
             if scale_before is not None:
                 self._log.defer(scaler, scale_before)
                 self._log.poll()

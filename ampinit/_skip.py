@@ -23,11 +23,14 @@ logger = logging.getLogger("ampinit")
 
 
 def fold_flag(flag: torch.Tensor | None, found_inf: torch.Tensor) -> torch.Tensor:
-    """The device flag of a step that skips if this or an earlier unscale step since the last step overflowed."""
+    """The device flag of a step that skips if this or an earlier unscale step since the last step overflowed.
+
+    ``found_inf`` is a scaler's lent flag (``LossScaler.lend_flag``), and ``flag`` one made here or lent: neither
+    is written again by anyone, so the first is kept as it is (no copy) and a fold makes a new tensor (several
+    records may hold the same flag)."""
     if flag is None:
-        return found_inf.clone()
-    torch.maximum(flag, found_inf, out=flag)
-    return flag
+        return found_inf
+    return torch.maximum(flag, found_inf)
 
 
 def settle_on_host(

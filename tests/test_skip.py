@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from ampinit import _skip
+from ampinit import DynamicLossScale, _skip
 from ampinit._scaler import LossScaler
 
 
@@ -16,14 +16,35 @@ def _params() -> list[torch.nn.Parameter]:
     return [torch.nn.Parameter(torch.ones(3))]
 
 
-def test_flags_fold_into_their_maximum() -> None:
+def test_flags_fold_into_their_maximum_and_no_flag_is_written() -> None:
+    # The flags are scalers' lent ones (LossScaler.lend_flag), which several records may hold: a fold makes a new
+    # tensor and leaves every flag it read as it was.
     values = [0.0, 1.0, 0.0, 1.0, 0.0]
+    flags = [torch.tensor([value]) for value in values]
     flag = None
-    for value in values:
-        found_inf = torch.tensor([value])
+    for found_inf in flags:
         flag = _skip.fold_flag(flag, found_inf)
-        assert flag is not found_inf  # never an alias of the scaler's flag, which is reset per step
     assert flag is not None and flag.item() == max(values)
+    assert [f.item() for f in flags] == values
+
+
+def test_a_lent_flag_is_never_written_again() -> None:
+    # What the scaler writes after lending its flag (a clear, a check, Apex's setter) goes to a new tensor, and the
+    # flag it lends next is that one; an unlent flag is written in place (no allocation per clear).
+    scaler = LossScaler(DynamicLossScale())
+    scaler.materialize(torch.device("cpu"))
+    scaler.check_([torch.tensor([float("inf")])])
+    lent = scaler.lend_flag()
+    assert lent.item() == 1.0
+    scaler.clear_overflow()
+    assert lent.item() == 1.0 and scaler.found_inf.item() == 0.0 and scaler.found_inf is not lent
+    own = scaler.found_inf
+    scaler.clear_overflow()
+    assert scaler.found_inf is own  # not lent: cleared in place
+    again = scaler.lend_flag()
+    scaler.set_overflow(True)
+    scaler.check_([torch.tensor([1.0])])
+    assert again.item() == 0.0 and scaler.found_inf.item() == 1.0
 
 
 @pytest.mark.parametrize("value", [0.0, 1.0])

@@ -187,7 +187,7 @@ class LossScaler:
             # A session's scaler before its first scale_loss: nothing has been checked yet, and the flag will be
             # created on the loss's device then.
             return torch.zeros(1, dtype=torch.float32)
-        return self._engine.found_inf
+        return self._engine.writable_flag()  # legacy code may pass it to a kernel that raises it
 
     @property
     def _has_overflow(self) -> bool:
@@ -196,12 +196,14 @@ class LossScaler:
 
     @_has_overflow.setter
     def _has_overflow(self, value: bool) -> None:
-        self._flag_for(_default_device()).fill_(1.0 if value else 0.0)
+        self._flag_for(_default_device())  # made on the default device before the first scale_loss
+        self._engine.set_overflow(value)
 
     def _flag_for(self, device: torch.device) -> torch.Tensor:
+        """The flag, to be written (a lent one is copied first: ``LossScaler.writable_flag``)."""
         if self._engine.device is None:
             self._engine.materialize(device)
-        return self._engine.found_inf
+        return self._engine.writable_flag()
 
     def __repr__(self) -> str:
         kind = "dynamic" if self.dynamic else "static"

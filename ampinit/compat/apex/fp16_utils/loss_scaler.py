@@ -112,7 +112,7 @@ class DynamicLossScaler(LossScaler):
         return not bool(torch.isfinite(x).all())
 
     def update_scale(self, overflow: bool) -> None:
-        self._scaler.found_inf.fill_(1.0 if overflow else 0.0)
+        self._scaler.set_overflow(overflow)
         self._scaler.update()
         if overflow:
             self.last_overflow_iter = self.cur_iter
