@@ -19,8 +19,8 @@ import torch
 from ampinit import _torch_kernels
 from ampinit._loss_scale import DynamicLossScale
 
-# A growth interval no step count reaches: static scalers count clean steps but never grow.
-_NEVER = 2**31 - 1
+#: A static scale's clean-step count takes this many updates' flags at once (``LossScaler._count_uncounted``).
+STATIC_FOLD = 32
 
 
 def _is_power_of_two(value: float) -> bool:
@@ -51,6 +51,7 @@ class LossScaler:
         # Whether the flag was handed to a step decision (``lend_flag``): then it is never written again, and a
         # write of the scaler's own (a clear, a check) goes to a new tensor.
         self._flag_lent = False
+        self._uncounted: list[torch.Tensor] = []  # a static scale's flags not yet in its clean-step count
         self._inv_scale: torch.Tensor | None = None
         self._one: torch.Tensor | None = None  # the multiplier of a check that has nothing to unscale
         # Counts the events that may have changed the scale (a dynamic update, a load): grads kept scaled by
@@ -183,7 +184,24 @@ class LossScaler:
 
     def unskipped(self) -> int:
         """Clean unscale steps since the scale last changed (Apex's ``_unskipped``)."""
-        return self._host_unskipped if self._unskipped is None else int(self._unskipped.item())
+        if self._unskipped is None:
+            return self._host_unskipped
+        self._count_uncounted()
+        return int(self._unskipped.item())
+
+    def _count_uncounted(self) -> None:
+        """Fold a static scale's kept flags into its clean-step count, on the device: after the last raised flag,
+        the clean ones that follow it; none raised, the count so far plus them all (the rule of one
+        ``_amp_update_scale_`` per flag, with factors of 1 and no growth, in a few ops for all of them)."""
+        flags, self._uncounted = self._uncounted, []
+        if not flags:
+            return
+        assert self._unskipped is not None
+        raised = torch.stack([flag.reshape(()) for flag in flags]) > 0
+        positions = torch.arange(1, len(flags) + 1, dtype=torch.int32, device=raised.device)
+        last = torch.where(raised, positions, 0).max()  # 0: none raised
+        counted = torch.where(last > 0, len(flags) - last, self._unskipped + len(flags))
+        self._unskipped.copy_(counted)
 
     def hysteresis_left(self) -> int:
         return self._host_hysteresis if self._hysteresis_left is None else int(self._hysteresis_left.item())
@@ -237,8 +255,12 @@ class LossScaler:
         if cfg is not None:
             self.version += 1
         if cfg is None:
-            # A static scale only counts clean steps (Apex's ``_unskipped``): factors of 1, no growth ever.
-            _torch_kernels.update_scale_(self._scale, self._unskipped, self.found_inf, 1.0, 1.0, _NEVER)
+            # A static scale only counts clean steps (Apex's ``_unskipped``; no factor, no growth ever). The
+            # count is kept for later: the flags (lent: never written again) are counted every STATIC_FOLD
+            # updates or when the count is read, where an update kernel per scale_loss exit cost a launch each.
+            self._uncounted.append(self.lend_flag())
+            if len(self._uncounted) >= STATIC_FOLD:
+                self._count_uncounted()
             return
         if cfg.hysteresis == 1:
             # Apex's rule is GradScaler's plus a ceiling and an optional floor: one kernel and a clamp or two.
@@ -321,6 +343,7 @@ class LossScaler:
                 f"A loss-scaler entry needs 'loss_scale' (a number) and 'unskipped' (an int), got {state!r}"
             ) from err
         self._host_scale, self._host_unskipped = scale, unskipped
+        self._uncounted = []  # flags of the steps before the loaded count
         self.version += 1
         self._host_hysteresis = int(state.get("hysteresis_left", self.config.hysteresis if self.config else 1))
         if self._scale is not None:

@@ -159,3 +159,35 @@ def test_an_update_replaces_the_reciprocal_and_leaves_the_one_taken_as_it_was() 
     again = scaler.inv_scale
     scaler.update()  # an overflow: backs off
     assert float(again) == 2.0**-5 and float(scaler.inv_scale) == 2.0**-4
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    st.lists(st.booleans(), min_size=1, max_size=100),
+    st.sets(st.integers(0, 99), max_size=6),
+    st.one_of(st.none(), st.integers(0, 99)),
+)
+def test_a_static_scales_clean_step_count_is_apexs_at_every_read(
+    raised: list[bool], reads: set[int], load_at: int | None
+) -> None:
+    # A static scale counts its clean steps from flags kept over several updates (no kernel per update): read at
+    # any update, across the folds, and after a count loaded in between, it is the count one update at a time
+    # gives (a clean step adds one, an overflow restarts from 0: ampinit's static scales skip them).
+    scaler = LossScaler(128.0)
+    scaler.materialize(torch.device("cpu"))
+    load_at = None if load_at is None else load_at % len(raised)
+    reads = {read % len(raised) for read in reads}
+    want = 0
+    for index, value in enumerate(raised):
+        scaler.clear_overflow()
+        if value:
+            scaler.check_([torch.tensor([float("nan")])])
+        scaler.update()
+        want = 0 if value else want + 1
+        if index in reads:
+            assert scaler.unskipped() == want, index
+        if index == load_at:
+            scaler.load_state_dict({"loss_scale": 128.0, "unskipped": 7})  # a checkpoint's count
+            want = 7
+    assert scaler.unskipped() == want
+    assert scaler.loss_scale() == 128.0
