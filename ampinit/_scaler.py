@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -21,6 +21,10 @@ from ampinit._loss_scale import DynamicLossScale
 
 #: A static scale's clean-step count takes this many updates' flags at once (``LossScaler._count_uncounted``).
 STATIC_FOLD = 32
+
+#: A dynamic scale's update in one launch where a device has one (``ampinit._masters.triton_kernels.update_scale_``:
+#: scale, tracker, flag, growth factor, backoff factor, growth interval, min scale, max scale -> the new 1/scale).
+FusedUpdate = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, float, int, float | None, float], torch.Tensor]
 
 
 def _is_power_of_two(value: float) -> bool:
@@ -248,8 +252,10 @@ class LossScaler:
         if grads:
             _torch_kernels.mul_(grads, self.inv_scale)
 
-    def update(self) -> None:
-        """Fold this step's overflow flag into the scale, on device (no host sync)."""
+    def update(self, fused: FusedUpdate | None = None) -> None:
+        """Fold this step's overflow flag into the scale, on device (no host sync). ``fused``: the one-launch update
+        of a dynamic scale without hysteresis on this scaler's device, where the caller has one (this layer does not
+        know the kernels); torch's three ops otherwise."""
         assert self._scale is not None and self._unskipped is not None and self._hysteresis_left is not None
         cfg = self.config
         if cfg is not None:
@@ -261,6 +267,13 @@ class LossScaler:
             self._uncounted.append(self.lend_flag())
             if len(self._uncounted) >= STATIC_FOLD:
                 self._count_uncounted()
+            return
+        if cfg.hysteresis == 1 and fused is not None:
+            # The three ops below in one launch, with their bits (tests/test_scale_update.py).
+            self._inv_scale = fused(
+                self._scale, self._unskipped, self.found_inf, cfg.growth_factor, cfg.backoff_factor,
+                cfg.growth_interval, cfg.min_scale, cfg.max_scale,
+            )  # fmt: skip
             return
         if cfg.hysteresis == 1:
             # Apex's rule is GradScaler's plus a ceiling and an optional floor: one kernel and a clamp or two.

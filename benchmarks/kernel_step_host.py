@@ -83,7 +83,7 @@ def kernel_path_without_launches() -> Iterator[None]:
     """The kernel step taken for CPU tensors, its launches no-ops; both restored on exit."""
     from ampinit._masters import triton_kernels
 
-    kernels = ("_adam_kernel", "_sgd_kernel", "_check_kernel", "_step_scalars_kernel")
+    kernels = ("_adam_kernel", "_sgd_kernel", "_check_kernel", "_step_scalars_kernel", "_scale_update_kernel")
     saved = kernel_step.TRITON_ON_CPU, [getattr(triton_kernels, name) for name in kernels]
     kernel_step.TRITON_ON_CPU = True
     for name in kernels:

@@ -42,3 +42,12 @@ def interpreted_kernels() -> Iterator[ModuleType]:
         importlib.reload(module)
         importlib.reload(dial)
         importlib.reload(gelu)
+
+
+def compiled_kernels() -> ModuleType:
+    """``ampinit._masters.triton_kernels`` as built for the compiler, asserted so: a CUDA test given the interpreter's
+    kernels (a module-scoped fixture of its module had built them) would compare the interpreter with itself."""
+    from ampinit._masters import triton_kernels
+
+    assert not interpreted(triton_kernels), "the kernels are built for the interpreter: the test would not test"
+    return triton_kernels

@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 from collections.abc import Iterator
 from types import ModuleType
+from typing import cast
 
 import pytest
 import torch
@@ -77,6 +78,17 @@ def no_leaks() -> Iterator[None]:
     changed = _leaks.differences(before, _leaks.snapshot())
     assert not leaked, f"test left amp sessions open: {leaked}"
     assert not changed, "test leaked process state:\n" + "\n".join(changed)
+
+
+@pytest.fixture(scope="module")
+def device_kernels(request: pytest.FixtureRequest) -> ModuleType:
+    """The master kernels for the device under test: on CPU the interpreter's (asked for at the module's scope, so
+    that the kernels are built for it before any test's leak check looks); on CUDA the compiled ones, asserted so
+    (a module that also asks for ``triton_interpreter`` would have them built for the interpreter, and a CUDA test
+    would then test nothing: tests/test_step_scalars_on_device.py's docstring)."""
+    if _device.device_under_test().type == "cpu":
+        return cast(ModuleType, request.getfixturevalue("triton_interpreter"))
+    return _triton.compiled_kernels()
 
 
 @pytest.fixture

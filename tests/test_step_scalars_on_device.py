@@ -12,7 +12,6 @@ asserts the kernels it calls are compiled.
 from __future__ import annotations
 
 from types import ModuleType
-from typing import cast
 
 import pytest
 import torch
@@ -28,11 +27,7 @@ pytest.importorskip("triton", reason="triton is not installed (pip install trito
 SETTINGS = [(0.9, 0.999, 1e-3), (0.8, 0.95, 3e-4), (0.0, 0.5, 1.0), (0.99, 0.9999, 1 / 3)]
 
 
-def _compiled_kernels() -> ModuleType:
-    from ampinit._masters import triton_kernels
-
-    assert not _triton.interpreted(triton_kernels), "the kernels are built for the interpreter: the test would not test"
-    return triton_kernels
+_compiled_kernels = _triton.compiled_kernels
 
 
 def _counts(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -40,15 +35,6 @@ def _counts(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     gen = torch.Generator().manual_seed(0)
     spread = torch.randint(1, 10**7, (5000,), generator=gen, dtype=dtype)
     return torch.cat([torch.arange(0, 20000, dtype=dtype), spread]).to(device)
-
-
-@pytest.fixture(scope="module")
-def device_kernels(request: pytest.FixtureRequest) -> ModuleType:
-    """The kernels for the device under test: on CPU the interpreter's (asked for here, at the module's scope, so
-    that the kernels are built for it before any test's leak check looks); on CUDA the compiled ones."""
-    if device_under_test().type == "cpu":
-        return cast(ModuleType, request.getfixturevalue("triton_interpreter"))
-    return _compiled_kernels()
 
 
 @pytest.mark.parametrize(("beta1", "beta2", "lr"), SETTINGS)

@@ -717,3 +717,28 @@ def test_the_advancing_step_scalars_compile_with_libdevices_pow(
             assert {"div.rn.f64", "sqrt.rn.f64", "cvt.rn.f32.f64"} <= ops, sorted(ops)
             if dtype == torch.float32:  # the counts' advance: a rounded float32 add (float64 adds are the powers')
                 assert "add.rn.f32" in ops, sorted(ops)
+
+
+# -- A dynamic loss scale's update (triton_kernels.update_scale_) ----------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("capability", CAPABILITIES)
+def test_the_scale_update_compiles_with_the_rounding_of_torchs_ops(
+    compiled_modules: tuple[ModuleType, ModuleType], capability: int
+) -> None:
+    """What the scale update's bits against ``_amp_update_scale_``, ``clamp_`` and ``reciprocal`` rest on, where
+    the interpreter's NumPy is IEEE by construction: the factors passed as float64 (torch's kernels multiply the
+    fp32 scale by a double), the products rounded (``mul.rn.f64``) and narrowed to nearest (``cvt.rn.f32.f64``),
+    the reciprocal a correctly rounded division (``div.rn.f32``), no fused multiply-add; with and without a
+    floor, launched as ``update_scale_`` launches it."""
+    kernels, _ = compiled_modules
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        launches = _record(kernels, ("_scale_update_kernel",), monkeypatch)
+        for floor in (None, 1.0):
+            scale, tracker = torch.tensor(4.0), torch.tensor(0, dtype=torch.int32)
+            kernels.update_scale_(scale, tracker, torch.zeros(1), 2.0, 0.5, 2000, floor, 2.0**24)
+    assert [launch.signature()[1]["HAS_MIN"] for launch in launches] == [False, True]
+    for launch in launches:
+        signature = launch.signature()[0]
+        assert (signature["growth"], signature["backoff"]) == ("fp64", "fp64")
+        ops = _assert_compiles_with_the_references_rounding(launch, capability)
+        assert {"mul.rn.f64", "cvt.rn.f32.f64", "div.rn.f32"} <= ops, sorted(ops)

@@ -33,6 +33,7 @@ import torch.optim.optimizer as optim_module
 
 from ampinit._masters.reference import AdamSettings, Masters, SgdSettings
 from ampinit._masters.update import Update
+from ampinit._scaler import FusedUpdate
 
 #: The one test switch: tests set it to run the kernels on CPU tensors through Triton's interpreter (with
 #: TRITON_INTERPRET=1 when ``triton_kernels`` is imported; tests/conftest.py's ``kernels_on_cpu`` does both).
@@ -74,6 +75,13 @@ def kernels_for(device: torch.device) -> ModuleType | None:
     if device.type != "cuda" and not (device.type == "cpu" and TRITON_ON_CPU):
         return None
     return _imported_kernels()
+
+
+def scale_update_for(device: torch.device) -> FusedUpdate | None:
+    """A dynamic loss scale's one-launch update (``triton_kernels.update_scale_``) where the kernels run on
+    ``device``, else None (``LossScaler.update`` then runs torch's three ops)."""
+    kernels = kernels_for(device)
+    return None if kernels is None else cast(FusedUpdate, kernels.update_scale_)
 
 
 @functools.cache

@@ -265,6 +265,23 @@ def advance_step_scalars_(
     return step_scalars_(powers, lr, steps, found_inf)
 
 
+def update_scale_(
+    scale: torch.Tensor,
+    tracker: torch.Tensor,
+    found_inf: torch.Tensor,
+    growth_factor: float,
+    backoff_factor: float,
+    growth_interval: int,
+    min_scale: float | None,
+    max_scale: float,
+) -> torch.Tensor:
+    """A dynamic loss scale's update (hysteresis 1) as torch's ops do it: ``_amp_update_scale_``, ``clamp_`` and
+    ``reciprocal`` (the scale and tracker in place; the new ``1 / scale`` a new tensor)."""
+    torch._amp_update_scale_(scale, tracker, found_inf, growth_factor, backoff_factor, growth_interval)
+    scale.clamp_(min=min_scale, max=max_scale)
+    return torch.reciprocal(scale)
+
+
 def check_finite_(grads: TensorList, found_inf: torch.Tensor) -> None:
     """Set ``found_inf`` (a one-element fp32 tensor) to 1.0 if any grad holds an inf or NaN; never clear it."""
     if not grads:

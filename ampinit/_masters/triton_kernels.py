@@ -162,6 +162,35 @@ def _step_scalars_kernel(
 
 
 @triton.jit
+def _scale_update_kernel(
+    scale_ptr, tracker_ptr, flag_ptr, inv_ptr,
+    growth: tl.float64, backoff: tl.float64, interval, min_scale, max_scale,
+    HAS_MIN: tl.constexpr,
+):  # fmt: skip
+    """A dynamic loss scale's update in one program: torch's ``_amp_update_scale_`` (an overflow multiplies the scale
+    by ``backoff`` and resets the tracker; a clean step counts up, and reaching ``interval`` multiplies it by
+    ``growth`` unless that is not finite, and resets the tracker; each product in float64 rounded once to fp32, as
+    its kernels compute with double factors), then its ``clamp_(min_scale, max_scale)`` (a NaN stays, as torch's
+    clamp keeps it) and ``1 / scale`` correctly rounded (``reciprocal``) into ``inv_ptr``."""
+    scale = tl.load(scale_ptr)
+    tracker = tl.load(tracker_ptr)
+    found = tl.load(flag_ptr) != 0.0  # torch's test of the flag: any nonzero value, a NaN too
+    backed = (scale.to(tl.float64) * backoff).to(tl.float32)
+    successful = tracker + 1
+    grows = successful == interval
+    grown = (scale.to(tl.float64) * growth).to(tl.float32)
+    finite = (grown == grown) & (tl.abs(grown) != float("inf"))
+    new_scale = tl.where(found, backed, tl.where(grows & finite, grown, scale))
+    new_tracker = tl.where(found | grows, 0, successful)
+    if HAS_MIN:
+        new_scale = tl.where(new_scale < min_scale, min_scale, new_scale)
+    new_scale = tl.where(new_scale > max_scale, max_scale, new_scale)
+    tl.store(scale_ptr, new_scale)
+    tl.store(tracker_ptr, new_tracker)
+    tl.store(inv_ptr, tl.math.div_rn(1.0, new_scale))
+
+
+@triton.jit
 def _check_kernel(
     ptrs, numels, first_blocks, flag_ptr,
     GRAD_T: tl.constexpr, ALIGNED: tl.constexpr, SEARCH: tl.constexpr, BLOCK: tl.constexpr,
@@ -663,6 +692,48 @@ def step_scalars_(
             powers.device,
         )
     return scalars
+
+
+def update_scale_(
+    scale: torch.Tensor,
+    tracker: torch.Tensor,
+    found_inf: torch.Tensor,
+    growth_factor: float,
+    backoff_factor: float,
+    growth_interval: int,
+    min_scale: float | None,
+    max_scale: float,
+) -> torch.Tensor:
+    """A dynamic loss scale's update with hysteresis 1, in place, and its new ``1 / scale`` (a new tensor), in one
+    launch: what ``_amp_update_scale_``, ``clamp_`` and ``reciprocal`` do in three (``reference.update_scale_``),
+    two launches fewer at each O2 ``scale_loss`` exit. ``scale`` is the 0-d fp32 scale, ``tracker`` its 0-d int32
+    count of clean steps, ``found_inf`` the one-element fp32 flag, all on one device."""
+    if (scale.dtype, scale.dim(), tracker.dtype, tracker.dim()) != (torch.float32, 0, torch.int32, 0):
+        raise ValueError(
+            "a scale update takes a 0-d float32 scale and a 0-d int32 tracker, got a "
+            f"{scale.dim()}-d {scale.dtype} scale and a {tracker.dim()}-d {tracker.dtype} tracker"
+        )
+    if found_inf.dtype != torch.float32 or found_inf.numel() != 1:
+        raise ValueError(
+            f"a scale update takes a one-element float32 flag, got {found_inf.dtype} {tuple(found_inf.shape)}"
+        )
+    if not (scale.device == tracker.device == found_inf.device):
+        raise ValueError(
+            f"a scale update's tensors must be on one device, got {scale.device}, {tracker.device}, {found_inf.device}"
+        )
+    inv_scale = torch.empty((), dtype=torch.float32, device=scale.device)
+    triton_launch.launch(
+        _scale_update_kernel,
+        1,
+        (
+            scale, tracker, found_inf, inv_scale, float(growth_factor), float(backoff_factor), int(growth_interval),
+            0.0 if min_scale is None else float(min_scale), float(max_scale),
+        ),
+        {"HAS_MIN": min_scale is not None},
+        _OPTIONS,
+        scale.device,
+    )  # fmt: skip
+    return inv_scale
 
 
 def advance_step_scalars_(
