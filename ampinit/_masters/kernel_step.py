@@ -71,28 +71,42 @@ def forget_tables() -> None:
 
 
 def kernels_for(device: torch.device) -> ModuleType | None:
-    """``ampinit._masters.triton_kernels`` if the kernels run on ``device``, else None."""
-    if device.type != "cuda" and not (device.type == "cpu" and TRITON_ON_CPU):
-        return None
-    return _imported_kernels()
+    """``ampinit._masters.triton_kernels`` if the kernels run on ``device``, else None (the master step's; tests
+    replace it to run the step on another backend)."""
+    return _imported_kernels() if _kernels_run_on(device) else None
 
 
 def scale_update_for(device: torch.device) -> FusedUpdate | None:
     """A dynamic loss scale's one-launch update (``triton_kernels.update_scale_``) where the kernels run on
-    ``device``, else None (``LossScaler.update`` then runs torch's three ops)."""
-    kernels = kernels_for(device)
+    ``device``, else None (``LossScaler.update`` then runs torch's three ops). By the kernels' device rule, not
+    through :func:`kernels_for`, which answers for the step alone."""
+    kernels = _imported_kernels() if _kernels_run_on(device) else None
     return None if kernels is None else cast(FusedUpdate, kernels.update_scale_)
 
 
-@functools.cache
+def _kernels_run_on(device: torch.device) -> bool:
+    return device.type == "cuda" or (device.type == "cpu" and TRITON_ON_CPU)
+
+
+_KERNELS_MODULE = "ampinit._masters.triton_kernels"
+
+
 def _imported_kernels() -> ModuleType | None:
-    """The kernels' module, imported at the first step that takes it (None without ``triton``): looked up once,
-    where an import statement per call cost a microsecond, and a step asks several times."""
-    if not triton_available():
+    """The kernels' module (None without ``triton``), imported at the first step that takes it: then found in
+    ``sys.modules``, where an import statement per call cost a microsecond, and a step asks several times."""
+    module = sys.modules.get(_KERNELS_MODULE)
+    if module is not None:
+        return module
+    if not _triton_importable():
         return None
     from ampinit._masters import triton_kernels
 
     return triton_kernels
+
+
+@functools.cache
+def _triton_importable() -> bool:
+    return triton_available()
 
 
 @runtime_checkable
