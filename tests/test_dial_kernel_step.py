@@ -43,6 +43,13 @@ OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
 SKIPPED = 1  # the second of three steps overflows
 
 
+def _fused_adam(params: Any) -> torch.optim.Optimizer:
+    """ampinit's FusedAdam: its own master update, so the dial's Adam launch counts the stochastic rounding's step."""
+    from ampinit.optimizers import FusedAdam
+
+    return FusedAdam(params, lr=1e-2, weight_decay=0.01)
+
+
 def make_net() -> tuple[nn.Module, list[torch.Tensor]]:
     """Two layers of 256 and 512 weights (whole 8-bit blocks, so the byte ledger is exact) and three inputs."""
     torch.manual_seed(0)
@@ -108,7 +115,8 @@ def train(masters: Any, state: str, name: str) -> Any:
     """A dial session on a fresh net: (net, opt, session, the three inputs)."""
     net, inputs = make_net()
     torch.manual_seed(SEED)  # the session's stochastic-rounding seed
-    net, opt, sess = session(net, OPTIMIZERS[name](net.parameters()), masters, state, loss_scale="dynamic")
+    make = OPTIMIZERS.get(name) or _fused_adam
+    net, opt, sess = session(net, make(net.parameters()), masters, state, loss_scale="dynamic")
     return net, opt, sess, inputs
 
 
@@ -316,3 +324,55 @@ def test_the_fp32_and_remainder_kernels_refuse_the_dials_masters(kind: str, kern
     with pytest.raises(ValueError, match=re.escape(message)):
         kernels_on_cpu.sgd_(grads, masters, [], sgd, first_step=True)
     assert same_bits(weights[0], torch.ones(300, dtype=torch.bfloat16))
+
+
+#: (masters, state, optimizer, state key, what it is replaced by, the refusal): each a state the dial's kernels
+#: would read and write past its end or in the wrong format, put in opt.state by hand.
+REFUSED = [
+    ("remainder8", "fp32", "AdamW", "exp_avg", lambda t: t.bfloat16(), r"every exp_avg as torch.float32, got torch.bf"),
+    ("stochastic", "8bit", "Adam", "exp_avg_sq", lambda t: t.bfloat16(), r"every exp_avg_sq code as torch.uint8"),
+    ("remainder", "8bit", "AdamW", "exp_avg_absmax", lambda t: t.repeat(2), r"elements in its exp_avg absmax list"),
+    ("remainder8", "bf16", "SGD", "momentum_buffer", lambda t: t.half(), r"as torch.bfloat16, got torch.float16"),
+    ("stochastic", "fp32", "FusedAdam", "exp_avg", lambda t: t[:-1].clone(), r"elements in its exp_avg list"),
+]
+
+
+def _three_steps(masters: Any, state: str, name: str, refused: tuple[str, Any, str] | None) -> list[torch.Tensor]:
+    """Weights and every state tensor after three dial steps (the second skipped); with ``refused``, the third is
+    first attempted with one state entry replaced (refused), then, the entry put back, called again."""
+    net, opt, sess, inputs = train(masters, state, name)
+    try:
+        for x in inputs[:2]:
+            amp_step(net, opt, x)
+        opt.zero_grad(set_to_none=True)
+        with amp.scale_loss(net(inputs[2].to(torch.bfloat16)).float().pow(2).mean(), opt) as scaled:
+            scaled.backward()
+        if refused is not None:
+            entry, replace, message = refused
+            params = [p for group in opt.param_groups for p in group["params"]]
+            kept = [opt.state[p][entry] for p in params]
+            for p in params:
+                opt.state[p][entry] = replace(opt.state[p][entry])
+            with pytest.raises(ValueError, match=message):
+                opt.step()
+            for p, value in zip(params, kept):
+                opt.state[p][entry] = value
+        opt.step()
+        states = [opt.state[p] for group in opt.param_groups for p in group["params"]]
+        tensors = [v.reshape(-1) for s in states for _, v in sorted(s.items()) if isinstance(v, torch.Tensor)]
+        return [p.detach().clone() for p in net.parameters()] + [t.clone() for t in tensors]
+    finally:
+        sess.close()
+
+
+@pytest.mark.parametrize(("masters", "state", "name", "entry", "replace", "message"), REFUSED)
+def test_a_dial_state_the_kernels_cannot_read_is_refused_and_nothing_is_applied(
+    masters: Any, state: str, name: str, entry: str, replace: Any, message: str, kernels_on_cpu: ModuleType
+) -> None:
+    # Before the eighteenth session's check a bf16 moment put where the kernels read fp32 ones was written twice
+    # its bytes (the process aborted: "malloc(): unaligned tcache chunk detected"). The refusal comes after the
+    # step counts (Adam's and the stochastic rounding's) advanced: they are taken back, and the retried step, the
+    # entry put back, is the step that was never refused, in every weight and state tensor.
+    got = _three_steps(masters, state, name, (entry, replace, message))
+    want = _three_steps(masters, state, name, None)
+    assert len(got) == len(want) and all(same_tensor(g, w) for g, w in zip(got, want))

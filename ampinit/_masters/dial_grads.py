@@ -461,27 +461,37 @@ class _DialStep(abc.ABC):
                 self._stored_as_zeros(self.optimizer.state[p])
         # The state exists in the optimizer's own layout after this (torch's, with the per-parameter step counts
         # advanced on the device; a KernelOptimizer's, whose group count advances after the launches).
-        _, _, scalars, settings = kernel_step.adam_inputs(self.optimizer, group, params, found_inf)
+        (_, _, scalars, settings), advanced = kernel_step.adam_inputs(self.optimizer, group, params, found_inf)
         for p in params:
             self._stored_in_dial(self.optimizer.state[p], p, positions)
+        sr_advanced = None
         if self.update == "adam":
             # adam_inputs packed the counts (their entries are views of one tensor): taken as they are, no copy.
             steps = kernel_step.packed_steps([self.optimizer.state[p] for p in params], params[0].device)
         else:
             # The chunked path's count for the random bits (``_count``), so that a run may move between the two.
-            steps = self._advanced_sr_steps(params, found_inf)
+            steps = sr_advanced = self._advanced_sr_steps(params, found_inf)
         moment_purposes = (MOMENT_PURPOSES["exp_avg"], MOMENT_PURPOSES["exp_avg_sq"])
-        keys = self._keys(steps, params, positions, masters_of, moment_purposes)
-        kernels.adam_dial_(
-            [_grad(p) for p in params],
-            masters_of.view(keys.get(0)),
-            self._moments("exp_avg", params, keys),
-            self._moments("exp_avg_sq", params, keys),
-            scalars,
-            settings,
-            inv_scale=self._factor_for(params),
-            found_inf=found_inf,
-        )
+        try:
+            keys = self._keys(steps, params, positions, masters_of, moment_purposes)
+            kernels.adam_dial_(
+                [_grad(p) for p in params],
+                masters_of.view(keys.get(0)),
+                self._moments("exp_avg", params, keys),
+                self._moments("exp_avg_sq", params, keys),
+                scalars,
+                settings,
+                inv_scale=self._factor_for(params),
+                found_inf=found_inf,
+            )
+        except BaseException:
+            # Refused before its launch (a state of another format or size, found when its tables are built): the
+            # counts go back to where the step found them (the moments were only re-stored, their values kept).
+            if advanced is not None:
+                kernel_step.take_back(advanced, found_inf)
+            if sr_advanced is not None:
+                _take_back_sr(sr_advanced, found_inf)
+            raise
 
     def _sgd_kernels(
         self,
@@ -500,22 +510,31 @@ class _DialStep(abc.ABC):
         settings = self._kernel_settings(group)
         assert isinstance(settings, SgdSettings)
         # sgd_batches gives a starting buffer fp32 zeros; stored in the dial's format before the launch reads it.
-        for first_step, chosen, _ in kernel_step.sgd_batches(self.optimizer, group, params):
-            some = [params[i] for i in chosen]
-            for p in some:
-                self._stored_in_dial(self.optimizer.state[p], p, positions)
-            # Every step but a first one for some of the buffers is one launch over all of them: nothing to pick.
-            whole = len(chosen) == len(params)
-            keys = all_keys if whole else {purpose: row[chosen] for purpose, row in all_keys.items()}
-            kernels.sgd_dial_(
-                [_grad(p) for p in some],
-                masters if whole else masters.take(chosen),
-                self._moments("momentum_buffer", some, keys) if with_buffers else Moments.fp32([]),
-                settings,
-                first_step=first_step,
-                inv_scale=self._factor_for(some),
-                found_inf=found_inf,
-            )
+        launched = False
+        try:
+            for first_step, chosen, _ in kernel_step.sgd_batches(self.optimizer, group, params):
+                some = [params[i] for i in chosen]
+                for p in some:
+                    self._stored_in_dial(self.optimizer.state[p], p, positions)
+                # Every step but a first one for some of the buffers is one launch over all of them: nothing to pick.
+                whole = len(chosen) == len(params)
+                keys = all_keys if whole else {purpose: row[chosen] for purpose, row in all_keys.items()}
+                kernels.sgd_dial_(
+                    [_grad(p) for p in some],
+                    masters if whole else masters.take(chosen),
+                    self._moments("momentum_buffer", some, keys) if with_buffers else Moments.fp32([]),
+                    settings,
+                    first_step=first_step,
+                    inv_scale=self._factor_for(some),
+                    found_inf=found_inf,
+                )
+                launched = True
+        except BaseException:
+            # A launch refused (see _adam_kernel). After an earlier batch's launch (a first momentum step of some
+            # buffers) its parameters have stepped: the counts stay, as torch's per-group step leaves a group.
+            if not launched:
+                _take_back_sr(steps, found_inf)
+            raise
 
     def _advanced_sr_steps(self, params: list[torch.Tensor], found_inf: torch.Tensor | None) -> torch.Tensor:
         """amp's ``sr_step`` of each of ``params`` advanced on the device (not where ``found_inf`` is set), as one
@@ -793,6 +812,14 @@ class CompressedStateGrads(_DialStep, OptimizerGrads):
 def _fp32_masters(masters: list[torch.Tensor], weights: list[torch.Tensor], keys: torch.Tensor | None) -> Masters:
     """fp32 masters (no random bits) writing the model ``weights``."""
     return Masters.fp32(masters, weights)
+
+
+def _take_back_sr(counts: torch.Tensor, found_inf: torch.Tensor | None) -> None:
+    """Undo ``_advanced_sr_steps``' advance of ``counts`` (one up, or none where ``found_inf`` is raised)."""
+    if found_inf is None:
+        counts.sub_(1)
+    else:
+        counts.sub_((found_inf.reshape(()) == 0).to(torch.int64))
 
 
 def _packed_sr_steps(states: list[dict[str, Any]], device: torch.device) -> torch.Tensor:

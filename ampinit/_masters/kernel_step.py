@@ -693,7 +693,7 @@ def run_kernels(
     (``triton_kernels.adam_``'s and ``sgd_``'s: taken by a launch over the whole list)."""
     read = grads if grads is not None else [_grad(p) for p in params]
     if update == "adam":
-        inputs, advanced = _adam_inputs(opt, group, params, found_inf, kernels)
+        inputs, advanced = adam_inputs(opt, group, params, found_inf, kernels)
         try:
             kernels.adam_(
                 read, masters, *inputs, inv_scale=inv_scale, found_inf=found_inf, grad_key=grad_key, known=known
@@ -702,7 +702,7 @@ def run_kernels(
             # Refused before its launch (an optimizer state of other sizes or precision, found when the launch's
             # tables are built): the counts go back to where the step found them, as the rest of the state is.
             if advanced is not None:
-                _take_back(advanced, found_inf)
+                take_back(advanced, found_inf)
             raise
         return
     settings = group_settings(opt, update, group)
@@ -749,30 +749,24 @@ def adam_state(opt: torch.optim.Optimizer, group: dict[str, Any], param: torch.T
     return state
 
 
+#: What an Adam kernel takes besides grads and masters: ``(exp_avgs, exp_avg_sqs, step_scalars, settings)``.
+AdamInputs = tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor, AdamSettings]
+
+
 def adam_inputs(
     opt: torch.optim.Optimizer,
     group: dict[str, Any],
     params: list[torch.Tensor],
     found_inf: torch.Tensor | None,
     kernels: ModuleType | None = None,
-) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor, AdamSettings]:
-    """What an Adam kernel takes besides grads and masters: ``(exp_avgs, exp_avg_sqs, step_scalars, settings)``.
+) -> tuple[AdamInputs, torch.Tensor | None]:
+    """What an Adam kernel takes besides grads and masters (:data:`AdamInputs`), and the counts advanced for it.
 
-    The step counts advance here (on the device, not where ``found_inf`` is set), as one tensor (:func:`packed_steps`).
-    ``kernels``: the fp32-master kernels, where the caller has them (else :func:`kernels_for` the counts' device).
+    The step counts advance here (on the device, not where ``found_inf`` is set), as one tensor (:func:`packed_steps`),
+    returned second so that a launch refused after this can :func:`take_back` them (None: a
+    :class:`KernelOptimizer`'s, which count after the launches). ``kernels``: the fp32-master kernels, where the
+    caller has them (else :func:`kernels_for` the counts' device).
     """
-    return _adam_inputs(opt, group, params, found_inf, kernels)[0]
-
-
-def _adam_inputs(
-    opt: torch.optim.Optimizer,
-    group: dict[str, Any],
-    params: list[torch.Tensor],
-    found_inf: torch.Tensor | None,
-    kernels: ModuleType | None = None,
-) -> tuple[tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor, AdamSettings], torch.Tensor | None]:
-    """:func:`adam_inputs`, and the packed counts it advanced (None: a :class:`KernelOptimizer`'s, which count
-    after the launches), for :func:`_take_back`."""
     own = _kernel_optimizer(opt)
     if own is not None:
         settings = own.kernel_settings(group)
@@ -795,9 +789,9 @@ def _adam_inputs(
     return (exp_avgs, exp_avg_sqs, scalars.to(params[0].device), settings), advanced
 
 
-def _take_back(steps: torch.Tensor, found_inf: torch.Tensor | None) -> None:
-    """Undo :func:`_scalars`' advance of ``steps`` (one count up, then ``found_inf`` down): exact, the counts being
-    whole numbers far below 2**24."""
+def take_back(steps: torch.Tensor, found_inf: torch.Tensor | None) -> None:
+    """Undo :func:`adam_inputs`' advance of ``steps`` (one count up, then ``found_inf`` down): exact, the counts
+    being whole numbers far below 2**24."""
     steps.sub_(1.0)
     if found_inf is not None:
         steps.add_(found_inf)

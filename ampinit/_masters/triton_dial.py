@@ -53,6 +53,8 @@ from ampinit._masters.triton_kernels import (
     _BLOCK,
     _OPTIONS,
     _TL_DTYPES,
+    ListDtype,
+    ListRead,
     _launch_tables,
     _ld,
     _load_grad,
@@ -352,6 +354,28 @@ def _master_lists(masters: Masters, grads: TensorList) -> tuple[list[TensorList]
     return [first, second], keys, constants
 
 
+def _master_reads(masters: Masters) -> tuple[ListDtype, ListDtype]:
+    """What the kernels read :func:`_master_lists`' two lists as (None: a repeated list, or the half weights whose
+    dtype is the WEIGHT_T constant)."""
+    weight = ListRead("bf16 weight", torch.bfloat16)
+    if masters.kind == "fp32":
+        return ListRead("master", torch.float32), None
+    if masters.kind == "remainder":
+        return weight, ListRead("remainder", torch.int16)
+    if masters.kind == "remainder8":
+        return weight, ListRead("remainder", torch.int8)
+    return weight, None  # stochastic: the weights alone
+
+
+def _moment_reads(moments: Moments, name: str) -> tuple[ListDtype, ListDtype]:
+    """What the kernels read :func:`_moment_lists`' two lists as (None: a stand-in, unread)."""
+    if not moments.values:
+        return None, None
+    if moments.format == "8bit":
+        return ListRead(f"{name} code", torch.uint8), ListRead(f"{name} absmax", torch.float32, QBLOCK)
+    return ListRead(name, torch.float32 if moments.format == "fp32" else torch.bfloat16), None
+
+
 def _moment_lists(
     moments: Moments, grads: TensorList, stand_in: TensorList
 ) -> tuple[list[TensorList], torch.Tensor, torch.Tensor]:
@@ -419,7 +443,10 @@ def adam_dial_(
     master_lists, master_keys, constants = _master_lists(masters, grads)
     m_lists, m_keys, m_map = _moment_lists(exp_avgs, grads, master_lists[0])
     v_lists, v_keys, v_map = _moment_lists(exp_avg_sqs, grads, master_lists[0])
-    tables, grad_table, aligned = _launch_tables(grads, *master_lists, *m_lists, *v_lists)
+    # Each list checked against what the kernel reads it as when its tables are built (an optimizer state of
+    # another format or size put in opt.state by hand: read and written past its end otherwise).
+    reads = (*_master_reads(masters), *_moment_reads(exp_avgs, "exp_avg"), *_moment_reads(exp_avg_sqs, "exp_avg_sq"))
+    tables, grad_table, aligned = _launch_tables(grads, *master_lists, *m_lists, *v_lists, dtypes=reads)
     unread = grads[0]
     triton_launch.launch(
         _adam_dial_kernel,
@@ -455,7 +482,8 @@ def sgd_dial_(
     s = settings
     master_lists, master_keys, constants = _master_lists(masters, grads)
     buf_lists, buf_keys, buf_map = _moment_lists(momentum_buffers, grads, master_lists[0])
-    tables, grad_table, aligned = _launch_tables(grads, *master_lists, *buf_lists)
+    reads = (*_master_reads(masters), *_moment_reads(momentum_buffers, "momentum_buffer"))
+    tables, grad_table, aligned = _launch_tables(grads, *master_lists, *buf_lists, dtypes=reads)
     unread = grads[0]
     flags = {"HAS_DECAY": s.weight_decay != 0, "HAS_MOMENTUM": s.momentum != 0, "NESTEROV": s.nesterov}
     triton_launch.launch(

@@ -444,10 +444,21 @@ _MAX_CACHED = 64  # a few optimizers x dtype lists x the grads' addresses (a cac
 #: ``_build_tables`` makes sure of) and each list's data pointers (``kernel_step.Launch.known``).
 Known = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
 
-#: What a launch's kernel reads one of its lists as: ``(what the list holds, its dtype)``, or None (any dtype: one
-#: the launch passes to the kernel as a constant, or a list the kernel does not read).
-ListDtype = tuple[str, torch.dtype] | None
-_FP32_MOMENTS: tuple[ListDtype, ...] = (("exp_avg", torch.float32), ("exp_avg_sq", torch.float32))
+
+class ListRead(NamedTuple):
+    """What a launch's kernel reads one of its lists as: each tensor holds ``name``s of ``dtype``, one element per
+    ``per`` elements of its tensor of the launch's first list (1: the same size; an 8-bit moment's absmax: one
+    per block)."""
+
+    name: str
+    dtype: torch.dtype
+    per: int = 1
+
+
+#: A list's :class:`ListRead`, or None (not checked: a dtype the launch passes to the kernel as a constant, or a
+#: list the kernel does not read).
+ListDtype = ListRead | None
+_FP32_MOMENTS: tuple[ListDtype, ...] = (ListRead("exp_avg", torch.float32), ListRead("exp_avg_sq", torch.float32))
 
 
 def _storage_key(
@@ -552,9 +563,10 @@ def _check_lists(
     dtypes: Sequence[ListDtype] = (),
 ) -> None:
     """Raise unless every tensor is contiguous on ``device``, each list is of one dtype, (``same_sizes``) every
-    non-empty list's sizes are the first list's, and each list's dtype is the one ``dtypes`` names for it (by
-    position; None or a missing entry: any)."""
+    non-empty list's sizes are the first list's, and each list is what ``dtypes`` says the kernel reads it as (by
+    position; None or a missing entry: anything)."""
     sizes = [t.numel() for t in lists[0]] if lists and same_sizes else []
+    firsts = [t.numel() for t in lists[0]] if lists else []
     for tensors, wanted in itertools.zip_longest(lists, dtypes[: len(lists)]):
         for tensor in tensors:
             if not tensor.is_contiguous() or tensor.device != device:
@@ -570,15 +582,22 @@ def _check_lists(
                 "the fused master step needs the same sizes in every list (masters, weights, optimizer state: was "
                 f"an optimizer state of another model loaded?), got {sizes} and {[t.numel() for t in tensors]}"
             )
-        # The kernels read each list through raw pointers as one dtype: an optimizer state of another precision
-        # (bf16 moments assigned into ``opt.state``) would be read as fp32 and written twice its bytes.
-        if wanted is not None and tensors and tensors[0].dtype != wanted[1]:
-            name, dtype = wanted
-            raise ValueError(
-                f"the fused master step reads every {name} as {dtype}, got {tensors[0].dtype} (was an optimizer "
-                "state of another precision put in opt.state? torch's load_state_dict casts it to the masters' "
-                "dtype)"
-            )
+        # The kernels read each list through raw pointers as one dtype and size: an optimizer state of another
+        # precision (bf16 moments assigned into ``opt.state``) would be read as fp32 and written twice its bytes.
+        if wanted is not None and tensors:
+            if tensors[0].dtype != wanted.dtype:
+                raise ValueError(
+                    f"the fused master step reads every {wanted.name} as {wanted.dtype}, got {tensors[0].dtype} (was "
+                    "an optimizer state of another precision put in opt.state? torch's load_state_dict casts it to "
+                    "the masters' dtype)"
+                )
+            expected = [-(-n // wanted.per) for n in firsts]
+            if [t.numel() for t in tensors] != expected:
+                raise ValueError(
+                    f"the fused master step needs {expected} elements in its {wanted.name} list (one per "
+                    f"{wanted.per} of the masters' {firsts}), got {[t.numel() for t in tensors]} (was an optimizer "
+                    "state of another model put in opt.state?)"
+                )
 
 
 def _build_tables(
@@ -813,9 +832,9 @@ def _storage(masters: Masters) -> tuple[TensorList, TensorList, dict[str, Any]]:
 
 #: By STORAGE, what the kernels read ``_storage``'s two lists as (a model weight's dtype is the WEIGHT_T constant).
 _STORAGE_DTYPES: dict[int, tuple[ListDtype, ListDtype]] = {
-    _REMAINDER: (("bf16 weight", torch.bfloat16), ("remainder", torch.int16)),
-    _MASTER_AND_WEIGHT: (("master", torch.float32), None),
-    _MASTER: (("master", torch.float32), None),
+    _REMAINDER: (ListRead("bf16 weight", torch.bfloat16), ListRead("remainder", torch.int16)),
+    _MASTER_AND_WEIGHT: (ListRead("master", torch.float32), None),
+    _MASTER: (ListRead("master", torch.float32), None),
 }
 
 
@@ -921,7 +940,7 @@ def sgd_(
     constants = {**flags, "FIRST_STEP": first_step}
     # Without momentum the buffers' list repeats the masters' first list (same sizes), unread.
     buffers = momentum_buffers or (masters.weights if masters.remainders else masters.masters)
-    read_as: tuple[ListDtype] = (("momentum_buffer", torch.float32) if momentum_buffers else None,)
+    read_as: tuple[ListDtype] = (ListRead("momentum_buffer", torch.float32) if momentum_buffers else None,)
     _launch(
         _sgd_kernel, grads, (buffers,), read_as, masters, scalars, inv_scale, found_inf, s.maximize, constants,
         grad_key, known,
