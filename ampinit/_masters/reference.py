@@ -31,6 +31,7 @@ from typing import Any, Literal
 
 import torch
 
+from ampinit import _torch_kernels
 from ampinit._masters import precision
 from ampinit._masters import remainder as encoding
 from ampinit._types import TensorList
@@ -275,9 +276,10 @@ def update_scale_(
     min_scale: float | None,
     max_scale: float,
 ) -> torch.Tensor:
-    """A dynamic loss scale's update (hysteresis 1) as torch's ops do it: ``_amp_update_scale_``, ``clamp_`` and
-    ``reciprocal`` (the scale and tracker in place; the new ``1 / scale`` a new tensor)."""
-    torch._amp_update_scale_(scale, tracker, found_inf, growth_factor, backoff_factor, growth_interval)
+    """A dynamic loss scale's update (hysteresis 1) as torch's ops do it: ``_amp_update_scale_`` (through
+    ``_torch_kernels``, the one module that names torch's private kernels), ``clamp_`` and ``reciprocal`` (the scale
+    and tracker in place; the new ``1 / scale`` a new tensor)."""
+    _torch_kernels.update_scale_(scale, tracker, found_inf, growth_factor, backoff_factor, growth_interval)
     scale.clamp_(min=min_scale, max=max_scale)
     return torch.reciprocal(scale)
 
