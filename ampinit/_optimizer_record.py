@@ -212,8 +212,9 @@ class StepCounts:
     """Steps taken and skipped by a session's optimizers; skips decided on the device are summed there."""
 
     #: Device flags kept before they are summed: one sum of this many (a stack and two adds) instead of an add per
-    #: step, each a kernel launch (10-25 us of host time on the H100 checks' hosts). The flags are the records' own
-    #: copies, never written after their step, 512 B of device memory each.
+    #: step, each a kernel launch (10-25 us of host time on the H100 checks' hosts). The flags are scalers' lent
+    #: ones or folds of them (``LossScaler.lend_flag``, ``_skip.fold_flag``), never written after their step; 512 B
+    #: of device memory each.
     FOLD = 32
 
     def __init__(self) -> None:
