@@ -96,8 +96,8 @@ def test_the_exit_writes_no_master_grad_and_the_step_gives_the_same_bits(
 
 def test_the_pending_step_multiplies_by_the_scale_its_grads_were_scaled_with(kernels_on_cpu: ModuleType) -> None:
     """A scale that grows at every clean exit (growth_interval 1): the exit's update doubles it after the half grads
-    were scaled by the old one, and the pending step must take the old one's reciprocal (weights moved as by the
-    unscaled grads, not by half of them)."""
+    were scaled by the old one, and the pending step must keep the old one's reciprocal (the new one's would move
+    the weights by half the unscaled grads)."""
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     model, opt = amp.initialize(

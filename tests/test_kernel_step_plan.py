@@ -231,11 +231,11 @@ def test_a_refused_step_changes_nothing_and_its_retry_is_the_step(
     kernels_on_cpu: ModuleType, overflow: bool, device_decides: bool
 ) -> None:
     # The kernels read an optimizer state's moments through raw pointers as fp32: bf16 moments put in opt.state
-    # would be written past their end (the process aborted, heap corrupted, before the seventeenth session's
-    # successor). They are refused when the launch's tables are built, after the step counts advanced: the counts
-    # must go back (a count one ahead moves every later bias correction), and the step's skip decision must wait
-    # for the retried step (taken as clean, an inf grad reaches every master). The retry, the moments put back,
-    # must then be the step that was never refused, in every bit.
+    # were written past their end until the eighteenth session (the heap corrupted, the process aborted). They are
+    # refused when the launch's tables are built, after the step counts advanced: the counts must go back (a count
+    # one ahead moves every later bias correction), and the step's skip decision must wait for the retried step
+    # (taken as clean, an inf grad reaches every master). The retry, the moments put back, must then be the step
+    # that was never refused, in every bit.
     got = _refused_then_retried(True, overflow, device_decides)
     want = _refused_then_retried(False, overflow, device_decides)
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
