@@ -27,9 +27,6 @@ pytest.importorskip("triton", reason="triton is not installed (pip install trito
 SETTINGS = [(0.9, 0.999, 1e-3), (0.8, 0.95, 3e-4), (0.0, 0.5, 1.0), (0.99, 0.9999, 1 / 3)]
 
 
-_compiled_kernels = _triton.compiled_kernels
-
-
 def _counts(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Every count up to 20,000 and 5,000 spread to 10**7 (float32 counts are exact up to 2**24)."""
     gen = torch.Generator().manual_seed(0)
@@ -44,7 +41,7 @@ def test_the_step_scalars_launch_gives_the_references_bits(
     # The launch that takes the last four ops' place after torch's pow (``kernel_step._scalars``). lr = 1/3 is not
     # an fp32 value: rounded to one first, as an unannotated float argument would be, step sizes move.
     device = device_under_test()
-    kernels = device_kernels if device.type == "cpu" else _compiled_kernels()
+    kernels = device_kernels if device.type == "cpu" else _triton.compiled_kernels()
     counts = _counts(torch.float32, device)[1:]
     powers = torch.pow(torch.tensor([[beta1], [beta2]], dtype=torch.float64, device=device), counts)
     want = reference.adam_step_scalars(counts, beta1, beta2, lr)
@@ -68,7 +65,7 @@ def test_the_advancing_step_scalars_launch_gives_the_references_bits(
     # the powers libdevice's __nv_pow where torch's pow kernel calls the CUDA math library's pow, the same bits at
     # every count, float32 counts (fused and capturable groups) and float64 ones (a float64 default dtype), with
     # and without a flag.
-    kernels = _compiled_kernels()
+    kernels = _triton.compiled_kernels()
     counts = _counts(dtype, torch.device("cuda"))
     betas = torch.tensor([[beta1], [beta2]], dtype=torch.float64, device="cuda")
     for flag in (None, 0.0, 1.0):
@@ -112,7 +109,7 @@ def _trained(level: str, powers_in_launch: bool, monkeypatch: pytest.MonkeyPatch
 def test_powers_in_the_launch_train_as_torchs_pow(level: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # The step with POWERS_IN_LAUNCH on and off from the same start: every weight, master, moment and count the same
     # bits (the skipped step's counts taken back in both). Run by the GPU check whatever the flag's default.
-    _compiled_kernels()
+    _triton.compiled_kernels()
     with monkeypatch.context() as patch:
         want = _trained(level, False, patch)
     with monkeypatch.context() as patch:

@@ -40,8 +40,10 @@ from ampinit._scaler import FusedUpdate
 TRITON_ON_CPU = False
 
 
+@functools.cache
 def triton_available() -> bool:
-    """Whether ``triton`` can be imported (it ships with torch's CUDA wheels; never with the CPU ones)."""
+    """Whether ``triton`` can be imported (it ships with torch's CUDA wheels; never with the CPU ones). Asked once:
+    the answer does not change in a process, and a failed import is tried again at each call."""
     try:
         import triton  # noqa: F401
     except ImportError:
@@ -97,16 +99,11 @@ def _imported_kernels() -> ModuleType | None:
     module = sys.modules.get(_KERNELS_MODULE)
     if module is not None:
         return module
-    if not _triton_importable():
+    if not triton_available():
         return None
     from ampinit._masters import triton_kernels
 
     return triton_kernels
-
-
-@functools.cache
-def _triton_importable() -> bool:
-    return triton_available()
 
 
 @runtime_checkable

@@ -196,7 +196,8 @@ class LossScaler:
 
     @_has_overflow.setter
     def _has_overflow(self, value: bool) -> None:
-        self._flag_for(_default_device())  # made on the default device before the first scale_loss
+        if self._engine.device is None:
+            self._engine.materialize(_default_device())  # made on the default device before the first scale_loss
         self._engine.set_overflow(value)
 
     def _flag_for(self, device: torch.device) -> torch.Tensor:
