@@ -243,6 +243,55 @@ def test_a_refused_step_changes_nothing_and_its_retry_is_the_step(
         assert all(torch.isfinite(t).all() for t in got)
 
 
+def _sgd_refused_then_retried(refuse: bool) -> list[torch.Tensor]:
+    """Three O2 steps of SGD with momentum and dampening over three weights, the host deciding; the third weight
+    has no grad at the first step, so the second starts its momentum buffer while the others' go on. With
+    ``refuse``, that second step is first attempted with the first two weights' buffers in bf16 (refused), then,
+    the buffers put back, called again."""
+    gen = torch.Generator().manual_seed(0)
+    params = nn.ParameterList([nn.Parameter(torch.randn(16, generator=gen)) for _ in range(3)])
+    opt = torch.optim.SGD(params.parameters(), lr=0.1, momentum=0.9, dampening=0.5)
+    amp.initialize(params, opt, opt_level="O2", verbosity=0, sync_free=False)  # type: ignore[arg-type]
+    session = amp.current_session()
+    assert session is not None
+    weights = list(params)
+    anchor = torch.zeros((), requires_grad=True)
+    try:
+        for step in range(3):
+            with session.scale_loss(anchor * 1.0, opt) as scaled:
+                scaled.backward()
+                for i, w in enumerate(weights):
+                    if step > 0 or i < 2:
+                        w.grad = torch.full_like(w, 0.5 + i + step)
+            masters = opt.param_groups[0]["params"]
+            if refuse and step == 1:
+                kept = [opt.state[m]["momentum_buffer"] for m in masters[:2]]
+                for m, buffer in zip(masters, kept):
+                    opt.state[m]["momentum_buffer"] = buffer.bfloat16()
+                with pytest.raises(ValueError, match=r"reads every momentum_buffer as torch.float32, got torch.bf"):
+                    opt.step()
+                # Nothing of the refused step stands: the third weight's buffer not started (and no weight moved:
+                # the comparison below).
+                assert "momentum_buffer" not in opt.state[masters[2]]
+                for m, buffer in zip(masters, kept):
+                    opt.state[m]["momentum_buffer"] = buffer
+            opt.step()
+        buffers = [opt.state[m]["momentum_buffer"] for m in masters]
+        return [w.detach().clone() for w in weights] + [m.detach().clone() for m in masters] + buffers
+    finally:
+        amp.deinitialize()
+
+
+def test_a_refused_sgd_step_starts_no_momentum_buffer_and_its_retry_is_the_step(kernels_on_cpu: ModuleType) -> None:
+    # An SGD step launches the buffers found in opt.state and the buffers it starts apart (a first momentum step
+    # takes the grad as the buffer). The refusable launch, over buffers found in opt.state, goes first: a refusal
+    # once came after the starting launch, whose weights had stepped and whose buffers stayed, so the retry stepped
+    # them twice and took the started buffer as a later one (momentum * buffer + (1 - dampening) * grad).
+    got = _sgd_refused_then_retried(True)
+    want = _sgd_refused_then_retried(False)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+
 def test_an_optimizer_state_of_other_sizes_is_refused(kernels_on_cpu: ModuleType) -> None:
     # The kernels read every list with the masters' sizes: a moment of another size (an optimizer state_dict of
     # another model loaded) would be read and written out of its bounds. torch's own fused step refuses it too.

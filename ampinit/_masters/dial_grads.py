@@ -530,8 +530,10 @@ class _DialStep(abc.ABC):
                 )
                 launched = True
         except BaseException:
-            # A launch refused (see _adam_kernel). After an earlier batch's launch (a first momentum step of some
-            # buffers) its parameters have stepped: the counts stay, as torch's per-group step leaves a group.
+            # A launch refused (see _adam_kernel). The buffers found in opt.state launch first (sgd_batches), so a
+            # refused state has stepped nothing and made no buffer; a failure after that launch (a starting
+            # buffer's batch) leaves its parameters stepped: the counts stay, as torch's per-group step leaves a
+            # group.
             if not launched:
                 _take_back_sr(steps, found_inf)
             raise

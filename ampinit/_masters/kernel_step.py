@@ -977,18 +977,24 @@ def sgd_batches(
 
     With momentum, the parameters without a buffer get torch's ``momentum_buffer`` (fp32) and their own launch
     (the kernel sets a first step's buffer to the grad). Without momentum the buffer lists are empty.
+
+    The parameters that have a buffer come first, and the starting buffers are made only when the caller asks for
+    the next batch: the launch over buffers found in ``opt.state`` is the one its tables may refuse (a buffer of
+    another dtype or size put there), and a step refused there has then stepped no parameter and made no buffer
+    (a buffer left behind would turn the retried step's first momentum step into a later one: ``momentum * 0 +
+    (1 - dampening) * grad`` where torch's first step takes the grad itself). The starting buffers are made
+    together, so a failed allocation leaves none.
     """
     momentum = group["momentum"]
     states = _states_of(opt, params)
     first = [momentum != 0 and "momentum_buffer" not in (state or {}) for state in states]
-    if any(first):
-        for p, is_first in zip(params, first):
-            if is_first:
-                opt.state[p]["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
-        states = _states_of(opt, params)
-    every_state = cast(list[dict[str, Any]], states)  # with momentum, every parameter has a buffer by now
-    for first_step in (True, False):
-        chosen = [i for i, f in enumerate(first) if f == first_step]
-        if chosen:
-            buffers = [every_state[i]["momentum_buffer"] for i in chosen] if momentum != 0 else []
-            yield first_step, chosen, buffers
+    later = [i for i, is_first in enumerate(first) if not is_first]
+    if later:
+        found = cast(list[dict[str, Any]], states)  # with momentum, each of these has a buffer
+        yield False, later, [found[i]["momentum_buffer"] for i in later] if momentum != 0 else []
+    starting = [i for i, is_first in enumerate(first) if is_first]
+    if starting:
+        buffers = [torch.zeros_like(params[i], dtype=torch.float32) for i in starting]
+        for i, buffer in zip(starting, buffers):
+            opt.state[params[i]]["momentum_buffer"] = buffer
+        yield True, starting, buffers
