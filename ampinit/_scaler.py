@@ -22,6 +22,16 @@ from ampinit._loss_scale import DynamicLossScale
 #: A static scale's clean-step count takes this many updates' flags at once (``LossScaler._count_uncounted``).
 STATIC_FOLD = 32
 
+#: Zero overflow flags are cut from one zeroed buffer, this many at a time (``LossScaler._zero_flag``): a scaler
+#: whose flag was lent to a step decision takes a new zero flag at each unscale step, and a ``zeros_like`` there
+#: was a fill launch per iteration (10-25 us of host time each on the H100 checks' hosts) where this is one per
+#: ``FLAG_POOL`` steps. The buffer lives while any flag cut from it does: ``FLAG_POOL * 16`` bytes.
+FLAG_POOL = 64
+
+#: Elements from one pooled flag to the next: 16 bytes, so each starts where torch's allocator starts a tensor (on
+#: 16 bytes), which is what Triton specialises a pointer on (a flag at another offset would compile a variant).
+_FLAG_STRIDE = 4
+
 #: A dynamic scale's update in one launch where a device has one (``ampinit._masters.triton_kernels.update_scale_``:
 #: scale, tracker, flag, growth factor, backoff factor, growth interval, min scale, max scale -> the new 1/scale).
 FusedUpdate = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, float, int, float | None, float], torch.Tensor]
@@ -56,6 +66,7 @@ class LossScaler:
         # write of the scaler's own (a clear, a check) goes to a new tensor.
         self._flag_lent = False
         self._uncounted: list[torch.Tensor] = []  # a static scale's flags not yet in its clean-step count
+        self._zero_flags: list[torch.Tensor] = []  # zero flags not yet taken (``_zero_flag``)
         self._inv_scale: torch.Tensor | None = None
         self._one: torch.Tensor | None = None  # the multiplier of a check that has nothing to unscale
         # Counts the events that may have changed the scale (a dynamic update, a load): grads kept scaled by
@@ -219,12 +230,23 @@ class LossScaler:
         return loss.float() * _torch_kernels.to_device(self.scale_tensor, loss.device)
 
     def clear_overflow(self) -> None:
-        """A zero flag before an unscale step: written in place, or, where the last one was lent, a new tensor."""
+        """A zero flag before an unscale step: written in place, or, where the last one was lent, a new tensor (one
+        of the pool's, :meth:`_zero_flag`)."""
         if self._flag_lent:
-            self._found_inf = torch.zeros_like(self.found_inf)
+            self._found_inf = self._zero_flag()
             self._flag_lent = False
         else:
             self.found_inf.zero_()
+
+    def _zero_flag(self) -> torch.Tensor:
+        """A new zero flag, never handed out before: cut from a zeroed buffer of :data:`FLAG_POOL` (one fill launch
+        for that many), each a one-element contiguous view starting on 16 bytes. Nothing writes a flag before it
+        is taken from here, and once taken it is the scaler's own flag, written as any other."""
+        if not self._zero_flags:
+            pool = torch.zeros(FLAG_POOL, _FLAG_STRIDE, dtype=torch.float32, device=self.found_inf.device)
+            self._zero_flags = list(pool[:, :1].unbind(0))
+            self._zero_flags.reverse()  # taken from the end: in the order of their addresses
+        return self._zero_flags.pop()
 
     def unscale_(self, grads: list[torch.Tensor], fused: _torch_kernels.FusedCheck | None = None) -> None:
         """Unscale ``grads`` in place and raise the overflow flag if any is inf/NaN (``fused``: see ``check_``)."""

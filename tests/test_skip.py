@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from ampinit import DynamicLossScale, _skip
+from ampinit import DynamicLossScale, _scaler, _skip
 from ampinit._scaler import LossScaler
 
 
@@ -45,6 +45,37 @@ def test_a_lent_flag_is_never_written_again() -> None:
     scaler.set_overflow(True)
     scaler.check_([torch.tensor([1.0])])
     assert again.item() == 0.0 and scaler.found_inf.item() == 1.0
+
+
+def test_the_flags_after_lent_ones_are_new_zero_flags_filled_once_a_pool() -> None:
+    # A lent flag's clear takes a new zero flag from a pool (one fill launch per FLAG_POOL, where a zeros_like per
+    # iteration was one launch each): each a one-element flag of its own memory, zero when taken, starting on 16
+    # bytes (what Triton specialises a pointer on), and writing one moves no other, lent or pooled.
+    scaler = LossScaler(DynamicLossScale())
+    scaler.materialize(torch.device("cpu"))
+    steps = 2 * _scaler.FLAG_POOL + 3
+    lent: list[torch.Tensor] = []
+    fills = 0
+    zeros = torch.zeros
+    for step in range(steps):
+
+        def counted_zeros(*args: Any, **kwargs: Any) -> torch.Tensor:
+            nonlocal fills
+            fills += 1
+            return zeros(*args, **kwargs)
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(torch, "zeros", counted_zeros)
+            scaler.clear_overflow()
+        flag = scaler.found_inf
+        assert flag.shape == (1,) and flag.dtype == torch.float32 and flag.is_contiguous()
+        assert flag.item() == 0.0 and flag.data_ptr() % 16 == 0
+        assert all(flag.data_ptr() != other.data_ptr() for other in lent)
+        scaler.check_([torch.tensor([float("inf") if step % 3 == 0 else 1.0])])
+        lent.append(scaler.lend_flag())
+    assert [f.item() for f in lent] == [1.0 if step % 3 == 0 else 0.0 for step in range(steps)]
+    # Step 0 clears the materialized flag in place (never lent); steps 1-64, 65-128 and 129-130 take three pools.
+    assert fills == 3
 
 
 @pytest.mark.parametrize("value", [0.0, 1.0])
