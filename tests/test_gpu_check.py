@@ -77,6 +77,11 @@ def test_tiny_benchmark_measures_every_pass_and_calls_nothing_a_verdict(
     for name, row in phases.items():
         assert list(row) == list(bench.MASTER_PHASES) and all(us > 0 for us in row.values()), (name, row)
     assert "== master step: host time per phase" in profile
+    # Which side sets each master-step iteration: the timed figure beside the host's and the device's.
+    assert "== master step: which side sets the iteration" in profile
+    bound = profile.split("== master step: which side sets the iteration")[1].split("\n\n")[0]
+    assert all(f"{name}  " in bound for name in ("plain fused AdamW (fp32)", "O2", "O5")), bound
+    assert report["profile_master_step"]["O5"]["device"]["busy_us_per_step"] > 0
     # The launch costs are CUDA's: every piece named, none measured on the CPU.
     pieces = ("torch add", "check_finite_", "storage key", "kernel[grid]", "amp launch", "compiled[grid]")
     assert report["launch_costs_us"] == dict.fromkeys((*pieces, "compiled[grid] ran"))
@@ -401,10 +406,29 @@ def test_idle_time_between_activities_counts_overlaps_once() -> None:
     assert bench.idle_between(activities) == 5.0 + 10.0
     summary = bench.trace_summary(activities, steps=2, top=2)
     assert summary["activities_per_step"] == 2.0 and summary["idle_us_per_step"] == 7.5
+    assert summary["busy_us_per_step"] == (41.0 - 15.0) / 2  # from the first start to the last end, less the idle
     assert summary["top"] == [
         {"name": "b", "us_per_step": 6.0, "calls_per_step": 0.5, "share": 12 / 28},
         {"name": "a", "us_per_step": 5.5, "calls_per_step": 1.0, "share": 11 / 28},
     ]
+
+
+def test_the_master_steps_bound_is_the_side_that_took_longer() -> None:
+    profile = {
+        "plain": {"device": {"busy_us_per_step": 1400.0}},
+        "O2": {"device": {"busy_us_per_step": 1450.0}},
+        "O5": {"error": "RuntimeError: boom"},
+    }
+    phases = {
+        "plain": {"zero_grad": 100.0, "step": 900.0},  # 1.0 ms of host time against 1.4 of device time
+        "O2": {"zero_grad": 150.0, "exit": 900.0, "step": 950.0},  # 2.0 against 1.45
+        "O5": "RuntimeError: boom",
+    }
+    lines = bench.bound_lines(profile, phases, {"plain": 1.732, "O2": 2.457, "O5": "RuntimeError: boom"})
+    rows = {line.split()[0]: line.split()[1:] for line in lines[2:] if line.strip()}
+    assert rows["plain"] == ["1.732", "1.000", "1.400", "device"]
+    assert rows["O2"] == ["2.457", "2.000", "1.450", "host"]
+    assert rows["O5"][0] == "not"
 
 
 # -- the summary ----------------------------------------------------------------------------------------------
