@@ -88,6 +88,36 @@ def test_tiny_benchmark_measures_every_pass_and_calls_nothing_a_verdict(
     assert "== master step: launch costs" in profile and "    compiled[grid]       n/a\n" in profile
 
 
+def test_the_powers_in_launch_variants_step_with_it_on_and_leave_it_as_it_was(
+    kernels_on_cpu: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Timed on CUDA only (where the setting acts), beside O2 and O5: each step of such a variant runs with the
+    # powers in the launch, and the setting is the process's again after it (the other variants alternate with it).
+    from ampinit._masters import kernel_step
+
+    assert bench.master_names(torch.device("cpu")) == (bench.PLAIN_ADAMW, "O2", "O5")
+    assert bench.master_names(torch.device("cuda")) == (bench.PLAIN_ADAMW, "O2", "O5", *bench.POWERS_VARIANTS)
+    seen: list[bool] = []
+    scalars = kernel_step._scalars
+
+    def watched(*args: Any, **kwargs: Any) -> torch.Tensor:
+        seen.append(kernel_step.POWERS_IN_LAUNCH)
+        return scalars(*args, **kwargs)
+
+    monkeypatch.setattr(kernel_step, "_scalars", watched)
+    for name, level in [("O5 powers in launch", "O5"), ("O2 powers in launch", "O2"), ("O5", "O5")]:
+        variant = bench._master_variant(name, [64, 64, 32], torch.device("cpu"))
+        try:
+            session = ampinit.current_session()
+            assert session is not None and session.properties.opt_level == level
+            seen.clear()
+            variant.step()
+            variant.step()
+            assert seen == [name in bench.POWERS_VARIANTS] * 2 and kernel_step.POWERS_IN_LAUNCH is False
+        finally:
+            variant.close()
+
+
 def test_the_launch_probe_runs_on_the_tensors_own_device(
     kernels_on_cpu: ModuleType, caplog: pytest.LogCaptureFixture
 ) -> None:
