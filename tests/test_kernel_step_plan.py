@@ -4,7 +4,9 @@ holds at the step (not what it held when the step last looked)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator
 from types import ModuleType
+from typing import Any
 
 import pytest
 import torch
@@ -185,17 +187,27 @@ def test_grads_replaced_after_the_exit_are_the_ones_the_step_reads(kernels_on_cp
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
 
 
+def _o2_over_three_weights(
+    make_opt: Callable[[Iterator[nn.Parameter]], torch.optim.Optimizer], device_decides: bool
+) -> tuple[torch.optim.Optimizer, list[nn.Parameter], Any]:
+    """An O2 session over three weights of 16 elements and the optimizer ``make_opt`` makes of them; the skip
+    decided on the device (``sync_free``) or on the host."""
+    gen = torch.Generator().manual_seed(0)
+    params = nn.ParameterList([nn.Parameter(torch.randn(16, generator=gen)) for _ in range(3)])
+    opt = make_opt(params.parameters())
+    amp.initialize(params, opt, opt_level="O2", verbosity=0, sync_free=device_decides)  # type: ignore[arg-type]
+    session = amp.current_session()
+    assert session is not None
+    return opt, list(params), session
+
+
 def _refused_then_retried(refuse: bool, overflow: bool, device_decides: bool) -> list[torch.Tensor]:
     """Weights, masters, moments and counts after three O2 steps (dynamic scale) with grads of 0.5, the second's
     grads an inf when ``overflow``; with ``refuse``, that step is first attempted with bf16 first moments in
     ``opt.state`` (refused), then, the moments put back, called again."""
-    gen = torch.Generator().manual_seed(0)
-    params = nn.ParameterList([nn.Parameter(torch.randn(16, generator=gen)) for _ in range(3)])
-    opt = torch.optim.AdamW(params.parameters(), lr=1e-2, betas=(BETA1, 0.999), fused=True)
-    amp.initialize(params, opt, opt_level="O2", verbosity=0, sync_free=device_decides)  # type: ignore[arg-type]
-    session = amp.current_session()
-    assert session is not None
-    weights = list(params)
+    opt, weights, session = _o2_over_three_weights(
+        lambda params: torch.optim.AdamW(params, lr=1e-2, betas=(BETA1, 0.999), fused=True), device_decides
+    )
     anchor = torch.zeros((), requires_grad=True)
     try:
         for step in range(3):
@@ -248,13 +260,9 @@ def _sgd_refused_then_retried(refuse: bool) -> list[torch.Tensor]:
     has no grad at the first step, so the second starts its momentum buffer while the others' go on. With
     ``refuse``, that second step is first attempted with the first two weights' buffers in bf16 (refused), then,
     the buffers put back, called again."""
-    gen = torch.Generator().manual_seed(0)
-    params = nn.ParameterList([nn.Parameter(torch.randn(16, generator=gen)) for _ in range(3)])
-    opt = torch.optim.SGD(params.parameters(), lr=0.1, momentum=0.9, dampening=0.5)
-    amp.initialize(params, opt, opt_level="O2", verbosity=0, sync_free=False)  # type: ignore[arg-type]
-    session = amp.current_session()
-    assert session is not None
-    weights = list(params)
+    opt, weights, session = _o2_over_three_weights(
+        lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, dampening=0.5), False
+    )
     anchor = torch.zeros((), requires_grad=True)
     try:
         for step in range(3):
