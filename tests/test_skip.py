@@ -57,13 +57,13 @@ def test_the_flags_after_lent_ones_are_new_zero_flags_filled_once_a_pool() -> No
     lent: list[torch.Tensor] = []
     fills = 0
     zeros = torch.zeros
+
+    def counted_zeros(*args: Any, **kwargs: Any) -> torch.Tensor:
+        nonlocal fills
+        fills += 1
+        return zeros(*args, **kwargs)
+
     for step in range(steps):
-
-        def counted_zeros(*args: Any, **kwargs: Any) -> torch.Tensor:
-            nonlocal fills
-            fills += 1
-            return zeros(*args, **kwargs)
-
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(torch, "zeros", counted_zeros)
             scaler.clear_overflow()
