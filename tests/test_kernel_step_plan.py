@@ -300,6 +300,57 @@ def test_a_refused_sgd_step_starts_no_momentum_buffer_and_its_retry_is_the_step(
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
 
 
+def _two_groups_refused_then_retried(refuse: bool, optimizer: str, device_decides: bool) -> list[torch.Tensor]:
+    """Three O2 steps over three weights in two param groups (one weight, then two), each launched apart; with
+    ``refuse``, the second step is first attempted with the second group's state in bf16 (refused), then, the state
+    put back, called again."""
+
+    def make_opt(params: Iterator[nn.Parameter]) -> torch.optim.Optimizer:
+        first, *rest = params
+        groups = [{"params": [first]}, {"params": rest, "weight_decay": 0.0}]
+        if optimizer == "adamw":
+            return torch.optim.AdamW(groups, lr=1e-2, betas=(BETA1, 0.999), fused=True)
+        return torch.optim.SGD(groups, lr=0.1, momentum=0.9, dampening=0.5)
+
+    opt, weights, session = _o2_over_three_weights(make_opt, device_decides)
+    key = "exp_avg" if optimizer == "adamw" else "momentum_buffer"
+    anchor = torch.zeros((), requires_grad=True)
+    try:
+        for step in range(3):
+            with session.scale_loss(anchor * 1.0, opt) as scaled:
+                scaled.backward()
+                for i, w in enumerate(weights):
+                    w.grad = torch.full_like(w, 0.5 + i + step)
+            masters = [m for group in opt.param_groups for m in group["params"]]
+            if refuse and step == 1:
+                later = opt.param_groups[1]["params"]
+                kept = [opt.state[m][key] for m in later]
+                for m, state in zip(later, kept):
+                    opt.state[m][key] = state.bfloat16()
+                with pytest.raises(ValueError, match=rf"reads every {key} as torch.float32, got torch.bfloat16"):
+                    opt.step()
+                for m, state in zip(later, kept):
+                    opt.state[m][key] = state
+            opt.step()
+        states = [opt.state[m][k] for m in masters for k in sorted(opt.state[m])]
+        return [w.detach().clone() for w in weights] + [m.detach().clone() for m in masters] + states
+    finally:
+        amp.deinitialize()
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+@pytest.mark.parametrize("device_decides", [False, True], ids=["host-decides", "device-decides"])
+def test_a_step_of_several_launches_refused_at_a_later_one_changes_nothing(
+    kernels_on_cpu: ModuleType, optimizer: str, device_decides: bool
+) -> None:
+    # Each param group is a launch of its own. The second group's state is refused when its tables are made, which
+    # happened at its own launch, after the first group's had stepped its weights (and advanced its counts): the
+    # retry stepped them twice. A step of several launches now makes every launch's tables before the first.
+    got = _two_groups_refused_then_retried(True, optimizer, device_decides)
+    want = _two_groups_refused_then_retried(False, optimizer, device_decides)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+
 def test_an_optimizer_state_of_other_sizes_is_refused(kernels_on_cpu: ModuleType) -> None:
     # The kernels read every list with the masters' sizes: a moment of another size (an optimizer state_dict of
     # another model loaded) would be read and written out of its bounds. torch's own fused step refuses it too.

@@ -528,20 +528,68 @@ def step_fp32_masters(
     if planned is None:
         return False
     kernels, plan = planned
+    # A step of several launches makes every launch's tables first: one refused (an optimizer state of another
+    # dtype or size) refuses the step before any launch has written (one launch refuses before it writes).
+    several = len(plan) > 1 or len(plan[0].launches) > 1
+    prepared = _prepare_launches(update, kernels, opt, plan, grad_key) if several else None
     opt._opt_called = True  # type: ignore[attr-defined]  # what an lr scheduler's step wrapper records
-    for planned_group in plan:
+    for index, planned_group in enumerate(plan):
         group = planned_group.group
         span = planned_group.span
-        launch_key = None if grad_key is None or span is None else _slice_key(grad_key, *span)
-        for weight_dtype, masters, weights, grads, known in planned_group.launches:
+        launch_key = None if grad_key is None or span is None else _slice_key(grad_key, *span)  # as _launch_key
+        for at, (weight_dtype, masters, weights, grads, known) in enumerate(planned_group.launches):
             scaled = half_grads and weight_dtype is not None
             run_kernels(
                 update, kernels, opt, group, masters, Masters.fp32(masters, weights), found_inf, grads,
-                inv_scale if scaled else None, launch_key, known,
+                inv_scale if scaled else None, launch_key, known, None if prepared is None else prepared[index][at],
             )  # fmt: skip
         if planned_group.params:
             count_group_step(opt, update, group, found_inf)
     return True
+
+
+def _launch_key(grad_key: tuple[Any, ...] | None, planned_group: PlannedGroup) -> tuple[Any, ...] | None:
+    """The storage key of ``planned_group``'s grads within the exit's ``grad_key``, where its launch reads a slice
+    of the grads the exit checked (``PlannedGroup.span``)."""
+    span = planned_group.span
+    return None if grad_key is None or span is None else _slice_key(grad_key, *span)
+
+
+def _prepare_launches(
+    update: Update | None,
+    kernels: ModuleType,
+    opt: torch.optim.Optimizer,
+    plan: list[PlannedGroup],
+    grad_key: tuple[Any, ...] | None,
+) -> list[list[Any]]:
+    """Per planned group, per launch: its tables made as its launch would (``kernels.adam_tables`` /
+    ``sgd_tables``, each list checked; a ``ValueError`` here refuses the step before anything is advanced or
+    written), or None where the launch makes its own: a state it will start (a first step's moments or momentum
+    buffers, zeros of the masters' sizes made by the step) or an optimizer keeping its own state (``FusedAdam``)."""
+    out: list[list[Any]] = []
+    own_state = _kernel_optimizer(opt) is not None
+    for planned_group in plan:
+        key = _launch_key(grad_key, planned_group)
+        row: list[Any] = []
+        for _, masters, weights, grads, known in planned_group.launches:
+            states = _states_of(opt, masters)
+            if own_state or not all(states):
+                row.append(None)
+                continue
+            found = cast(list[dict[str, Any]], states)
+            view = Masters.fp32(masters, weights)
+            if update == "adam":
+                moments = list(map(_EXP_AVG, found)), list(map(_EXP_AVG_SQ, found))
+                row.append(kernels.adam_tables(grads, view, *moments, grad_key=key, known=known))
+            elif planned_group.group["momentum"] == 0:
+                row.append(kernels.sgd_tables(grads, view, [], grad_key=key, known=known))
+            elif all(["momentum_buffer" in state for state in found]):
+                buffers = [state["momentum_buffer"] for state in found]
+                row.append(kernels.sgd_tables(grads, view, buffers, grad_key=key, known=known))
+            else:
+                row.append(None)
+        out.append(row)
+    return out
 
 
 def _slice_key(key: tuple[Any, ...], start: int, end: int) -> tuple[Any, ...]:
@@ -682,19 +730,22 @@ def run_kernels(
     inv_scale: torch.Tensor | None = None,
     grad_key: tuple[Any, ...] | None = None,
     known: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]] | None = None,
+    prepared: Any = None,
 ) -> None:
     """``update`` ("adam" or "sgd") on ``masters`` through ``kernels``; ``params`` (the optimizer's own) key the
     optimizer's state and hold the grads, unless ``grads`` (times ``inv_scale``) are given. Adam is one launch;
     SGD two when some momentum buffers start. ``grad_key``: the storage key of ``grads``, read when they were
     checked; ``known``: the masters' sizes and data pointers and the weights' pointers, read when they were checked
-    (``triton_kernels.adam_``'s and ``sgd_``'s: taken by a launch over the whole list)."""
+    (``triton_kernels.adam_``'s and ``sgd_``'s: taken by a launch over the whole list); ``prepared``: the launch's
+    tables, made earlier in this step (:func:`_prepare_launches`), or None."""
     read = grads if grads is not None else [_grad(p) for p in params]
     if update == "adam":
         inputs, advanced = adam_inputs(opt, group, params, found_inf, kernels)
         try:
             kernels.adam_(
-                read, masters, *inputs, inv_scale=inv_scale, found_inf=found_inf, grad_key=grad_key, known=known
-            )
+                read, masters, *inputs, inv_scale=inv_scale, found_inf=found_inf, grad_key=grad_key, known=known,
+                prepared=prepared,
+            )  # fmt: skip
         except BaseException:
             # Refused before its launch (an optimizer state of other sizes or precision, found when the launch's
             # tables are built): the counts go back to where the step found them, as the rest of the state is.
@@ -716,6 +767,7 @@ def run_kernels(
             found_inf=found_inf,
             grad_key=grad_key if whole else None,
             known=known if whole else None,
+            prepared=prepared if whole else None,
         )
 
 

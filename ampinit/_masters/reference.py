@@ -328,15 +328,40 @@ def adam_(
     found_inf: torch.Tensor | None = None,
     grad_key: object = None,
     known: object = None,
+    prepared: object = None,
 ) -> None:
     """One Adam or AdamW step of ``masters`` from ``grads``.
 
-    ``step_scalars`` comes from :func:`adam_step_scalars` (one row per tensor). ``grad_key`` and ``known`` are the
-    Triton twin's (what the caller read of the grads, masters and weights when it checked them); the tensors are
-    read here as they are.
+    ``step_scalars`` comes from :func:`adam_step_scalars` (one row per tensor). ``grad_key``, ``known`` and
+    ``prepared`` are the Triton twin's (what the caller read of the grads, masters and weights when it checked them,
+    and the launch's tables made before it); the tensors are read here as they are.
     """
     moments = Moments.fp32(exp_avgs), Moments.fp32(exp_avg_sqs)
     adam_dial_(grads, masters, *moments, step_scalars, settings, inv_scale=inv_scale, found_inf=found_inf)
+
+
+def adam_tables(
+    grads: TensorList,
+    masters: Masters,
+    exp_avgs: TensorList,
+    exp_avg_sqs: TensorList,
+    *,
+    grad_key: object = None,
+    known: object = None,
+) -> None:
+    """The Triton twin's launch tables, made before a step's first launch: none here (nothing is read through a
+    pointer, so nothing is refused)."""
+
+
+def sgd_tables(
+    grads: TensorList,
+    masters: Masters,
+    momentum_buffers: TensorList,
+    *,
+    grad_key: object = None,
+    known: object = None,
+) -> None:
+    """As :func:`adam_tables`."""
 
 
 def adam_dial_(
@@ -386,10 +411,12 @@ def sgd_(
     found_inf: torch.Tensor | None = None,
     grad_key: object = None,
     known: object = None,
+    prepared: object = None,
 ) -> None:
     """One SGD step (torch's rule; with momentum the buffers are set to the grad on ``first_step``).
 
-    ``momentum_buffers`` is empty when ``settings.momentum == 0``. ``grad_key`` and ``known``: as :func:`adam_`'s.
+    ``momentum_buffers`` is empty when ``settings.momentum == 0``. ``grad_key``, ``known`` and ``prepared``: as
+    :func:`adam_`'s.
     """
     buffers = Moments.fp32(momentum_buffers)
     sgd_dial_(grads, masters, buffers, settings, first_step=first_step, inv_scale=inv_scale, found_inf=found_inf)

@@ -838,6 +838,32 @@ _STORAGE_DTYPES: dict[int, tuple[ListDtype, ListDtype]] = {
 }
 
 
+#: A step launch's tables, made before the launch (``_prepare``): its tables, the grads' pointer table, whether every
+#: tensor starts on 16 bytes, and the STORAGE constants of its masters.
+Prepared = tuple[_Tables, torch.Tensor, bool, dict[str, Any]]
+
+
+def _prepare(
+    grads: TensorList,
+    lists: Sequence[TensorList],
+    list_dtypes: Sequence[ListDtype],
+    masters: Masters,
+    grad_key: tuple[Any, ...] | None = None,
+    known: Known | None = None,
+) -> Prepared:
+    """The tables of a launch over ``grads`` (not empty), ``lists`` and ``masters``, each list checked as the kernel
+    reads it (``list_dtypes``; ``grad_key``, ``known``: see ``_launch_tables``; ``known`` describes the masters and
+    their weights)."""
+    first, second, storage = _storage(masters)
+    if masters.remainders:
+        known = None  # its last lists are the weights and remainders, not what ``known`` describes
+    dtypes = (*list_dtypes, *_STORAGE_DTYPES[storage["STORAGE"]])
+    tables, grad_table, aligned = _launch_tables(
+        grads, *lists, first, second, grad_key=grad_key, known=known, same_sizes=True, dtypes=dtypes
+    )
+    return tables, grad_table, aligned, storage
+
+
 def _launch(
     kernel: Any,
     grads: TensorList,
@@ -851,19 +877,16 @@ def _launch(
     constants: dict[str, Any],
     grad_key: tuple[Any, ...] | None = None,
     known: Known | None = None,
+    prepared: Prepared | None = None,
 ) -> None:
     """One launch of ``kernel`` over ``grads``, ``lists`` and ``masters``, one program per block of each tensor
-    (``list_dtypes``: what the kernel reads each of ``lists`` as; ``grad_key``, ``known``: see ``_launch_tables``;
-    ``known`` describes the masters and their weights)."""
+    (``list_dtypes``, ``grad_key``, ``known``: see :func:`_prepare`). ``prepared``: what :func:`_prepare` made of
+    these lists earlier in the same step (then nothing is read again)."""
     if not grads:
         return
-    first, second, storage = _storage(masters)
-    if masters.remainders:
-        known = None  # its last lists are the weights and remainders, not what ``known`` describes
-    dtypes = (*list_dtypes, *_STORAGE_DTYPES[storage["STORAGE"]])
-    tables, grad_table, aligned = _launch_tables(
-        grads, *lists, first, second, grad_key=grad_key, known=known, same_sizes=True, dtypes=dtypes
-    )
+    if prepared is None:
+        prepared = _prepare(grads, lists, list_dtypes, masters, grad_key, known)
+    tables, grad_table, aligned, storage = prepared
     unread = grads[0]  # passed for an absent scale or flag: the kernel never reads it
     triton_launch.launch(
         kernel,
@@ -906,18 +929,35 @@ def adam_(
     found_inf: torch.Tensor | None = None,
     grad_key: tuple[Any, ...] | None = None,
     known: Known | None = None,
+    prepared: Prepared | None = None,
 ) -> None:
     """See ``ampinit._masters.reference.adam_`` (same arguments, same bits; ``grad_key``: the storage key of
     ``grads`` where the caller read it when it checked them, ``check_finite_``'s; ``known``: the masters' sizes and
-    data pointers and the weights' pointers, likewise, ``kernel_step.Launch.known``)."""
+    data pointers and the weights' pointers, likewise, ``kernel_step.Launch.known``; ``prepared``: what
+    :func:`adam_tables` made of the same lists earlier in the step)."""
     s = settings
     betas = (s.beta1, 1 - s.beta1, s.beta2, 1 - s.beta2)
     scalars = (step_scalars.contiguous(), *betas, s.eps, s.weight_decay, 1 - s.lr * s.weight_decay)
     constants = {"DECAY": 0 if s.weight_decay == 0 else (2 if s.decoupled else 1)}
     _launch(
         _adam_kernel, grads, (exp_avgs, exp_avg_sqs), _FP32_MOMENTS, masters, scalars, inv_scale, found_inf,
-        s.maximize, constants, grad_key, known,
+        s.maximize, constants, grad_key, known, prepared,
     )  # fmt: skip
+
+
+def adam_tables(
+    grads: TensorList,
+    masters: Masters,
+    exp_avgs: TensorList,
+    exp_avg_sqs: TensorList,
+    *,
+    grad_key: tuple[Any, ...] | None = None,
+    known: Known | None = None,
+) -> Prepared | None:
+    """The tables :func:`adam_` would make of these lists, each checked (a ``ValueError`` where it would refuse
+    them), for a step that makes every launch's before its first launch: a step of several launches refused at a
+    later one would have written the earlier ones. None for no grads (nothing launched)."""
+    return _prepare(grads, (exp_avgs, exp_avg_sqs), _FP32_MOMENTS, masters, grad_key, known) if grads else None
 
 
 def sgd_(
@@ -931,17 +971,39 @@ def sgd_(
     found_inf: torch.Tensor | None = None,
     grad_key: tuple[Any, ...] | None = None,
     known: Known | None = None,
+    prepared: Prepared | None = None,
 ) -> None:
-    """See ``ampinit._masters.reference.sgd_`` (same arguments, same bits; ``grad_key`` and ``known``: as
-    :func:`adam_`'s)."""
+    """See ``ampinit._masters.reference.sgd_`` (same arguments, same bits; ``grad_key``, ``known`` and ``prepared``:
+    as :func:`adam_`'s, ``prepared`` made by :func:`sgd_tables`)."""
     s = settings
     scalars = (s.lr, s.momentum, 1 - s.dampening, s.weight_decay)
     flags = {"HAS_DECAY": s.weight_decay != 0, "HAS_MOMENTUM": s.momentum != 0, "NESTEROV": s.nesterov}
     constants = {**flags, "FIRST_STEP": first_step}
-    # Without momentum the buffers' list repeats the masters' first list (same sizes), unread.
-    buffers = momentum_buffers or (masters.weights if masters.remainders else masters.masters)
-    read_as: tuple[ListDtype] = (ListRead("momentum_buffer", torch.float32) if momentum_buffers else None,)
+    buffers, read_as = _sgd_lists(masters, momentum_buffers)
     _launch(
-        _sgd_kernel, grads, (buffers,), read_as, masters, scalars, inv_scale, found_inf, s.maximize, constants,
-        grad_key, known,
+        _sgd_kernel, grads, buffers, read_as, masters, scalars, inv_scale, found_inf, s.maximize, constants,
+        grad_key, known, prepared,
     )  # fmt: skip
+
+
+def sgd_tables(
+    grads: TensorList,
+    masters: Masters,
+    momentum_buffers: TensorList,
+    *,
+    grad_key: tuple[Any, ...] | None = None,
+    known: Known | None = None,
+) -> Prepared | None:
+    """The tables :func:`sgd_` would make of these lists, each checked: as :func:`adam_tables`."""
+    if not grads:
+        return None
+    buffers, read_as = _sgd_lists(masters, momentum_buffers)
+    return _prepare(grads, buffers, read_as, masters, grad_key, known)
+
+
+def _sgd_lists(masters: Masters, momentum_buffers: TensorList) -> tuple[tuple[TensorList], tuple[ListDtype]]:
+    """The SGD kernel's own list and what it reads it as: the momentum buffers, or without momentum the masters'
+    first list again (the same sizes, unread)."""
+    if momentum_buffers:
+        return (momentum_buffers,), (ListRead("momentum_buffer", torch.float32),)
+    return (masters.weights if masters.remainders else masters.masters,), (None,)
