@@ -555,22 +555,30 @@ def _launch_key(grad_key: tuple[Any, ...] | None, planned_group: PlannedGroup) -
     return None if grad_key is None or span is None else _slice_key(grad_key, *span)
 
 
+class Made(NamedTuple):
+    """A launch's tables made before the step's first launch (:func:`_prepare_launches`), and the optimizer states
+    they were made from (each launch's parameters', found once a step)."""
+
+    tables: Any  # ``kernels.adam_tables`` / ``sgd_tables``' result
+    states: list[dict[str, Any]]
+
+
 def _prepare_launches(
     update: Update | None,
     kernels: ModuleType,
     opt: torch.optim.Optimizer,
     plan: list[PlannedGroup],
     grad_key: tuple[Any, ...] | None,
-) -> list[list[Any]]:
+) -> list[list[Made | None]]:
     """Per planned group, per launch: its tables made as its launch would (``kernels.adam_tables`` /
     ``sgd_tables``, each list checked; a ``ValueError`` here refuses the step before anything is advanced or
     written), or None where the launch makes its own: a state it will start (a first step's moments or momentum
     buffers, zeros of the masters' sizes made by the step) or an optimizer keeping its own state (``FusedAdam``)."""
-    out: list[list[Any]] = []
+    out: list[list[Made | None]] = []
     own_state = _kernel_optimizer(opt) is not None
     for planned_group in plan:
         key = _launch_key(grad_key, planned_group)
-        row: list[Any] = []
+        row: list[Made | None] = []
         for _, masters, weights, grads, known in planned_group.launches:
             states = _states_of(opt, masters)
             if own_state or not all(states):
@@ -580,12 +588,12 @@ def _prepare_launches(
             view = Masters.fp32(masters, weights)
             if update == "adam":
                 moments = list(map(_EXP_AVG, found)), list(map(_EXP_AVG_SQ, found))
-                row.append(kernels.adam_tables(grads, view, *moments, grad_key=key, known=known))
+                row.append(Made(kernels.adam_tables(grads, view, *moments, grad_key=key, known=known), found))
             elif planned_group.group["momentum"] == 0:
-                row.append(kernels.sgd_tables(grads, view, [], grad_key=key, known=known))
+                row.append(Made(kernels.sgd_tables(grads, view, [], grad_key=key, known=known), found))
             elif all(["momentum_buffer" in state for state in found]):
                 buffers = [state["momentum_buffer"] for state in found]
-                row.append(kernels.sgd_tables(grads, view, buffers, grad_key=key, known=known))
+                row.append(Made(kernels.sgd_tables(grads, view, buffers, grad_key=key, known=known), found))
             else:
                 row.append(None)
         out.append(row)
@@ -730,21 +738,22 @@ def run_kernels(
     inv_scale: torch.Tensor | None = None,
     grad_key: tuple[Any, ...] | None = None,
     known: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]] | None = None,
-    prepared: Any = None,
+    prepared: Made | None = None,
 ) -> None:
     """``update`` ("adam" or "sgd") on ``masters`` through ``kernels``; ``params`` (the optimizer's own) key the
     optimizer's state and hold the grads, unless ``grads`` (times ``inv_scale``) are given. Adam is one launch;
     SGD two when some momentum buffers start. ``grad_key``: the storage key of ``grads``, read when they were
     checked; ``known``: the masters' sizes and data pointers and the weights' pointers, read when they were checked
     (``triton_kernels.adam_``'s and ``sgd_``'s: taken by a launch over the whole list); ``prepared``: the launch's
-    tables, made earlier in this step (:func:`_prepare_launches`), or None."""
+    tables and states, made and found earlier in this step (:func:`_prepare_launches`), or None."""
     read = grads if grads is not None else [_grad(p) for p in params]
+    tables, states = (None, None) if prepared is None else prepared
     if update == "adam":
-        inputs, advanced = adam_inputs(opt, group, params, found_inf, kernels)
+        inputs, advanced = adam_inputs(opt, group, params, found_inf, kernels, states)
         try:
             kernels.adam_(
                 read, masters, *inputs, inv_scale=inv_scale, found_inf=found_inf, grad_key=grad_key, known=known,
-                prepared=prepared,
+                prepared=tables,
             )  # fmt: skip
         except BaseException:
             # Refused before its launch (an optimizer state of other sizes or precision, found when the launch's
@@ -755,7 +764,7 @@ def run_kernels(
         return
     settings = group_settings(opt, update, group)
     assert isinstance(settings, SgdSettings)
-    for first_step, chosen, buffers in sgd_batches(opt, group, params):
+    for first_step, chosen, buffers in sgd_batches(opt, group, params, states):
         whole = len(chosen) == len(params)  # what was read of the grads and masters is of the whole list
         kernels.sgd_(
             read if whole else [read[i] for i in chosen],
@@ -767,7 +776,7 @@ def run_kernels(
             found_inf=found_inf,
             grad_key=grad_key if whole else None,
             known=known if whole else None,
-            prepared=prepared if whole else None,
+            prepared=tables if whole else None,
         )
 
 
@@ -808,34 +817,35 @@ def adam_inputs(
     params: list[torch.Tensor],
     found_inf: torch.Tensor | None,
     kernels: ModuleType | None = None,
+    states: list[dict[str, Any]] | None = None,
 ) -> tuple[AdamInputs, torch.Tensor | None]:
     """What an Adam kernel takes besides grads and masters (:data:`AdamInputs`), and the counts advanced for it.
 
     The step counts advance here (on the device, not where ``found_inf`` is set), as one tensor (:func:`packed_steps`),
     returned second so that a launch refused after this can :func:`take_back` them (None: a
     :class:`KernelOptimizer`'s, which count after the launches). ``kernels``: the fp32-master kernels, where the
-    caller has them (else :func:`kernels_for` the counts' device).
+    caller has them (else :func:`kernels_for` the counts' device); ``states``: each parameter's state, every one
+    made, where the caller found them in this step (else found here).
     """
     own = _kernel_optimizer(opt)
     if own is not None:
-        settings = own.kernel_settings(group)
-        assert isinstance(settings, AdamSettings)
-        exp_avgs, exp_avg_sqs, steps = cast(KernelAdamState, own).kernel_adam_state(group, params)
-        scalars = _scalars(steps, None, settings, kernels, advance=False)  # the step numbers of this update already
-        advanced = None
-    else:
+        own_settings = own.kernel_settings(group)
+        assert isinstance(own_settings, AdamSettings)
+        own_avgs, own_avg_sqs, counts = cast(KernelAdamState, own).kernel_adam_state(group, params)
+        own_scalars = _scalars(counts, None, own_settings, kernels, advance=False)  # this update's step numbers
+        return (own_avgs, own_avg_sqs, own_scalars.to(params[0].device), own_settings), None
+    if states is None:
         found = _states_of(opt, params)
         if all(found):  # every state made (each step but the first): no Python call per parameter
             states = cast(list[dict[str, Any]], found)
         else:
             states = [state or adam_state(opt, group, p) for p, state in zip(params, found)]
-        steps = packed_steps(states, params[0].device)
-        settings = AdamSettings.of(opt, group)
-        # The counts advanced by one, and taken back by the flag (on the device), with the scalars.
-        scalars = _scalars(steps, found_inf, settings, kernels, advance=True)
-        exp_avgs, exp_avg_sqs = list(map(_EXP_AVG, states)), list(map(_EXP_AVG_SQ, states))
-        advanced = steps
-    return (exp_avgs, exp_avg_sqs, scalars.to(params[0].device), settings), advanced
+    steps = packed_steps(states, params[0].device)
+    settings = AdamSettings.of(opt, group)
+    # The counts advanced by one, and taken back by the flag (on the device), with the scalars.
+    scalars = _scalars(steps, found_inf, settings, kernels, advance=True)
+    exp_avgs, exp_avg_sqs = list(map(_EXP_AVG, states)), list(map(_EXP_AVG_SQ, states))
+    return (exp_avgs, exp_avg_sqs, scalars.to(params[0].device), settings), steps
 
 
 def take_back(steps: torch.Tensor, found_inf: torch.Tensor | None) -> None:
@@ -1023,7 +1033,10 @@ def _states_of(opt: torch.optim.Optimizer, params: list[torch.Tensor]) -> list[d
 
 
 def sgd_batches(
-    opt: torch.optim.Optimizer, group: dict[str, Any], params: list[torch.Tensor]
+    opt: torch.optim.Optimizer,
+    group: dict[str, Any],
+    params: list[torch.Tensor],
+    states: list[dict[str, Any]] | None = None,
 ) -> Iterator[tuple[bool, list[int], list[torch.Tensor]]]:
     """``(first_step, indices into params, momentum buffers)`` per SGD kernel launch.
 
@@ -1035,14 +1048,15 @@ def sgd_batches(
     another dtype or size put there), and a step refused there has then stepped no parameter and made no buffer
     (a buffer left behind would turn the retried step's first momentum step into a later one: ``momentum * 0 +
     (1 - dampening) * grad`` where torch's first step takes the grad itself). The starting buffers are made
-    together, so a failed allocation leaves none.
+    together, so a failed allocation leaves none. ``states``: each parameter's state, where the caller found them in
+    this step (else found here).
     """
     momentum = group["momentum"]
-    states = _states_of(opt, params)
-    first = [momentum != 0 and "momentum_buffer" not in (state or {}) for state in states]
+    found_states = _states_of(opt, params) if states is None else states
+    first = [momentum != 0 and "momentum_buffer" not in (state or {}) for state in found_states]
     later = [i for i, is_first in enumerate(first) if not is_first]
     if later:
-        found = cast(list[dict[str, Any]], states)  # with momentum, each of these has a buffer
+        found = cast(list[dict[str, Any]], found_states)  # with momentum, each of these has a buffer
         yield False, later, [found[i]["momentum_buffer"] for i in later] if momentum != 0 else []
     starting = [i for i, is_first in enumerate(first) if is_first]
     if starting:
