@@ -213,8 +213,8 @@ class StepCounts:
 
     #: Device flags kept before they are summed: one sum of this many (a stack and two adds) instead of an add per
     #: step, each a kernel launch (10-25 us of host time on the H100 checks' hosts). The flags are scalers' lent
-    #: ones or folds of them (``LossScaler.lend_flag``, ``_skip.fold_flag``), never written after their step; 512 B
-    #: of device memory each.
+    #: ones or folds of them (``LossScaler.lend_flag``, ``_skip.fold_flag``), never written after their step: views
+    #: into the scaler's 1 KiB flag buffers (``LossScaler._zero_flag``), or a 512-byte block for a fold.
     FOLD = 32
 
     def __init__(self) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import math
 from types import ModuleType
+from typing import Any
 
 import pytest
 import torch
@@ -77,10 +78,20 @@ def _o2_run(fused: bool, monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:
     """Weights and the scale's state after eight O2 steps of a small model, a scale that grows every second clean
     step and overflows planted in three backwards; its updates in one launch (``fused``) or torch's ops."""
     device = device_under_test()
+    launches: list[None] = []
     with monkeypatch.context() as patch:
         if device.type == "cpu":
             patch.setattr(kernel_step, "TRITON_ON_CPU", True)
-        if not fused:
+        if fused:
+            one_launch = kernel_step.scale_update_for(device)
+            assert one_launch is not None
+
+            def counted(*args: Any) -> torch.Tensor:
+                launches.append(None)
+                return one_launch(*args)
+
+            patch.setattr(kernel_step, "scale_update_for", lambda device: counted)
+        else:
             patch.setattr(kernel_step, "scale_update_for", lambda device: None)
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).to(device)
@@ -99,6 +110,7 @@ def _o2_run(fused: bool, monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:
                         model[0].bias.grad[0] = math.inf  # type: ignore[index]
                 opt.step()
                 opt.zero_grad()
+            assert len(launches) == (8 if fused else 0)  # every exit's update in one launch, or none
             (scaler,) = session.scalers
             state = [torch.tensor([scaler.loss_scale(), scaler.unskipped()]), scaler.inv_scale.cpu()]
             return [p.detach().cpu().clone() for p in model.parameters()] + state

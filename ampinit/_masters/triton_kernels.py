@@ -565,7 +565,6 @@ def _check_lists(
     """Raise unless every tensor is contiguous on ``device``, each list is of one dtype, (``same_sizes``) every
     non-empty list's sizes are the first list's, and each list is what ``dtypes`` says the kernel reads it as (by
     position; None or a missing entry: anything)."""
-    sizes = [t.numel() for t in lists[0]] if lists and same_sizes else []
     firsts = [t.numel() for t in lists[0]] if lists else []
     for tensors, wanted in itertools.zip_longest(lists, dtypes[: len(lists)]):
         for tensor in tensors:
@@ -575,16 +574,19 @@ def _check_lists(
             raise ValueError(
                 f"the fused master step needs one dtype per list, got {sorted({str(t.dtype) for t in tensors})}"
             )
+        if not tensors:
+            continue  # an empty list is unread
+        numels = [t.numel() for t in tensors]
         # The fp32-master kernels read every list with the first one's sizes (an optimizer state loaded from a
-        # checkpoint of another model would be read and written out of its bounds). An empty list is unread.
-        if same_sizes and tensors and [t.numel() for t in tensors] != sizes:
+        # checkpoint of another model would be read and written out of its bounds).
+        if same_sizes and numels != firsts:
             raise ValueError(
                 "the fused master step needs the same sizes in every list (masters, weights, optimizer state: was "
-                f"an optimizer state of another model loaded?), got {sizes} and {[t.numel() for t in tensors]}"
+                f"an optimizer state of another model loaded?), got {firsts} and {numels}"
             )
         # The kernels read each list through raw pointers as one dtype and size: an optimizer state of another
         # precision (bf16 moments assigned into ``opt.state``) would be read as fp32 and written twice its bytes.
-        if wanted is not None and tensors:
+        if wanted is not None:
             if tensors[0].dtype != wanted.dtype:
                 raise ValueError(
                     f"the fused master step reads every {wanted.name} as {wanted.dtype}, got {tensors[0].dtype} (was "
@@ -592,11 +594,11 @@ def _check_lists(
                     "the masters' dtype)"
                 )
             expected = [-(-n // wanted.per) for n in firsts]
-            if [t.numel() for t in tensors] != expected:
+            if numels != expected:
                 raise ValueError(
                     f"the fused master step needs {expected} elements in its {wanted.name} list (one per "
-                    f"{wanted.per} of the masters' {firsts}), got {[t.numel() for t in tensors]} (was an optimizer "
-                    "state of another model put in opt.state?)"
+                    f"{wanted.per} of the masters' {firsts}), got {numels} (was an optimizer state of another model "
+                    "put in opt.state?)"
                 )
 
 
