@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ampinit._casting import CastPolicy
-from ampinit._masters import RemainderGrads, StateStore
+from ampinit._masters import RemainderGrads, StateStore, moments_for_own_step
 from ampinit._model_cast import MasterLoader, MasterLookup, ModelCast, plan
 from ampinit._opt_levels import Properties
 from ampinit._optimizer_record import OptimizerRecord
@@ -37,6 +37,9 @@ def install(
     props = options.properties
     fp32_values = _values_before_cast(models, records, props)
     for record in records:
+        # Run last: once the parameters are the model's again, their moments in the layout the optimizer's own
+        # step reads (the dial's bf16 and 8-bit moments decoded, fp32 ones in a bf16 model's dtype).
+        undo.push(functools.partial(moments_for_own_step, record.optimizer))
         undo.push(record.grads.restore_model_params)
     _cast_models(models, options, undo, master_for, _remainder_loader(records))
     for record in records:
@@ -45,6 +48,9 @@ def install(
             if record.dial.exact:
                 # Today's exact classes store fp32 moments; a checkpoint of any dial setting loads into them decoded.
                 undo.push(StateStore(record.optimizer, record.dial).remove)
+        else:
+            # The optimizer steps its own parameters: another setting's 8-bit moments load decoded into them.
+            undo.push(StateStore(record.optimizer, record.dial, own_step=True).remove)
         undo.rebind(record.optimizer, "step", make_step(record))
         record.rebind_grad_methods(undo)
     if not props.uses_master_weights:

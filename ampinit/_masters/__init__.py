@@ -22,7 +22,7 @@ beneath it. Nothing here imports ``ampinit.optimizers``: an optimizer whose upda
 ===================  =========================================================================================
 """
 
-from ampinit._masters.dial_grads import Dial, StateStore, grads_for, session_seed
+from ampinit._masters.dial_grads import Dial, StateStore, grads_for, moments_for_own_step, session_seed
 from ampinit._masters.grads import OptimizerGrads
 from ampinit._masters.remainder_grads import RemainderGrads
 from ampinit._masters.update import MasterChunk, MasterUpdate, dial_setting, remainder_update
@@ -36,6 +36,7 @@ __all__ = [
     "StateStore",
     "dial_setting",
     "grads_for",
+    "moments_for_own_step",
     "remainder_update",
     "session_seed",
 ]

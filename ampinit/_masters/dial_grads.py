@@ -127,10 +127,14 @@ class StateStore:
     Every optimizer of a session with masters has one (with fp32 moments it only decodes what a load brings).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, dial: Dial) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, dial: Dial, *, own_step: bool = False) -> None:
         self.optimizer = optimizer
         self.dial = dial
         self.seed = dial.seed
+        # own_step: a session without masters, whose optimizer steps its parameters itself: a loaded 8-bit moment
+        # is decoded into its parameter's dtype (torch casts the codes to it as if they were values); the rest is
+        # left as torch's load_state_dict made it.
+        self.own_step = own_step
         self._maps: dict[tuple[bool, torch.device], precision.QuantMap] = {}
         self._loading: dict[str, Any] | None = None
         self._handles = [
@@ -269,6 +273,13 @@ class StateStore:
             # torch cast it to the parameter's dtype: a bf16 count stops at 256, and the random bits would repeat.
             state[SR_STEP] = count.to(device=param.device, dtype=torch.int64, copy=True)
         step = state.get("step", state.get(SR_STEP))
+        if self.own_step:
+            for key in MOMENT_PURPOSES:
+                if _is_8bit(key, saved):
+                    value = decode_moment(key, saved)
+                    assert value is not None
+                    state[key] = value.to(device=param.device, dtype=param.dtype)
+            return rounded
         for key, purpose in MOMENT_PURPOSES.items():
             if self.dial.state == "8bit" and _is_8bit(key, saved):
                 # Stored as this setting stores it: taken as is (decoding and quantizing again may move a block's
@@ -291,6 +302,31 @@ class StateStore:
             if isinstance(value, torch.Tensor):
                 state[key] = value.to(device=param.device, dtype=torch.float32, copy=True)
         return rounded
+
+
+def moments_for_own_step(optimizer: torch.optim.Optimizer) -> None:
+    """Put ``optimizer``'s moments back in the layout its own ``step`` reads (a session closing): each in its
+    parameter's dtype, bf16 moments widened and 8-bit ones decoded (their ``_absmax`` scales dropped). Moments
+    already in their parameter's dtype are left as they are (no copy). A parameter whose state changes gets a new
+    state dict: torch's ``state_dict()`` hands out the live ones, and a checkpoint taken before the close keeps
+    what it holds."""
+    for param, state in list(optimizer.state.items()):
+        if not isinstance(param, torch.Tensor) or not param.is_floating_point():
+            continue
+        changed: dict[str, Any] = {}
+        for key in (*MOMENT_PURPOSES, "max_exp_avg_sq"):
+            value = state.get(key)
+            if not isinstance(value, torch.Tensor):
+                continue
+            if _is_8bit(key, state):
+                decoded = decode_moment(key, state)
+                assert decoded is not None
+                changed[key] = decoded.to(param.dtype)
+            elif value.is_floating_point() and value.dtype != param.dtype and value.shape == param.shape:
+                changed[key] = value.to(param.dtype)
+        if changed:
+            dropped = {key + ABSMAX_SUFFIX for key in changed}
+            optimizer.state[param] = {k: changed.get(k, v) for k, v in state.items() if k not in dropped}
 
 
 def _is_8bit(key: str, state: dict[str, Any]) -> bool:
