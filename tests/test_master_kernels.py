@@ -10,6 +10,7 @@ Every comparison is bitwise: the kernels do the reference's fp32 operations in t
 from __future__ import annotations
 
 import os
+import warnings
 from types import ModuleType
 from typing import Any
 
@@ -528,3 +529,79 @@ def test_check_finite_of_empty_grads_launches_nothing(kernels: ModuleType, monke
     assert stand_in.launches == 0 and flag.item() == 0.0
     kernels.check_finite_([torch.empty(0, dtype=torch.bfloat16), torch.ones(3, dtype=torch.bfloat16)], flag)
     assert stand_in.launches == 1
+
+
+def _fused_adam_group_counts(level: str, **options: Any) -> list[tuple[float, ...]]:
+    """FusedAdam's group step counts over four amp steps of two groups, the second (the head) with grads on odd steps
+    only: on even ones the output is taken before the head."""
+    from ampinit import amp
+    from tests.conftest import make_problem
+
+    model, x, y = make_problem()
+    head = list(model.head.parameters())
+    rest = [p for p in model.parameters() if all(p is not h for h in head)]
+    opt = FusedAdam([{"params": rest}, {"params": head}], lr=1e-2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the dial's settings warn about what they round
+        model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0, **options)
+    session = amp.current_session()
+    assert session is not None
+    half = torch.float16 if level == "O2" else torch.bfloat16
+    counts = []
+    try:
+        for i in range(4):
+            opt.zero_grad()
+            if i % 2:
+                out = model(x)
+            else:
+                out = model.ln(model.fc2(torch.nn.functional.gelu(model.bn(model.fc1(x.to(half))))))[:, :4]
+            with amp.scale_loss((out.float() - y).pow(2).mean(), opt) as scaled:
+                scaled.backward()
+            opt.step()
+            counts.append(tuple(float(group.get("step", 0.0)) for group in opt.param_groups))
+    finally:
+        session.close()
+    return counts
+
+
+#: FusedAdam's own step (Apex's too) counts a step of every group with parameters, with or without grads
+#: (docs/optimizers.md: "a frozen group's step counter still counts").
+_EVERY_GROUP_COUNTED = [(1.0, 1.0), (2.0, 2.0), (3.0, 3.0), (4.0, 4.0)]
+
+
+@pytest.mark.parametrize("sync_free", [False, True])
+def test_fused_adam_in_the_kernels_counts_a_step_of_a_group_without_grads(
+    kernels_on_cpu: ModuleType, sync_free: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The kernel step counted only the groups it launched on, so a group whose parameters had no grad on some steps
+    # (a head used on some batches) was bias-corrected with a smaller count than FusedAdam's own step gives it.
+    from ampinit._masters import kernel_step
+
+    ours = _fused_adam_group_counts("O2", sync_free=sync_free)
+    monkeypatch.setattr(kernel_step, "TRITON_ON_CPU", False)
+    own = _fused_adam_group_counts("O2", sync_free=sync_free)
+    assert own == _EVERY_GROUP_COUNTED
+    assert ours == own
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(master_weights="remainder"),
+        dict(master_weights="remainder8"),
+        dict(master_weights="stochastic"),
+        dict(optimizer_state="8bit"),
+        dict(master_weights="remainder", optimizer_state="bf16"),
+    ],
+    ids=["remainder", "remainder8", "stochastic", "8bit-state", "remainder-bf16-state"],
+)
+@pytest.mark.parametrize("on_kernels", [False, True], ids=["chunked", "kernels"])
+def test_fused_adam_under_the_dial_counts_a_step_of_a_group_without_grads(
+    triton_interpreter: ModuleType, options: dict[str, Any], on_kernels: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The remainder and dial steps skipped a group without grads, and FusedAdam's update counted only the groups
+    # handed chunks: the same miscount, with or without amp's kernels.
+    from ampinit._masters import kernel_step
+
+    monkeypatch.setattr(kernel_step, "TRITON_ON_CPU", on_kernels)
+    assert _fused_adam_group_counts("O5", **options) == _EVERY_GROUP_COUNTED

@@ -355,6 +355,8 @@ class _DialStep(abc.ABC):
             for group in self.optimizer.param_groups:
                 params = [p for p in group["params"] if p.grad is not None]
                 if not params:
+                    if group["params"]:  # FusedAdam's group count advances without grads too, as its own step's
+                        kernel_step.count_group_step(self.optimizer, self.update, group, found_inf)
                     continue
                 if self._dial_kernels_step(group, params, positions, found_inf):
                     continue

@@ -543,7 +543,9 @@ def step_fp32_masters(
                 update, kernels, opt, group, masters, Masters.fp32(masters, weights), found_inf, grads,
                 inv_scale if scaled else None, launch_key, known, None if prepared is None else prepared[index][at],
             )  # fmt: skip
-        if planned_group.params:
+        if group["params"]:
+            # Every group with parameters counts, as its optimizer's own step counts it: FusedAdam's group ``step``
+            # advances also where no parameter of the group has a grad this step (as in Apex; docs/optimizers.md).
             count_group_step(opt, update, group, found_inf)
     return True
 

@@ -284,6 +284,8 @@ class RemainderGrads(OptimizerGrads):
             for group in self.optimizer.param_groups:
                 params = [p for p in group["params"] if p.grad is not None]
                 if not params:
+                    if group["params"]:  # FusedAdam's group count advances without grads too, as its own step's
+                        kernel_step.count_group_step(self.optimizer, self.update, group, found_inf)
                     continue
                 # The kernels read the bf16 grads: materialised fp32 ones (clipped, maybe) take the chunked step.
                 if not self._materialised and self._kernels_step(group, params, found_inf):

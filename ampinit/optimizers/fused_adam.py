@@ -439,7 +439,9 @@ class FusedAdam(FusedOptimizer):
 
     def kernel_count_step(self, group: dict[str, Any], found_inf: Tensor | None) -> None:
         """One step of ``group`` counted, as this optimizer's own step counts it."""
-        advance_step(group["step"], AmpScaling(found_inf=None if found_inf is None else found_inf.reshape(())))
+        # group_step: a group whose parameters never had a grad has no counter yet (its own step makes it so too).
+        step = group_step(group, group["params"][0].device)
+        advance_step(step, AmpScaling(found_inf=None if found_inf is None else found_inf.reshape(())))
 
     def _state_for(self, param: Tensor) -> dict[str, Tensor]:
         self._zero_state([param], "exp_avg", "exp_avg_sq")
