@@ -211,3 +211,30 @@ def test_registering_a_listed_torch_function_gives_it_the_registered_cast(level:
         assert helper(a.to(dtype), b).dtype == dtype
     finally:
         amp.deinitialize()
+
+
+@pytest.mark.parametrize(("level", "dtype"), LEVELS)
+def test_promote_registration_of_a_listed_builtin_keeps_the_list_cast(level: str, dtype: torch.dtype) -> None:
+    """Apex wrapped the user's registrations inside its list patches: after ``register_promote_function(torch,
+    "mm")`` the list cast ``torch.mm``'s arguments to half first and promote then saw one dtype, so the op stayed
+    half; a promote-registered fp32-list op (``torch.exp``) stayed fp32. A promote registration is no half or float
+    cast of its own that would come last.
+
+    Got: the registered C function ran with autocast off, so ``torch.mm(fp32, fp32)`` gave float32 (and
+    ``Tensor.mm``, not registered, half) and ``torch.exp(half)`` half.
+
+    Found by: the twentieth session's audit of the cast engine's user registrations.
+    """
+    amp.register_promote_function(torch, "mm")
+    amp.register_promote_function(torch, "exp")
+    amp.register_promote_function(torch.Tensor, "bmm")
+    model = nn.Linear(2, 2)
+    amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level=level, verbosity=0)
+    x = g(3, 3)
+    try:
+        assert torch.mm(x, x).dtype == dtype == x.mm(x).dtype
+        assert torch.mm(x.to(dtype), x).dtype == dtype  # promoted to fp32, then cast by the list
+        assert x[None].bmm(x[None].to(dtype)).dtype == dtype
+        assert torch.exp(x.to(dtype)).dtype == torch.float32
+    finally:
+        amp.deinitialize()

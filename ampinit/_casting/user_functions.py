@@ -53,8 +53,24 @@ def _call_below_autocast(fn: Callable[..., Any], device_type: str, args: Any, kw
         torch.set_autocast_enabled(device_type, True)
 
 
+def _torch_own(fn: Callable[..., Any]) -> bool:
+    """Whether C function ``fn`` is one of torch's own ops (``torch.mm``, ``F.linear``'s ``torch._C._nn.linear``,
+    ``Tensor.mm``): autocast casts its arguments by the policy's lists, as Apex's list patches did around the user's
+    registrations. An extension's kernel (any other module) is not on a list."""
+    module = getattr(fn, "__module__", None)
+    if isinstance(module, str) and (module == "torch" or module.startswith("torch.")):
+        return True
+    owner = getattr(fn, "__objclass__", None)
+    return isinstance(owner, type) and issubclass(owner, torch._C.TensorBase)
+
+
 def _cast_wrapper(fn: F, kind: CastKind) -> F:
     compiled = isinstance(fn, _COMPILED)
+    # A promote registration of one of torch's own ops keeps autocast on: Apex applied the lists' casts outside the
+    # user's registrations, so a listed op was cast by its list first (``torch.mm`` to half, ``torch.exp`` to
+    # fp32) and promote then saw one dtype; an op on no list is left alone by autocast either way. (A half or float
+    # registration's own cast came last there, so those run below autocast.)
+    promote_under_lists = kind == "promote" and compiled and _torch_own(fn)
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -65,7 +81,8 @@ def _cast_wrapper(fn: F, kind: CastKind) -> F:
         if kind == "promote":
             dtypes = floating_dtypes(values, device_type)
             if len(dtypes) < 2:
-                return _call_below_autocast(fn, device_type, args, kwargs) if compiled else fn(*args, **kwargs)
+                below = compiled and not promote_under_lists
+                return _call_below_autocast(fn, device_type, args, kwargs) if below else fn(*args, **kwargs)
             dtype, lower = widest(dtypes), False
         elif kind == "half":
             dtype, lower = torch.get_autocast_dtype(device_type), True
@@ -73,7 +90,9 @@ def _cast_wrapper(fn: F, kind: CastKind) -> F:
             dtype, lower = torch.float32, False
         args = cast_all(args, dtype, device_type, lower=lower)
         kwargs = {k: cast_all(v, dtype, device_type, lower=lower) for k, v in kwargs.items()}
-        return _call_below_autocast(fn, device_type, args, kwargs) if compiled else fn(*args, **kwargs)
+        if compiled and not promote_under_lists:
+            return _call_below_autocast(fn, device_type, args, kwargs)
+        return fn(*args, **kwargs)
 
     wrapper.__ampinit_cast__ = kind  # type: ignore[attr-defined]
     return wrapper  # type: ignore[return-value]
