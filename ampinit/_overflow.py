@@ -37,10 +37,11 @@ class OverflowDecisions:
 
     def __init__(self, options: AmpOptions) -> None:
         self._options = options
-        # Unscale steps whose decision waits for a step, by scaler: their overflow flags folded into one held
-        # flag (the scaler's own flag is cleared for every unscale step, so that a plain block in between is
-        # decided on its own grads only), and the records they fed, in order.
-        self._deferred: dict[LossScaler, tuple[torch.Tensor, dict[OptimizerRecord, None]]] = {}
+        # Unscale steps whose decision waits for a step, by scaler, in the order of their exits: each one's own
+        # overflow flag (lent: the scaler's flag is cleared for every unscale step, so that a plain block in between
+        # is decided on its own grads only) and the records it fed. Each is decided on its own (a block's decision
+        # only moves to the step): its overflow skips only its own optimizers, and each counts as one unscale step.
+        self._deferred: dict[LossScaler, list[tuple[torch.Tensor, tuple[OptimizerRecord, ...]]]] = {}
         self._log = _skip.OverflowLog()
 
     def begin_unscale(self, scaler: LossScaler) -> None:
@@ -54,11 +55,7 @@ class OverflowDecisions:
         if not defer:
             self._decide(scaler, records, verbosity)
             return
-        held = self._deferred.get(scaler)
-        if held is None:
-            self._deferred[scaler] = (scaler.lend_flag(), dict.fromkeys(records))
-        else:
-            self._deferred[scaler] = (torch.maximum(held[0], scaler.lend_flag()), {**held[1], **dict.fromkeys(records)})
+        self._deferred.setdefault(scaler, []).append((scaler.lend_flag(), tuple(records)))
 
     def device_decides(self, scaler: LossScaler) -> bool:
         """Whether a dynamic ``scaler``'s overflow is decided on the device: ``sync_free`` when given; by default
@@ -76,11 +73,18 @@ class OverflowDecisions:
 
     def before_step(self, record: OptimizerRecord, verbosity: int) -> None:
         """Take every deferred decision that ``record``'s step waits for."""
-        for scaler, (flag, waiting) in list(self._deferred.items()):
-            if record in waiting:
+        for scaler, blocks in list(self._deferred.items()):
+            if any(record in waiting for _, waiting in blocks):
+                # Every deferred block of the scaler, in the order of their exits (the scale updates follow it).
                 del self._deferred[scaler]
-                scaler.take_flag(flag)  # the flag the deferred unscale steps raised (its own), decided now
-                self._decide(scaler, list(waiting), verbosity)
+                for index, (flag, waiting) in enumerate(blocks):
+                    scaler.take_flag(flag)  # the flag that block's unscale step raised (its own), decided now
+                    try:
+                        self._decide(scaler, waiting, verbosity)
+                    except BaseException:
+                        if index + 1 < len(blocks):  # raise_at_min: the later blocks wait for the next step
+                            self._deferred[scaler] = blocks[index + 1 :]
+                        raise
 
     def _decide(self, scaler: LossScaler, records: Sequence[OptimizerRecord], verbosity: int) -> None:
         if not scaler.dynamic and not self._options.skip_nonfinite:
@@ -103,10 +107,13 @@ class OverflowDecisions:
         if not bool(scaler.found_inf.item()):
             scaler.update(fused)
             return
-        scaler.raise_if_stuck()
+        # Asked before the update, raised after it: the overflow is decided (the steps it fed skip, the scale and
+        # counts are updated) whether or not the caller goes on after LossScaleAtMinimumError.
+        stuck = scaler.stuck()
         # The scale is read on the host only for a line that is written: an overflow stays one sync otherwise.
         before = scaler.loss_scale() if self._log.writes_next(verbosity) else math.nan
         scaler.update(fused)
         for record in records:
             record.skip_next_step()
         self._log.overflow(scaler, before, verbosity)
+        scaler.raise_if_stuck(stuck)

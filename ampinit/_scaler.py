@@ -324,10 +324,19 @@ class LossScaler:
         self._unskipped.copy_(torch.where(grow, zero, unskipped))
         self._scale.copy_(new_scale)
 
-    def raise_if_stuck(self) -> None:
-        """After an overflow: raise if the scale cannot back off any further and the config asks to (host sync)."""
+    def stuck(self) -> bool:
+        """Whether an overflow now would find the scale unable to back off any further, with a config that asks to
+        raise then (host sync): ask before the update, raise (:meth:`raise_if_stuck`) once the overflow is decided."""
         cfg = self.config
-        if cfg is not None and cfg.raise_at_min and self.at_minimum():
+        return cfg is not None and cfg.raise_at_min and self.at_minimum()
+
+    def raise_if_stuck(self, stuck: bool | None = None) -> None:
+        """After an overflow: raise if the scale cannot back off any further and the config asks to (host sync).
+        ``stuck``: :meth:`stuck` as asked before the overflow's update (default: asked now)."""
+        cfg = self.config
+        if stuck is None:
+            stuck = self.stuck()
+        if stuck and cfg is not None:
             raise LossScaleAtMinimumError(
                 f"Gradient overflow with loss scaler {self.loss_id} already at its minimum loss scale "
                 f"{self.loss_scale()} (min_scale={cfg.min_scale}): training cannot make progress."

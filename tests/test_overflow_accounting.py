@@ -19,6 +19,7 @@ import pytest
 import torch
 from torch import nn
 
+import ampinit
 from ampinit import amp
 from tests._amp_loop import scale_loss_block
 from tests.conftest import SmallNet, make_problem
@@ -225,4 +226,55 @@ def test_deferred_overflow_of_one_optimizer_does_not_skip_another_optimizers_cle
     opt_a.step()
     assert amp.step_was_skipped(opt_a)
     assert amp.stats().loss_scales == (32768.0,)
+    amp.deinitialize()
+
+
+def test_deferred_blocks_of_one_loss_are_decided_block_by_block() -> None:
+    """Two deferred blocks on loss 0, one per optimizer, A's overflowing: only A skips, and the scale backs off once
+    and counts B's clean block, as without ``delay_overflow_check`` (the decision only moves to the step).
+
+    The deferred blocks of a scaler were folded into one flag for every optimizer they fed: B's clean step was
+    skipped, and the clean block was not counted.
+
+    Found by: the loss-scaling audit.
+    """
+    (model_a, x, y), (model_b, _, _) = make_problem(0), make_problem(1)
+    model_a.eval()
+    model_b.eval()
+    opt_a = torch.optim.SGD(model_a.parameters(), 0.1)
+    opt_b = torch.optim.SGD(model_b.parameters(), 0.1)
+    amp.initialize([model_a, model_b], [opt_a, opt_b], opt_level="O2", verbosity=0)
+    scale_loss_block(model_a, opt_a, x, y, inf=True, defer=True)
+    scale_loss_block(model_b, opt_b, x, y, inf=False, defer=True)
+    b_before = [p.detach().clone() for p in model_b.parameters()]
+    opt_a.step()
+    opt_b.step()
+    assert amp.step_was_skipped(opt_a)
+    assert not amp.step_was_skipped(opt_b), "B's own block was clean"
+    assert not all(torch.equal(p, b) for p, b in zip(model_b.parameters(), b_before))
+    stats = amp.stats()
+    assert (stats.loss_scales, stats.unskipped, stats.skipped_steps) == ((32768.0,), (1,), 1)
+    amp.deinitialize()
+
+
+@pytest.mark.parametrize("defer", [False, True])
+def test_deferred_micro_batches_count_one_unscale_step_each(defer: bool) -> None:
+    """Counting is per ``scale_loss`` exit, deferred or not: two overflowing micro-batches back off twice, and
+    clean ones each count towards the growth interval."""
+    model, x, y = make_problem()
+    model.eval()
+    opt = torch.optim.SGD(model.parameters(), 0.1)
+    amp.initialize(model, opt, opt_level="O2", verbosity=0, loss_scale=ampinit.DynamicLossScale(growth_interval=4))
+    opt.zero_grad()
+    scale_loss_block(model, opt, x[:32], y[:32], inf=True, defer=defer)
+    scale_loss_block(model, opt, x[32:], y[32:], inf=True, defer=defer)
+    opt.step()
+    assert amp.step_was_skipped(opt) and amp.stats().loss_scales == (16384.0,)
+    for _ in range(2):
+        opt.zero_grad()
+        for i in range(4):
+            scale_loss_block(model, opt, x[16 * i : 16 * (i + 1)], y[16 * i : 16 * (i + 1)], inf=False, defer=defer)
+        opt.step()
+    stats = amp.stats()
+    assert (stats.loss_scales, stats.unskipped, stats.skipped_steps) == ((65536.0,), (0,), 1)
     amp.deinitialize()

@@ -394,6 +394,31 @@ def test_raise_at_min_scale() -> None:
     amp.deinitialize()
 
 
+@pytest.mark.parametrize("defer", [False, True])
+def test_raise_at_min_scale_still_skips_the_overflowing_step(defer: bool) -> None:
+    """LossScaleAtMinimumError is raised once the overflow is decided: a loop that catches it and steps anyway (or
+    retries a step that raised it, with ``delay_overflow_check=True``) must not put the inf into the weights.
+
+    Found by: the loss-scaling audit (the raise came before the step was marked to skip, so the step after a caught
+    error was taken with the non-finite grads)."""
+    model, x, y = make_problem()
+    opt = torch.optim.SGD(model.parameters(), 0.1)
+    config = ampinit.DynamicLossScale(init_scale=2.0, min_scale=2.0, raise_at_min=True)
+    amp.initialize(model, opt, opt_level="O2", loss_scale=config, verbosity=0)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ampinit.LossScaleAtMinimumError):
+        with amp.scale_loss(mse(model(x), y), opt, delay_overflow_check=defer) as scaled:
+            scaled.backward()
+            model.fc1.weight.grad[0, 0] = float("inf")
+        opt.step()
+    opt.step()  # the loop goes on after the error
+    assert amp.step_was_skipped(opt)
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    stats = amp.stats()
+    assert (stats.steps, stats.skipped_steps, stats.loss_scales, stats.unskipped) == (1, 1, (2.0,), (0,))
+    amp.deinitialize()
+
+
 def test_min_loss_scale_floor() -> None:
     model, x, y = make_problem()
     opt = torch.optim.SGD(model.parameters(), 0.1)
