@@ -134,6 +134,12 @@ class OptimizerRecord:
         else:
             self.skip_flag = _skip.fold_flag(self.skip_flag, found_inf)
 
+    def decide_next_step(self, found_inf: torch.Tensor) -> None:
+        """The next step skips if and only if ``found_inf`` (a lent flag) is raised: a decision made by hand
+        (Apex's ``update_scale()`` after ``delay_overflow_check=True`` blocks) replaces what was pending, so that
+        a step the code left out after an overflow does not make the next one skip."""
+        self.skip_pending, self.skip_flag = False, found_inf
+
     # -- one step ---------------------------------------------------------------------------------------------
     def check_step(self) -> None:
         """Before a step: refuse grads still scaled by delay_unscale, and bring masters that still follow the model

@@ -15,6 +15,7 @@ and ``raise_at_min`` can raise.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -56,6 +57,21 @@ class OverflowDecisions:
             self._decide(scaler, records, verbosity)
             return
         self._deferred.setdefault(scaler, []).append((scaler.lend_flag(), tuple(records)))
+
+    def take_deferred(self, scaler: LossScaler) -> list[OptimizerRecord]:
+        """Hand the decision that waits for a step to code that makes it now (Apex's ``update_scale()`` called by
+        hand after ``delay_overflow_check=True`` blocks, as BERT's ``run_pretraining.py`` does): ``scaler``'s flag
+        becomes the one its deferred unscale steps raised (any of them), and no step decides them again (that would
+        update the scale twice; Apex's hand-made decision is one update for them all). Returns the records whose
+        next step that decision settles (``OptimizerRecord.decide_next_step``): none where the scale is static and
+        non-finite steps are not skipped (``skip_nonfinite=False``, Apex's rule)."""
+        blocks = self._deferred.pop(scaler, None)
+        if not blocks:
+            return []
+        scaler.take_flag(functools.reduce(torch.maximum, [flag for flag, _ in blocks]))
+        if not scaler.dynamic and not self._options.skip_nonfinite:
+            return []
+        return list(dict.fromkeys(record for _, waiting in blocks for record in waiting))
 
     def device_decides(self, scaler: LossScaler) -> bool:
         """Whether a dynamic ``scaler``'s overflow is decided on the device: ``sync_free`` when given; by default

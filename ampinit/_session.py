@@ -367,6 +367,24 @@ class AmpSession:
         flag = record.skip_flag
         return record.skip_pending or (flag is not None and bool(flag.item()))
 
+    def decide_deferred_by_hand(self, scaler: LossScaler) -> Callable[[torch.Tensor], None] | None:
+        """For Apex's ``update_scale()`` called by hand after ``delay_overflow_check=True`` blocks of ``scaler``
+        (BERT's ``run_pretraining.py``): the decision those blocks left to the next step is taken from it (the
+        scaler's flag becomes the one they raised, and no step decides them again, which would update the scale
+        twice). Returns what settles the next step of the optimizers they fed by a flag of the caller's: skipped
+        exactly when it is raised, whatever was pending (a step the code left out after an overflow does not make
+        the next one skip). None where no block waits, or none may skip (a static scale, ``skip_nonfinite=False``).
+        """
+        records = self._overflow.take_deferred(scaler)
+        if not records:
+            return None
+
+        def settle(flag: torch.Tensor) -> None:
+            for record in records:
+                record.decide_next_step(flag)
+
+        return settle
+
     def grads_scaled(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether ``optimizer``'s gradients are still multiplied by the loss scale: the last ``scale_loss``
         block for it had ``delay_unscale=True``. ``False`` for an optimizer this session does not manage."""

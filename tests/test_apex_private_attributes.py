@@ -103,6 +103,108 @@ def test_loss_scaler_fields_under_ampinit_run(tmp_path: Path) -> None:
     assert result.stdout.strip() == "[65536.0, 131072.0] 10 True (65536.0, 0)"
 
 
+# -- BERT's allreduce_post_accumulation step: its own flag as _overflow_buf, update_scale() by hand ----------------
+# NVIDIA/DeepLearningExamples PyTorch/LanguageModeling/BERT/run_pretraining.py, take_optimizer_step(): the blocks
+# use delay_overflow_check=True (Apex then decides nothing), the script checks the allreduced grads with amp_C into
+# its own int32 buffer, assigns it as the scaler's _overflow_buf and calls update_scale(), then steps only if clean.
+BERT_SCRIPT = """
+import torch
+import amp_C
+from apex import amp
+from apex.amp import _amp_state
+
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 2)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+model, optimizer = amp.initialize(model, optimizer, opt_level="O2", loss_scale="dynamic", verbosity=0)
+_amp_state.loss_scalers[0]._scale_seq_len = 3
+overflow_buf = torch.IntTensor([0])
+gen = torch.Generator().manual_seed(1)
+SCALES, SKIPS = [], []
+for i in range(8):
+    x = torch.randn(8, 4, generator=gen)
+    if i == 4:
+        x[0, 0] = float("inf")  # an overflow
+    loss = model(x).float().pow(2).mean() * 1e-3
+    with amp.scale_loss(loss, optimizer, delay_overflow_check=True) as scaled_loss:
+        scaled_loss.backward()
+    master_grads = [p.grad for p in amp.master_params(optimizer) if p.grad is not None]
+    overflow_buf.zero_()
+    amp_C.multi_tensor_scale(65536, overflow_buf, [master_grads, master_grads], 1.0)
+    scaler = _amp_state.loss_scalers[0]
+    old_overflow_buf = scaler._overflow_buf
+    scaler._overflow_buf = overflow_buf
+    had_overflow = scaler.update_scale()
+    scaler._overfloat_buf = old_overflow_buf  # (sic), as in the original
+    if had_overflow == 0:
+        optimizer.step()
+    else:
+        for param in optimizer._amp_stash.all_fp32_from_fp16_params:
+            param.grad = None
+    for param in model.parameters():
+        param.grad = None
+    SKIPS.append(bool(had_overflow))
+    SCALES.append(_amp_state.loss_scalers[0].loss_scale())
+WEIGHT = [p.detach().float().clone() for p in model.parameters()]
+"""
+
+
+def check_bert_script(namespace: dict[str, Any]) -> None:
+    # Apex: one update_scale() per iteration, the script's buffer deciding: doubles after 3 clean calls, halves at
+    # the overflow, and the step after the skipped one is taken.
+    assert namespace["SKIPS"] == [False] * 4 + [True] + [False] * 3
+    assert namespace["SCALES"] == [2.0**16, 2.0**16, 2.0**17, 2.0**17, 2.0**16, 2.0**16, 2.0**16, 2.0**17]
+    # The same weights as fp32 SGD over the batches that were stepped.
+    torch.manual_seed(0)
+    reference = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(1)
+    for i in range(8):
+        x = torch.randn(8, 4, generator=gen)
+        if i == 4:
+            continue
+        optimizer.zero_grad()
+        (reference(x).pow(2).mean() * 1e-3).backward()
+        optimizer.step()
+    for ours, theirs in zip(namespace["WEIGHT"], reference.parameters()):
+        torch.testing.assert_close(ours, theirs.detach(), rtol=0, atol=2e-3)
+
+
+@pytest.mark.usefixtures("aliases", "session_cleanup")
+def test_bert_overflow_buf_and_update_scale_under_the_aliases() -> None:
+    check_bert_script(run_script(BERT_SCRIPT))
+
+
+@pytest.mark.usefixtures("session_cleanup")
+def test_bert_overflow_buf_and_update_scale_after_migration() -> None:
+    check_bert_script(run_script(migrated(BERT_SCRIPT)))
+
+
+@pytest.mark.parametrize("skip_nonfinite", [True, False])
+def test_update_scale_by_hand_after_deferred_blocks_of_a_static_scale(skip_nonfinite: bool) -> None:
+    # A static scale: the hand-made decision of deferred blocks skips a non-finite step where the session skips
+    # them (ampinit's default), and leaves it to the step as Apex did with skip_nonfinite=False (Apex: a static
+    # scale's update_scale() never skips, and its step took the inf).
+    from ampinit import amp
+    from ampinit.compat.apex.amp import _amp_state
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, optimizer, opt_level="O2", loss_scale=128.0, skip_nonfinite=skip_nonfinite, verbosity=0)
+    try:
+        with amp.scale_loss(model(torch.ones(2, 4)).float().sum(), optimizer, delay_overflow_check=True) as scaled:
+            scaled.backward()
+            model.weight.grad[0, 0] = float("inf")
+        assert _amp_state.loss_scalers[0].update_scale() is False  # Apex: a static scale never asks for a skip
+        optimizer.step()
+        assert amp.step_was_skipped(optimizer) is skip_nonfinite
+        assert bool(torch.isfinite(model.weight).all()) is skip_nonfinite
+        assert _amp_state.loss_scalers[0].loss_scale() == 128.0
+    finally:
+        amp.deinitialize()
+
+
 # -- optimizer._amp_stash and optimizer._lazy_init_maybe_master_weights() ----------------------------------------
 STASH_SCRIPT = """
 import torch

@@ -58,7 +58,8 @@ class AmpState:
     @property
     def loss_scalers(self) -> list[LossScaler]:
         """Apex's scalers, as faces of the session's: ``loss_scalers[0]._scale_seq_len = 10`` changes the session."""
-        return [LossScaler.of(scaler) for scaler in self._session("loss_scalers").scalers]
+        session = self._session("loss_scalers")
+        return [LossScaler.of(scaler, session.decide_deferred_by_hand) for scaler in session.scalers]
 
     @property
     def verbosity(self) -> int:

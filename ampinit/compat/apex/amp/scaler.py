@@ -17,13 +17,16 @@ the scaler's device, which ``fill_(1)``, ``zero_()``, ``item()`` and the ``amp_C
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from ampinit._loss_scale import DynamicLossScale
 from ampinit._scaler import LossScaler as EngineScaler
 from ampinit.compat.apex.amp_C import multi_tensor_axpby, multi_tensor_scale
+
+#: The session's hand-over of a decision deferred to a step (``AmpSession.decide_deferred_by_hand``).
+TakeDeferred = Callable[[EngineScaler], Callable[[torch.Tensor], None] | None]
 
 __all__ = ["LossScaler"]
 
@@ -62,14 +65,21 @@ class LossScaler:
         self._engine = engine
         self._static_seq_len = scale_window
         self._static_limits: tuple[float | None, float | None] = (min_loss_scale, max_loss_scale)
+        self._assigned_buf: torch.Tensor | None = None
+        self._take_deferred: TakeDeferred | None = None
 
     @classmethod
-    def of(cls, engine: EngineScaler) -> LossScaler:
-        """The Apex face of an existing engine scaler (a session's): reads and writes go to ``engine``."""
+    def of(cls, engine: EngineScaler, take_deferred: TakeDeferred | None = None) -> LossScaler:
+        """The Apex face of an existing engine scaler (a session's): reads and writes go to ``engine``.
+
+        ``take_deferred``: the session's hand-over of a decision deferred to a step (``delay_overflow_check=True``),
+        which ``update_scale()`` takes, since the code that calls it decides that step itself."""
         face = object.__new__(cls)
         face._engine = engine
         face._static_seq_len = 2000
         face._static_limits = (None, None)
+        face._assigned_buf = None
+        face._take_deferred = take_deferred
         return face
 
     # -- Apex's public methods ------------------------------------------------------------------------------
@@ -132,7 +142,16 @@ class LossScaler:
         engine = self._engine
         if engine.device is None:
             engine.materialize(_default_device())
+        # After delay_overflow_check=True blocks Apex decided nothing: the code calling this decides the step
+        # (BERT's run_pretraining), so the session's step() must not decide (and update the scale) again.
+        settle = None if self._take_deferred is None else self._take_deferred(engine)
+        if self._assigned_buf is not None:
+            # Apex read ``self._overflow_buf.item()``: a buffer the code assigned (its own kernels' flag) decides.
+            engine.set_overflow(bool(self._assigned_buf.item()))
         should_skip = self.dynamic and self._has_overflow
+        if settle is not None:
+            # A step the code takes anyway after an overflow still leaves the weights alone (any scale).
+            settle(engine.lend_flag())
         if not self.dynamic:
             engine.clear_overflow()
         engine.update()
@@ -182,12 +201,23 @@ class LossScaler:
 
     @property
     def _overflow_buf(self) -> torch.Tensor:
-        """The overflow flag (one element, 1 after an overflow) that ``unscale`` raises and ``update_scale`` reads."""
+        """The overflow flag (one element, 1 after an overflow) that ``unscale`` raises and ``update_scale`` reads.
+
+        Assignable, as Apex's plain attribute was: BERT's ``run_pretraining.py`` sets its own ``amp_C`` buffer
+        (``scaler._overflow_buf = overflow_buf; scaler.update_scale()``); ``update_scale()`` then reads that one."""
+        if self._assigned_buf is not None:
+            return self._assigned_buf
         if self._engine.device is None:
             # A session's scaler before its first scale_loss: nothing has been checked yet, and the flag will be
             # created on the loss's device then.
             return torch.zeros(1, dtype=torch.float32)
         return self._engine.writable_flag()  # legacy code may pass it to a kernel that raises it
+
+    @_overflow_buf.setter
+    def _overflow_buf(self, value: torch.Tensor) -> None:
+        if not isinstance(value, torch.Tensor) or value.numel() != 1:
+            raise TypeError(f"_overflow_buf must be a one-element tensor, got {value!r}")
+        self._assigned_buf = value
 
     @property
     def _has_overflow(self) -> bool:
