@@ -760,8 +760,9 @@ class DialGrads(_DialStep, RemainderGrads):
 
     # -- the step -------------------------------------------------------------------------------------------
     def step_in_amp_kernels(self, original: Callable[..., Any], found_inf: torch.Tensor | None) -> bool:
-        """Every step is amp's, in the kernels or chunked (see the module docstring); always True."""
-        self._dial_step(found_inf, lambda params: None)
+        """Every step is amp's, in the kernels or chunked (see the module docstring), between the optimizer's step
+        hooks; always True."""
+        kernel_step.with_step_hooks(self.optimizer, lambda: self._dial_step(found_inf, lambda params: None))
         return True
 
     def _takes_kernels(self, group: dict[str, Any], params: list[torch.Tensor], found_inf: torch.Tensor | None) -> bool:
@@ -818,8 +819,8 @@ class CompressedStateGrads(_DialStep, OptimizerGrads):
 
     def step_in_amp_kernels(self, original: Callable[..., Any], found_inf: torch.Tensor | None) -> bool:
         """The step on the fp32 masters: in the kernels, which write the model weights, or chunked, then the copy
-        into the model; always True."""
-        self._dial_step(found_inf, self._write_weights)
+        into the model, between the optimizer's step hooks; always True."""
+        kernel_step.with_step_hooks(self.optimizer, lambda: self._dial_step(found_inf, self._write_weights))
         return True
 
     def _kernel_storage(self) -> tuple[dict[int, torch.Tensor], Container[int]]:

@@ -12,8 +12,8 @@ The rule, for both kinds of masters: the optimizer's update is torch's (``ampini
 its group takes no option the kernels lack (:func:`group_takes_kernels`: amsgrad, tensor lr or betas,
 differentiable), the device has kernels (:func:`kernels_for`), and every tensor is dense,
 contiguous, on one device, with a grad of its master's dtype (:func:`kernels_taking`). fp32 masters also leave the
-step to torch when its ``step`` has hooks or was wrapped by anyone but an lr scheduler (the remainder step never
-calls ``step``).
+step to torch when its ``step`` has hooks or was wrapped by anyone but an lr scheduler (the remainder and dial steps
+never call ``step``: they run its hooks around themselves, :func:`with_step_hooks`).
 """
 
 from __future__ import annotations
@@ -376,6 +376,33 @@ def _hooked(opt: torch.optim.Optimizer) -> bool:
     if opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks:
         return True
     return bool(optim_module._global_optimizer_pre_hooks or optim_module._global_optimizer_post_hooks)
+
+
+def with_step_hooks(opt: torch.optim.Optimizer, step: Callable[[], None]) -> None:
+    """Run ``step`` (a step amp takes without calling the optimizer's own ``step``: remainder masters, the precision
+    dial) between torch's optimizer step hooks, as ``Optimizer.step`` runs them (``profile_hook_step``): the global
+    and the optimizer's pre-hooks before, its and the global post-hooks after, each given ``(optimizer, args,
+    kwargs)``, where ``args`` is ``(optimizer,)`` (amp's step takes no closure). Without a hook, just ``step``."""
+    if not _hooked(opt):
+        step()
+        return
+    args: tuple[Any, ...] = (opt,)
+    kwargs: dict[str, Any] = {}
+    pre = itertools.chain(optim_module._global_optimizer_pre_hooks.values(), opt._optimizer_step_pre_hooks.values())
+    for hook in list(pre):
+        result = hook(opt, args, kwargs)
+        if result is not None:
+            if isinstance(result, tuple) and len(result) == 2:
+                args, kwargs = result
+            else:
+                name = type(opt).__name__
+                raise RuntimeError(
+                    f"{name}.step must return None or a tuple of (new_args, new_kwargs), but got {result}."
+                )
+    step()
+    post = itertools.chain(opt._optimizer_step_post_hooks.values(), optim_module._global_optimizer_post_hooks.values())
+    for hook in list(post):
+        hook(opt, args, kwargs)
 
 
 def _plain_step(opt: torch.optim.Optimizer, original: Callable[..., Any]) -> bool:

@@ -233,9 +233,28 @@ class RemainderGrads(OptimizerGrads):
         return total
 
     def prepare_backward(self) -> None:
+        self._keep_clip()
         super().prepare_backward()
         self._materialised.clear()
         self._grad_factor = None
+
+    def _keep_clip(self) -> None:
+        """Before another backward of the same step: a clip made since the last one (``amp.clip_grad_norm_``'s
+        factor, or the fp32 grads of ``amp.master_params``' masters, clipped or edited) is written into the bf16
+        grads that backward accumulates into, rounded to bf16 as the accumulation is. Forgotten, it left the step
+        unclipped, where fp32 masters (and Apex) keep it in the master grads the next backward adds to."""
+        if self._grad_factor is None and not self._materialised:
+            return
+        with torch.no_grad():
+            for group in self.optimizer.param_groups:
+                for param in group["params"]:
+                    if param.grad is None or id(param) not in self._remainders:
+                        continue
+                    fresh = self._fresh_master(param)
+                    if fresh is not None and fresh.grad is not None:
+                        param.grad.copy_(fresh.grad)
+                    elif self._grad_factor is not None:
+                        param.grad.copy_(self._factored(param.grad.to(torch.float32, copy=True)))
 
     def after_step(self, stepped: bool, weights_written: bool = False) -> None:
         super().after_step(stepped, weights_written)
@@ -278,8 +297,13 @@ class RemainderGrads(OptimizerGrads):
         """Step every group on its joined masters, in amp's kernels where the group fits them, else chunk by chunk
         on the optimizer's update; always True (amp takes every remainder step)."""
         # ``original`` is not called, so an lr scheduler's wrapper beneath amp's step (one created before
-        # initialize) cannot record the step: record it as that wrapper does (and as the fp32 kernel step does).
+        # initialize) cannot record the step: record it as that wrapper does (and as the fp32 kernel step does);
+        # nor can torch run the optimizer's step hooks around it: they are run here.
         self.optimizer._opt_called = True  # type: ignore[attr-defined]
+        kernel_step.with_step_hooks(self.optimizer, lambda: self._step_groups(found_inf))
+        return True
+
+    def _step_groups(self, found_inf: torch.Tensor | None) -> None:
         with torch.no_grad():
             for group in self.optimizer.param_groups:
                 params = [p for p in group["params"] if p.grad is not None]
@@ -291,7 +315,6 @@ class RemainderGrads(OptimizerGrads):
                 if not self._materialised and self._kernels_step(group, params, found_inf):
                     continue
                 self._chunked_step(group, params, found_inf)
-        return True
 
     def _chunked_step(self, group: dict[str, Any], params: list[torch.Tensor], found_inf: torch.Tensor | None) -> None:
         flag = None if found_inf is None else found_inf.reshape(())
