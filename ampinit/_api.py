@@ -413,6 +413,7 @@ def master_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
     ``"remainder8"``, ``"stochastic"``) they are fp32 tensors made when asked, with fp32 grads, which the next step
     takes as its masters and grads. :func:`clip_grad_norm_` clips the same grads without making either.
     """
+    _check_optimizer_like(optimizer, "master_params")
     session = _owner(optimizer)
     if session is not None:
         yield from session.master_params(optimizer)
@@ -441,6 +442,7 @@ def clip_grad_norm_(
     Raises ``ValueError`` for a ``max_norm`` that is not a number >= 0 or a ``norm_type`` that is not a number,
     before anything is read or written.
     """
+    _check_optimizer_like(optimizer, "clip_grad_norm_")
     limit, order = _number(max_norm, "max_norm"), _number(norm_type, "norm_type")
     if not limit >= 0.0:
         raise ValueError(f"max_norm must be a number >= 0 (inf: no clipping, only the norm). Received {max_norm!r}")
@@ -450,6 +452,15 @@ def clip_grad_norm_(
         if total is not None:
             return total
     return torch.nn.utils.clip_grad_norm_(list(master_params(optimizer)), limit, order, error_if_nonfinite)
+
+
+def _check_optimizer_like(optimizer: object, what: str) -> None:
+    # Anything with param_groups passes (Apex's LARC and FP16_Optimizer wrappers are not torch Optimizers).
+    if not hasattr(optimizer, "param_groups"):
+        raise TypeError(
+            f"amp.{what} takes the optimizer (a torch.optim.Optimizer, with param_groups), got "
+            f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+        )
 
 
 def _number(value: object, name: str) -> float:

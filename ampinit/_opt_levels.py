@@ -180,7 +180,7 @@ def resolve(opt_level: object, overrides: Mapping[str, Any]) -> Properties:
     Checks follow Apex's ``Properties.__setattr__``: each override is checked against the selected level, in
     Apex's order, and the first violation raises. Apex's loose strings are accepted ("True", "False", "128.0").
     """
-    if opt_level not in LEVELS:
+    if not isinstance(opt_level, str) or opt_level not in LEVELS:  # a list or set would not even hash
         raise RuntimeError(unknown_level_message(opt_level))
     level: OptLevel = opt_level
     unexpected = set(overrides) - set(OVERRIDE_ORDER)

@@ -97,7 +97,7 @@ def resolve_options(
         loss_scale=_scale_setting(properties, floor, ceiling),
         num_losses=_count("num_losses", num_losses, minimum=1),
         verbosity=_count("verbosity", verbosity, minimum=0),
-        cast_model_outputs=_dtype_or_none("cast_model_outputs", cast_model_outputs),
+        cast_model_outputs=_output_dtype(cast_model_outputs),
         cast_policy=_cast_policy(cast_policy),
         allow_banned=_flag("allow_banned", allow_banned),
         sync_free=_sync_free(sync_free),
@@ -114,7 +114,7 @@ def resolve_options(
 def _properties(enabled: object, opt_level: object, overrides: dict[str, object]) -> Properties:
     if not enabled:
         # Apex ignores the level and its overrides when amp is off; so does ampinit.
-        return resolve(opt_level if opt_level in LEVELS else "O0", {"enabled": False})
+        return resolve(opt_level if isinstance(opt_level, str) and opt_level in LEVELS else "O0", {"enabled": False})
     return resolve(opt_level, {"enabled": enabled, **overrides})
 
 
@@ -166,6 +166,14 @@ def _dtype_or_none(name: str, value: object) -> torch.dtype | None:
     if value is not None and not isinstance(value, torch.dtype):
         raise TypeError(f"{name} must be a torch.dtype or None, got {value!r}")
     return value
+
+
+def _output_dtype(value: object) -> torch.dtype | None:
+    dtype = _dtype_or_none("cast_model_outputs", value)
+    if dtype is not None and not dtype.is_floating_point:
+        # Only floating outputs are cast, and cast to a non-floating dtype they would leave autograd.
+        raise ValueError(f"cast_model_outputs must be a floating-point torch.dtype or None, got {dtype!r}")
+    return dtype
 
 
 def _sync_free(value: object) -> bool | None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -379,17 +379,41 @@ class LossScaler:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._apply_entry(self.parse_entry(state))
+
+    def parse_entry(self, state: object) -> tuple[float, int, int]:
+        """Check one Apex-format entry and return ``(loss_scale, unskipped, hysteresis_left)``; changes nothing.
+
+        A value that no scaler can hold (a scale that is not a finite number > 0, a negative count) is refused
+        here, naming it, so that a bad checkpoint fails before any scaler is touched.
+        """
         try:
-            scale = float(state["loss_scale"])
-            unskipped = int(state["unskipped"])
-        except (KeyError, TypeError, ValueError) as err:
+            scale = float(state["loss_scale"])  # type: ignore[index]
+            unskipped = int(state["unskipped"])  # type: ignore[index]
+        except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as err:
             raise ValueError(
                 f"A loss-scaler entry needs 'loss_scale' (a number) and 'unskipped' (an int), got {state!r}"
             ) from err
+        if not (math.isfinite(scale) and scale > 0):
+            raise ValueError(f"A loss-scaler entry's 'loss_scale' must be a finite number > 0, got {state!r}")
+        if unskipped < 0:
+            raise ValueError(f"A loss-scaler entry's 'unskipped' must be an int >= 0, got {state!r}")
+        default = self.config.hysteresis if self.config else 1
+        raw = state.get("hysteresis_left", default) if isinstance(state, Mapping) else default
+        try:
+            hysteresis = int(raw)
+        except (TypeError, ValueError, RuntimeError) as err:
+            raise ValueError(f"A loss-scaler entry's 'hysteresis_left' must be an int >= 0, got {state!r}") from err
+        if hysteresis < 0:
+            raise ValueError(f"A loss-scaler entry's 'hysteresis_left' must be an int >= 0, got {state!r}")
+        return scale, unskipped, hysteresis
+
+    def _apply_entry(self, entry: tuple[float, int, int]) -> None:
+        scale, unskipped, hysteresis = entry
         self._host_scale, self._host_unskipped = scale, unskipped
         self._uncounted = []  # flags of the steps before the loaded count
         self.version += 1
-        self._host_hysteresis = int(state.get("hysteresis_left", self.config.hysteresis if self.config else 1))
+        self._host_hysteresis = hysteresis
         if self._scale is not None:
             self._scale.fill_(scale)
             assert self._unskipped is not None and self._hysteresis_left is not None
@@ -411,6 +435,11 @@ def load_state_dict_into(scalers: Sequence[LossScaler], state_dict: dict[str, An
 
     Warnings point at the caller of ``ampinit.load_state_dict`` (or of ``AmpSession.load_state_dict``).
     """
+    if not isinstance(state_dict, Mapping) or not all(isinstance(key, str) for key in state_dict):
+        raise TypeError(
+            "amp.load_state_dict takes what amp.state_dict() returns, a dict such as "
+            f"{{'loss_scaler0': {{'loss_scale': 65536.0, 'unskipped': 0}}}}, got {state_dict!r:.200}"
+        )
     if len(state_dict) != len(scalers):
         warnings.warn(
             f"state_dict contains {len(state_dict)} entries, while {len(scalers)} loss_scalers are used", stacklevel=4
@@ -425,5 +454,7 @@ def load_state_dict_into(scalers: Sequence[LossScaler], state_dict: dict[str, An
     entries = [state_dict[key] for key in state_dict if "loss_scaler" in key]
     if len(entries) > len(scalers):
         warnings.warn(f"Skipping loss_scaler[{len(scalers)}], since num_losses was set to {len(scalers)}", stacklevel=4)
-    for scaler, entry in zip(scalers, entries):
-        scaler.load_state_dict(entry)
+    # Every entry is checked before any scaler changes: a bad one leaves all of them as they were.
+    parsed = [scaler.parse_entry(entry) for scaler, entry in zip(scalers, entries)]
+    for scaler, values in zip(scalers, parsed):
+        scaler._apply_entry(values)

@@ -245,6 +245,11 @@ class AmpSession:
         if not self.enabled:
             yield loss
             return
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(
+                "scale_loss needs the loss as a torch.Tensor (the scalar the backward starts from), got "
+                f"{type(loss).__module__}.{type(loss).__qualname__} {loss!r:.80}"
+            )
         scaler = self._scaler(loss_id)
         if self.properties.short_circuits and not self.options.skip_nonfinite:
             # Apex's short cut (no masters, static scale 1): grads are neither scaled nor checked.

@@ -35,7 +35,12 @@ def install(
 ) -> CastPolicy | None:
     """Cast the models, give the optimizers their masters and amp's ``step``; return the O1/O4 cast policy."""
     props = options.properties
-    fp32_values = _values_before_cast(models, records, props)
+    planned = _planned_dtypes(models, props)
+    if not props.uses_master_weights:
+        # Warned before anything changes: where warnings are errors (``-W error``, pytest's filterwarnings), the
+        # raise must not leave weights cast and cast back without masters, which rounds them to fp16.
+        _warn_of_a_vanishing_eps(records, planned)
+    fp32_values = _values_before_cast(records, planned)
     for record in records:
         # Run last: once the parameters are the model's again, their moments in the layout the optimizer's own
         # step reads (the dial's bf16 and 8-bit moments decoded, fp32 ones in a bf16 model's dtype).
@@ -53,14 +58,12 @@ def install(
             undo.push(StateStore(record.optimizer, record.dial, own_step=True).remove)
         undo.rebind(record.optimizer, "step", make_step(record))
         record.rebind_grad_methods(undo)
-    if not props.uses_master_weights:
-        _warn_of_a_vanishing_eps(records)
     if props.cast_dtype is None:
         return None
     return _activate_cast_policy(models, props.cast_dtype, options, undo)
 
 
-def _warn_of_a_vanishing_eps(records: Sequence[OptimizerRecord]) -> None:
+def _warn_of_a_vanishing_eps(records: Sequence[OptimizerRecord], planned: dict[int, torch.dtype]) -> None:
     """Warn where an optimizer steps fp16 parameters itself (no masters: O3, ``master_weights=False``) with an
     ``eps`` that fp16 cannot hold: Adam's 1e-8 rounds to 0, so where a gradient's square underflows too, the update
     divides by zero and the first step writes inf/NaN into the weights (docs/faq.md, "O3 gives NaN")."""
@@ -69,7 +72,7 @@ def _warn_of_a_vanishing_eps(records: Sequence[OptimizerRecord]) -> None:
             eps = group.get("eps")
             if not isinstance(eps, float) or not eps > 0.0 or float(torch.tensor(eps, dtype=torch.float16)) != 0.0:
                 continue
-            if any(p.dtype == torch.float16 for p in group["params"]):
+            if any(planned.get(id(p), p.dtype) == torch.float16 for p in group["params"]):
                 warnings.warn(
                     f"{type(record.optimizer).__name__}'s param group {index} steps float16 parameters without fp32 "
                     f"master weights, with eps={eps!r}, which is 0 in float16: where a gradient's square underflows, "
@@ -81,17 +84,20 @@ def _warn_of_a_vanishing_eps(records: Sequence[OptimizerRecord]) -> None:
                 break
 
 
-def _values_before_cast(
-    models: Sequence[nn.Module], records: Sequence[OptimizerRecord], props: Properties
-) -> dict[int, torch.Tensor]:
-    """The full-precision values of the weights about to be cast, so that masters start exact.
-
-    A detached alias suffices: the cast gives the model new storage and leaves this one to the alias.
-    """
+def _planned_dtypes(models: Sequence[nn.Module], props: Properties) -> dict[int, torch.dtype]:
+    """The dtype each parameter and buffer (by ``id``) that the model cast converts will have."""
     planned: dict[int, torch.dtype] = {}
     if props.model_dtype is not None:
         for model in models:
             planned.update(plan(model, props.model_dtype, bool(props.keep_batchnorm_fp32)))
+    return planned
+
+
+def _values_before_cast(records: Sequence[OptimizerRecord], planned: dict[int, torch.dtype]) -> dict[int, torch.Tensor]:
+    """The full-precision values of the weights about to be cast, so that masters start exact.
+
+    A detached alias suffices: the cast gives the model new storage and leaves this one to the alias.
+    """
     params = (p for r in records for group in r.optimizer.param_groups for p in group["params"])
     return {id(p): p.detach() for p in params if planned.get(id(p)) in HALF_DTYPES}
 

@@ -191,3 +191,71 @@ def test_a_static_scales_clean_step_count_is_apexs_at_every_read(
             want = 7
     assert scaler.unskipped() == want
     assert scaler.loss_scale() == 128.0
+
+
+# -- amp.load_state_dict: a bad checkpoint is refused, naming the value, before any scaler changes -------------------
+def _two_loss_session() -> tuple[object, list[tuple[float, int]]]:
+    import ampinit
+
+    model = torch.nn.Linear(4, 2)
+    ampinit.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O2", num_losses=2, verbosity=0)
+    session = ampinit.current_session()
+    assert session is not None
+    return session, [(s.loss_scale(), s.unskipped()) for s in session.scalers]
+
+
+@pytest.mark.parametrize(
+    ("state", "match"),
+    [
+        # the first entry is good: it must not be loaded when the second is refused
+        ({"loss_scaler0": {"loss_scale": 8.0, "unskipped": 3}, "loss_scaler1": {"bad": 1}}, "needs 'loss_scale'"),
+        (
+            {
+                "loss_scaler0": {"loss_scale": 8.0, "unskipped": 3},
+                "loss_scaler1": {"loss_scale": 8.0, "unskipped": 3, "hysteresis_left": None},
+            },
+            "'hysteresis_left' must be an int >= 0",
+        ),
+        ({"loss_scaler0": {"loss_scale": 8.0, "unskipped": 0, "hysteresis_left": "abc"}}, "'hysteresis_left'"),
+        ({"loss_scaler0": {"loss_scale": float("nan"), "unskipped": 0}}, "'loss_scale' must be a finite number > 0"),
+        ({"loss_scaler0": {"loss_scale": -4.0, "unskipped": 0}}, "'loss_scale' must be a finite number > 0"),
+        ({"loss_scaler0": {"loss_scale": 0.0, "unskipped": 0}}, "'loss_scale' must be a finite number > 0"),
+        ({"loss_scaler0": {"loss_scale": float("inf"), "unskipped": 0}}, "'loss_scale' must be a finite number > 0"),
+        ({"loss_scaler0": {"loss_scale": 8.0, "unskipped": -5}}, "'unskipped' must be an int >= 0"),
+    ],
+)
+def test_amp_load_state_dict_refuses_a_bad_entry_before_loading_any(state: dict[str, object], match: str) -> None:
+    import warnings
+
+    import ampinit
+
+    session, before = _two_loss_session()
+    try:
+        versions = [s.version for s in session.scalers]  # type: ignore[attr-defined]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the entry-count warning of a one-entry dict
+            with pytest.raises(ValueError, match=match):
+                ampinit.load_state_dict(state)  # type: ignore[arg-type]
+        assert [(s.loss_scale(), s.unskipped()) for s in session.scalers] == before  # type: ignore[attr-defined]
+        assert [s.version for s in session.scalers] == versions  # type: ignore[attr-defined]
+    finally:
+        ampinit.deinitialize()
+
+
+@pytest.mark.parametrize("state", [None, [1, 2], "loss_scaler0", {0: {"loss_scale": 2.0, "unskipped": 0}}])
+def test_amp_load_state_dict_refuses_what_is_not_a_state_dict(state: object) -> None:
+    import ampinit
+
+    _two_loss_session()
+    try:
+        with pytest.raises(TypeError, match=r"amp.load_state_dict takes what amp.state_dict\(\) returns"):
+            ampinit.load_state_dict(state)  # type: ignore[arg-type]
+    finally:
+        ampinit.deinitialize()
+
+
+def test_bad_hysteresis_entry_leaves_an_unmaterialised_scaler_alone() -> None:
+    scaler = LossScaler(DynamicLossScale(hysteresis=3))
+    with pytest.raises(ValueError, match="'hysteresis_left' must be an int >= 0"):
+        scaler.load_state_dict({"loss_scale": 8.0, "unskipped": 1, "hysteresis_left": "x"})
+    assert (scaler.loss_scale(), scaler.unskipped(), scaler.hysteresis_left(), scaler.version) == (2.0**16, 0, 3, 0)

@@ -63,3 +63,21 @@ def test_o3_with_adams_default_eps_is_a_warning_not_a_refusal() -> None:
         assert {p.dtype for p in model.parameters()} == {torch.float16}
     finally:
         amp.deinitialize()
+
+
+def test_the_warning_raised_as_an_error_leaves_the_model_as_it_was() -> None:
+    # Where warnings are errors (python -W error, pytest's filterwarnings = error), initialize raises the warning;
+    # it must come before the cast, since O3 has no masters to give the weights their fp32 values back.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16), nn.Linear(16, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    before = {name: (t.clone(), t) for name, t in (*model.named_parameters(), *model.named_buffers())}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(UserWarning, match="eps=1e-08, which is 0 in float16"):
+            amp.initialize(model, opt, opt_level="O3", verbosity=0)
+    assert amp.current_session() is None and "step" not in vars(opt)
+    after = dict((*model.named_parameters(), *model.named_buffers()))
+    for name, (value, tensor) in before.items():
+        assert after[name] is tensor, name
+        assert after[name].dtype == value.dtype and torch.equal(after[name], value), name
