@@ -64,3 +64,31 @@ def test_a_compiled_model_trains_bit_for_bit_as_the_eager_one(level: str) -> Non
             assert torch.equal(a, b), (a, b)
         else:
             torch.testing.assert_close(a, b)
+
+
+class _SoftmaxHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.fc(x)
+        return torch.softmax(h, -1), torch.layer_norm(h, (8,))
+
+
+def test_a_model_compiled_in_an_earlier_session_follows_the_cast_policy_of_the_next() -> None:
+    # The extra kernels' casts are traced into an AOT graph and Dynamo guards on the autocast state only: a graph
+    # captured under "native" (softmax in fp16) was reused under "apex" (fp32), and the other way round.
+    x = torch.randn(4, 8)  # on the CPU, where softmax and layer_norm are on neither of autocast's lists
+    seen = []
+    for policy in ["native", "apex", "native"]:
+        torch.manual_seed(0)
+        model = _SoftmaxHead()
+        amp.initialize(model, opt_level="O1", cast_policy=policy, verbosity=0)
+        try:
+            compiled = torch.compile(model, backend="aot_eager")
+            seen.append(([t.dtype for t in model(x)], [t.dtype for t in compiled(x)]))
+        finally:
+            amp.deinitialize()
+    half, full = [torch.float16] * 2, [torch.float32] * 2
+    assert seen == [(half, half), (full, full), (half, half)]

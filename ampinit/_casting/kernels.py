@@ -11,6 +11,7 @@ on (``scopes.innermost``); elsewhere they behave as the device's native autocast
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Collection, Iterator
@@ -284,28 +285,35 @@ class _Kernels:
             if held is None:
                 library = _register(device_type, lists, self._only, left_out)
                 self._libraries[device_type] = _Held(library, lists, self._only, left_out, holder, 1)
+            else:
+                self._share(device_type, held, lists, left_out, holder)
                 return
-            if held.only != self._only:
-                raise RuntimeError(
-                    f"An O1/O4 session is open on {device_type!r} with "
-                    f"{'all' if held.only is None else 'a restricted set of'} Apex's kernels; KERNELS.restricted_to() "
-                    "changes which are registered, so close that session first."
-                )
-            if held.lists != lists:
-                raise RuntimeError(
-                    f"apex.amp.lists differ from those of the O1/O4 session already open on {device_type!r}: "
-                    "the lists are read at initialize() and shared by all open sessions. Close the open session "
-                    "before initializing with edited lists, or edit them before the first initialize()."
-                )
-            if held.left_out != left_out:
-                differing = ", ".join(sorted(held.left_out ^ left_out))
-                raise RuntimeError(
-                    f"An O1/O4 session with {holder} cannot open on {device_type!r} while one with {held.holder} is "
-                    f"open there: they register different sets of Apex's kernels (differing: {differing}), and a "
-                    "device's kernels are shared by all its sessions. Close the open session first, or initialize "
-                    "with the same cast_policy and dtype."
-                )
-            self._libraries[device_type] = held._replace(holders=held.holders + 1)
+        # Outside the lock: a reset runs torch's own callbacks.
+        _forget_compiled_graphs()
+
+    def _share(self, device_type: str, held: _Held, lists: ApexLists, left_out: frozenset[str], holder: str) -> None:
+        """Count one more holder of the kernels ``held`` (under the lock), refusing one that disagrees."""
+        if held.only != self._only:
+            raise RuntimeError(
+                f"An O1/O4 session is open on {device_type!r} with "
+                f"{'all' if held.only is None else 'a restricted set of'} Apex's kernels; KERNELS.restricted_to() "
+                "changes which are registered, so close that session first."
+            )
+        if held.lists != lists:
+            raise RuntimeError(
+                f"apex.amp.lists differ from those of the O1/O4 session already open on {device_type!r}: "
+                "the lists are read at initialize() and shared by all open sessions. Close the open session "
+                "before initializing with edited lists, or edit them before the first initialize()."
+            )
+        if held.left_out != left_out:
+            differing = ", ".join(sorted(held.left_out ^ left_out))
+            raise RuntimeError(
+                f"An O1/O4 session with {holder} cannot open on {device_type!r} while one with {held.holder} is "
+                f"open there: they register different sets of Apex's kernels (differing: {differing}), and a "
+                "device's kernels are shared by all its sessions. Close the open session first, or initialize "
+                "with the same cast_policy and dtype."
+            )
+        self._libraries[device_type] = held._replace(holders=held.holders + 1)
 
     def release(self, device_type: str) -> None:
         with self._lock:
@@ -315,6 +323,20 @@ class _Kernels:
                 return
             del self._libraries[device_type]
             held.library._destroy()  # type: ignore[no-untyped-call]
+        _forget_compiled_graphs()
+
+
+def _forget_compiled_graphs() -> None:
+    """Drop torch.compile's compiled code: the kernels on the autocast key changed.
+
+    A graph captured with AOT autograd (``aot_eager``, inductor) has the autocast kernels' casts traced into it,
+    and Dynamo guards on the autocast state, not on which kernels the dispatcher holds. Without this, a model
+    compiled under one cast policy (say ``"native"``) kept its casts in a later session with another
+    (``"apex"``: softmax in fp16 where the eager model gives fp32), and a graph traced with the kernels ran
+    after they were gone. Nothing to do while nothing imported Dynamo.
+    """
+    if "torch._dynamo" in sys.modules:
+        torch.compiler.reset()
 
 
 def _registers_fp32_gelu(device_type: str, lists: ApexLists, only: _Only, left_out: frozenset[str]) -> bool:
