@@ -21,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import ampinit
 from ampinit import amp
 from ampinit.compat.apex.parallel import DistributedDataParallel as ApexDDP
+from ampinit.compat.apex.parallel import Reducer
 
 LEVELS = ["O0", "O1", "O2", "O3", "O4", "O5"]
 GLOBAL_BATCH = 32
@@ -370,6 +371,25 @@ def dial_from_different_seeds(rank: int, world: int, out: Path) -> None:
         amp.deinitialize()
 
 
+@one_thread
+def reducer_from_different_seeds(rank: int, world: int, out: Path) -> None:
+    """``apex.parallel.Reducer(model)`` after ``initialize``: it broadcasts rank 0's weights, which the masters
+    must follow (as Apex's, built at the first backward, did)."""
+    x, y = shard(rank, world)
+    for case in ("O2", "O5", "remainder"):
+        model, opt = build_seeded(case, SEEDS[rank])
+        reducer = Reducer(model)
+        for _ in range(SEEDED_STEPS):
+            opt.zero_grad()
+            loss = (model(x).float() - y).pow(2).mean()
+            with amp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+                reducer.reduce()
+            opt.step()
+        torch.save(seeded_snapshot(model), out / f"reducer_{case}.{rank}.pt")
+        amp.deinitialize()
+
+
 SCENARIOS = {
     "ddp_levels": ddp_levels,
     "overflow_on_one_rank": overflow_on_one_rank,
@@ -379,6 +399,7 @@ SCENARIOS = {
     "train_from_different_seeds": train_from_different_seeds,
     "resume_on_different_seeds": resume_on_different_seeds,
     "dial_from_different_seeds": dial_from_different_seeds,
+    "reducer_from_different_seeds": reducer_from_different_seeds,
 }
 
 

@@ -213,6 +213,17 @@ def test_ranks_seeded_differently_train_rank0s_broadcast_model(results: Path, ca
         torch.testing.assert_close(a, r, rtol=tolerance, atol=tolerance)
 
 
+@pytest.mark.parametrize("case", ["O2", "O5", "remainder"])
+def test_apex_reducer_broadcast_is_followed_by_the_masters(results: Path, case: str) -> None:
+    """``apex.parallel.Reducer(model)`` broadcast rank 0's weights with ``dist.broadcast``, which writes them without
+    bumping their version counters: the masters made at initialize did not follow, and each rank went on training
+    its own seed's model."""
+    rank0, rank1 = load(results, f"reducer_{case}")
+    assert_bitwise(rank0["params"], rank1["params"])
+    assert_bitwise(rank0["masters"], rank1["masters"])
+    assert rank0["amp"] == rank1["amp"]
+
+
 @pytest.mark.parametrize("case", _dist_worker.SEEDED_RESUME_CASES)
 def test_a_checkpoint_every_rank_loads_before_the_wrap_resumes_bitwise(results: Path, case: str) -> None:
     """The loaded fp32 masters survive DDP's broadcast of the weights every rank loaded (it writes them again)."""

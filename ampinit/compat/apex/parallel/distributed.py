@@ -158,9 +158,10 @@ class Reducer:
         if isinstance(module_or_grads_list, nn.Module):
             self.module: nn.Module | None = module_or_grads_list
             self.grads: list[torch.Tensor] = []
-            with torch.no_grad():
-                for param in self.module.parameters():
-                    dist.broadcast(param, 0)
+            # As Apex: flattened, broadcast, and copied back. The copy is what amp's masters see: a collective writes
+            # its tensor without bumping the version counter, so masters made at initialize (O2/O5) would not
+            # follow the broadcast weights and each rank would go on training its own.
+            flat_dist_call([param.detach() for param in self.module.parameters()], dist.broadcast, (0,))
         else:
             self.module = None
             self.grads = list(module_or_grads_list)
