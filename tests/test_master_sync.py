@@ -91,6 +91,38 @@ def test_weights_written_after_initialize_are_what_trains(case: str) -> None:
     assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in expected_model.parameters()])
 
 
+def write_without_a_version_bump(model: nn.Module, how: str) -> None:
+    """``custom_init`` written as Apex-era code writes weights (``p.data.copy_``) or as a collective writes its
+    tensor (here NumPy, which writes memory without telling torch): neither bumps the parameter's version."""
+    reference = nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.Linear(8, 2))
+    custom_init(reference)
+    for param, value in zip(model.parameters(), reference.parameters()):
+        before = param._version
+        if how == ".data":
+            param.data.copy_(value.detach())
+        else:
+            bits = value.detach().to(param.dtype).view(torch.int16).numpy()
+            param.detach().view(torch.int16).numpy()[...] = bits
+        assert param._version == before
+
+
+@pytest.mark.parametrize("how", [".data", "numpy"])
+@pytest.mark.parametrize("case", ["O2", "O5"])
+def test_weights_written_without_a_version_bump_are_what_trains(case: str, how: str) -> None:
+    """The masters followed a weight only when its version counter moved, so an init or a rank-0 broadcast
+    written through ``.data`` or by a collective (``dist.broadcast(p, 0)``, Horovod's) was silently replaced by
+    the stale masters at the first step: each DDP rank went on training its own seed's model. A weight that no
+    longer holds its master's rounding was written. (Remainder masters cannot tell: their weight is the
+    master's upper half, docs/distributed.md.)"""
+    model, opt = build(case)
+    write_without_a_version_bump(model, how)
+    train(model, opt, 2)
+    expected_model, expected_opt = build(case, initial=custom_init_before(case))
+    train(expected_model, expected_opt, 2)
+    assert_bitwise(masters(model), masters(expected_model))
+    assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in expected_model.parameters()])
+
+
 @pytest.mark.parametrize("case", list(MASTER_CASES))
 def test_a_checkpoint_or_close_before_the_first_step_keeps_an_init_written_after_initialize(case: str) -> None:
     model, _ = build(case)

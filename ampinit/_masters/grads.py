@@ -23,7 +23,9 @@ at that moment, did: a half weight written after ``initialize`` (DDP broadcastin
 init) becomes its master's value, so that every rank trains the weights DDP broadcast, whatever each rank's
 seed. A master that the model's ``load_state_dict`` wrote since (an exact fp32 value) is kept while the weight
 still holds its rounding: a checkpoint every rank loaded before the wrap resumes bitwise. Version counters tell
-what was written, read once; from the first backward on the masters are the truth.
+what was written, and so does a weight that no longer holds its master's rounding (a write through ``.data``, a
+collective on the tensor itself, NumPy: none moves the counter), read once; from the first backward on the
+masters are the truth.
 """
 
 from __future__ import annotations
@@ -183,6 +185,12 @@ class OptimizerGrads:
                 if not keep:
                     master.copy_(weight.detach())
                     self._loaded.discard(param_id)
+        elif param_id not in self._loaded and not _holds_rounding(weight, master):
+            # Written without a version bump: through ``.data`` (``p.data.normal_()``, ``p.data.copy_(...)``, as
+            # Apex-era code writes weights), by a collective on the tensor itself (``dist.broadcast(p, 0)``,
+            # Horovod's broadcast), or by NumPy. The weight no longer holds its master's rounding: it was written.
+            with torch.no_grad():
+                master.copy_(weight.detach())
         self._note_agreement(param_id, weight, master)
 
     def pairs(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -510,6 +518,12 @@ class OptimizerGrads:
         if grads:
             _torch_kernels.foreach_zero_(grads)
             self._zeroed = {id(p): (p.grad, p.grad._version) for p, _ in self.pairs() if p.grad is not None}
+
+
+def _holds_rounding(weight: torch.Tensor, master: torch.Tensor) -> bool:
+    """Whether half ``weight`` still holds its fp32 ``master`` rounded (as ``initialize`` made it)."""
+    with torch.no_grad():
+        return torch.equal(weight.detach(), master.to(weight.dtype))
 
 
 def _grad(param: torch.Tensor) -> torch.Tensor:
