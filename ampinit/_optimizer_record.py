@@ -95,7 +95,7 @@ class OptimizerRecord:
         unscale at the end divides every contribution by the scale it was multiplied by.
         """
         if self.stage is not Stage.SCALED:
-            self.grads.prepare_backward()
+            self.grads.prepare_backward(scaler)
             return
         kept = self._kept_scale
         assert kept is not None

@@ -371,6 +371,39 @@ def dial_from_different_seeds(rank: int, world: int, out: Path) -> None:
         amp.deinitialize()
 
 
+#: The levels whose grads the optimizer reads from ``.grad`` itself (no masters): an accumulation without
+#: ``delay_unscale`` keeps them there in a multi-rank job, so DDP's reduction carries the blocks run in no_sync().
+NO_SYNC_LEVELS = ["O0", "O1", "O3", "O4"]
+
+
+def accumulate_with_no_sync_without_delay_unscale(rank: int, world: int, out: Path) -> None:
+    """The native-AMP habit: the first micro-batch inside ``no_sync()``, no ``delay_unscale``. amp moved the first
+    block's grads out of ``.grad`` for the second backward, whose all-reduce then carried the second's alone: each
+    rank stepped with its own first half (found by the twentieth session's distributed audit)."""
+    import warnings
+
+    x, y = shard(rank, world)
+    for level in [*NO_SYNC_LEVELS, "O2"]:
+        model, opt = build(level)
+        ddp = DDP(model)
+        opt.zero_grad()
+        halves = list(zip(x.chunk(2), y.chunk(2)))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with ddp.no_sync():
+                loss = (ddp(halves[0][0]).float() - halves[0][1]).pow(2).mean() / 2
+                with amp.scale_loss(loss, opt) as scaled:
+                    scaled.backward()
+            loss = (ddp(halves[1][0]).float() - halves[1][1]).pow(2).mean() / 2
+            with amp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+        grads = [p.grad.clone() for p in amp.master_params(opt)]
+        opt.step()
+        warned = any("delay_unscale=True" in str(w.message) for w in caught)
+        torch.save({"grads": grads, "params": params(model), "warned": warned}, out / f"no_sync_{level}.{rank}.pt")
+        amp.deinitialize()
+
+
 @one_thread
 def reducer_from_different_seeds(rank: int, world: int, out: Path) -> None:
     """``apex.parallel.Reducer(model)`` after ``initialize``: it broadcasts rank 0's weights, which the masters
@@ -395,6 +428,7 @@ SCENARIOS = {
     "overflow_on_one_rank": overflow_on_one_rank,
     "resume": resume,
     "accumulate_with_no_sync": accumulate_with_no_sync,
+    "accumulate_with_no_sync_without_delay_unscale": accumulate_with_no_sync_without_delay_unscale,
     "fsdp2": fsdp2,
     "train_from_different_seeds": train_from_different_seeds,
     "resume_on_different_seeds": resume_on_different_seeds,

@@ -91,6 +91,22 @@ def test_delay_unscale_with_no_sync(results: Path) -> None:
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("level", _dist_worker.NO_SYNC_LEVELS)
+def test_no_sync_accumulation_without_delay_unscale_keeps_the_ranks_together(results: Path, level: str) -> None:
+    rank0, rank1 = load(results, f"no_sync_{level}")
+    for a, b in zip(rank0["grads"], rank1["grads"]):
+        assert torch.equal(a, b)  # the second backward all-reduced both halves
+    for a, b in zip(rank0["params"], rank1["params"]):
+        assert torch.equal(a, b)
+    assert not rank0["warned"]
+
+
+def test_no_sync_accumulation_onto_fp32_masters_warns_on_every_rank(results: Path) -> None:
+    # O2's first block moved its half grads into the fp32 masters: only delay_unscale=True keeps them for the
+    # all-reduce (as in Apex), which the warning says.
+    assert all(rank["warned"] for rank in load(results, "no_sync_O2"))
+
+
 @pytest.mark.parametrize("level", list(_dist_worker.FSDP_LEVELS))
 def test_fsdp2_matches_plain_autocast_on_one_process(results: Path, level: str) -> None:
     rank0, rank1 = load(results, f"fsdp_{level}")

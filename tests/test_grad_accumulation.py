@@ -12,6 +12,8 @@ out in each test:
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -198,3 +200,55 @@ def test_step_after_zero_grad_amid_delay_unscale_is_not_refused(level: str) -> N
     Found by: the review of the loss-scaling and overflow machinery.
     """
     _grads_of_one_block(level, abandon_first=True, step_after=True)
+
+
+# -- accumulation in a multi-rank job: the earlier blocks' grads stay in .grad ------------------------------------
+def _accumulated(level: str, ranks: int, monkeypatch: pytest.MonkeyPatch, raise_in_second: bool = False) -> Any:
+    """Grads and weights after two blocks and a step, with ``ranks`` as the job's world size (one process: what
+    changes is where amp keeps the first block's grads while the second backward runs)."""
+    import types
+
+    from ampinit._masters import grads
+
+    # The grads' view of the job only (the overflow agreement would all-reduce on a process group).
+    monkeypatch.setattr(grads, "_distributed", types.SimpleNamespace(world_size=lambda: ranks))
+    kept: list[bool] = []  # what the second block's entry decided
+    decide = grads._accumulates_in_place
+    monkeypatch.setattr(grads, "_accumulates_in_place", lambda *args: kept.append(decide(*args)) or kept[-1])
+    model, x, y = make_problem()
+    model.eval()
+    opt = torch.optim.SGD(model.parameters(), 0.1)
+    amp.initialize(model, opt, opt_level=level, verbosity=0)
+    try:
+        opt.zero_grad()
+        scale_loss_block(model, opt, x[:32], y[:32], inf=False, defer=False)
+        first = [p.grad.clone() for p in model.parameters()]
+        if raise_in_second:
+            with pytest.raises(KeyError):
+                with amp.scale_loss(mse(model(x[32:]), y[32:]), opt):
+                    raise KeyError("before the backward")
+            assert kept == [ranks > 1]
+            return first, [p.grad.clone() for p in model.parameters()]
+        scale_loss_block(model, opt, x[32:], y[32:], inf=False, defer=False)
+        assert kept == [ranks > 1]
+        grads = [p.grad.clone() for p in model.parameters()]
+        opt.step()
+        return grads, [p.detach().clone() for p in model.parameters()]
+    finally:
+        amp.deinitialize()
+
+
+@pytest.mark.parametrize("level", ["O0", "O1", "O4"])
+def test_an_accumulation_kept_in_place_for_the_ranks_gives_the_stashed_bits(
+    level: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # In a multi-rank job the first block's grads are multiplied by the second block's scale in place (a power of
+    # two: exact) and unscaled with the second backward's, where one process stashes and adds them back.
+    for got, want in zip(_accumulated(level, 2, monkeypatch), _accumulated(level, 1, monkeypatch)):
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("level", ["O1", "O4"])
+def test_a_block_that_raises_gives_back_the_grads_kept_in_place(level: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    first, after = _accumulated(level, 2, monkeypatch, raise_in_second=True)
+    assert all(torch.equal(a, b) for a, b in zip(first, after))

@@ -5,7 +5,8 @@ optimizer's param groups is replaced by an fp32 *master* copy; the model keeps t
 runs in three moves, each a constant number of multi-tensor kernels per (device, dtype) group:
 
 1. ``prepare_backward`` (entering ``scale_loss``): half model grads are dropped (their values already live,
-   unscaled, in the master grads) and grads of parameters the optimizer updates directly are stashed;
+   unscaled, in the master grads) and grads of parameters the optimizer updates directly are stashed (in a
+   multi-rank job kept in ``.grad`` at the block's scale instead, for DDP's all-reduce to carry them);
 2. ``post_backward`` (leaving ``scale_loss``): new half grads go to fp32 master grads, times ``1/scale``,
    with an inf/NaN check into the scaler's device flag; stashed grads are added back;
 3. ``after_step``: the updated masters are copied into the half model weights.
@@ -34,12 +35,13 @@ import collections
 import functools
 import itertools
 import operator
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import torch
 
-from ampinit import _torch_kernels
+from ampinit import _distributed, _torch_kernels
 from ampinit._masters import clip, kernel_step
 from ampinit._masters.update import Update, update_of
 from ampinit._scaler import LossScaler
@@ -71,6 +73,14 @@ class OptimizerGrads:
         self._model_of: dict[int, torch.Tensor] = {}
         self._grad_buffers: dict[int, torch.Tensor] = {}
         self._stash: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # A multi-rank job's accumulation (see prepare_backward): the grads left in place, each with its version
+        # after it was brought to the block's scale, and the factor that takes them back (None: scale 1).
+        self._in_place: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+        self._in_place_back: torch.Tensor | None = None
+        self._warned_masters_accumulate = False
+        # Whether a scale_loss exit has moved grads into the masters (or left them pending) since the last step or
+        # zero_grad: a block that begins then accumulates onto them.
+        self._unscaled_since_step = False
         # zero_grad(set_to_none=False): each zeroed half model grad and its version counter then, by param id.
         # Untouched since (same tensor, same version), it holds no gradient that a step could miss.
         self._zeroed: dict[int, tuple[torch.Tensor, int]] = {}
@@ -245,9 +255,19 @@ class OptimizerGrads:
         self._loaded.clear()
 
     # -- one backward -----------------------------------------------------------------------------------------
-    def prepare_backward(self) -> None:
+    def prepare_backward(self, scaler: LossScaler | None = None) -> None:
+        """Make room for a backward scaled by ``scaler`` (materialized; None: a caller that knows no scale).
+
+        Grads of the parameters the optimizer trains directly, left by an earlier block of an accumulation, are
+        stashed and added back after the backward's unscale. In a multi-rank job they stay in ``.grad`` instead,
+        brought to the block's scale (exact: a power of two): DDP's all-reduce of this backward sums what is in
+        ``.grad``, so a stashed grad from a block run inside ``no_sync()`` would never be reduced and the ranks
+        would step apart (the backward then adds to them, and the exit unscales and checks the sum).
+        """
         if self.following:
             self.follow_model()
+        if self._unscaled_since_step and self.master_weights:
+            self._warn_if_masters_accumulate_across_ranks()
         self.materialize_master_grads()  # the half grads that hold them are dropped below
         direct = self.direct_params()
         # With fp32 masters a half parameter the optimizer trains directly can only be one unfrozen since the
@@ -259,10 +279,36 @@ class OptimizerGrads:
         self._zeroed = {}
         _clear_grads(self._pair_lists()[0])
         self._stash = []
-        for param in direct:
-            if param.grad is not None:
-                self._stash.append((param, param.grad))
-                param.grad = None
+        self._in_place, self._in_place_back = [], None
+        held = list(itertools.compress(direct, map(_IS_NOT_NONE, map(_GRAD, direct))))  # a loop in C
+        if held and _accumulates_in_place(held, scaler):
+            assert scaler is not None
+            grads = [_grad(param) for param in held]
+            if not scaler.unit:
+                _torch_kernels.mul_(grads, scaler.scale_tensor)
+                self._in_place_back = scaler.inv_scale
+            self._in_place = [(param, grad, grad._version) for param, grad in zip(held, grads)]
+            return
+        for param in held:
+            self._stash.append((param, _grad(param)))
+            param.grad = None
+
+    def _warn_if_masters_accumulate_across_ranks(self) -> None:
+        """Once: a block begins while fp32 master grads hold an earlier block's, in a multi-rank job. Their half
+        grads were moved into the masters, so this backward's all-reduce does not carry them: from a block inside
+        DDP's ``no_sync()`` they were never reduced."""
+        if self._warned_masters_accumulate or _distributed.world_size() <= 1:
+            return
+        self._warned_masters_accumulate = True
+        warnings.warn(
+            "a scale_loss block began while the fp32 master weights hold the gradients of an earlier block, in a "
+            "multi-rank job: those were moved out of the model's half gradients, so this backward's all-reduce "
+            "(DDP) does not include them. If the earlier block ran inside DDP's no_sync(), every rank now steps "
+            "with its own: pass delay_unscale=True to every scale_loss block of an accumulation but the last "
+            "(docs/distributed.md).",
+            UserWarning,
+            stacklevel=5,
+        )
 
     def drop_stash(self) -> None:
         """Forget the grads stashed by :meth:`prepare_backward` (``zero_grad`` cleared them)."""
@@ -278,15 +324,29 @@ class OptimizerGrads:
         """Forget a backward that raised: grads are as they were before ``prepare_backward``."""
         for model_param, _ in self.pairs():
             model_param.grad = None
+        kept = {id(param) for param, _, _ in self._in_place}
         for param in self.direct_params():
-            param.grad = None
+            if id(param) not in kept:
+                param.grad = None
         for param, grad in self._stash:
             param.grad = grad
         self._stash = []
+        self._take_back_in_place()
+
+    def _take_back_in_place(self) -> None:
+        """Grads left in place for a backward that raised, back to the scale they had (the earlier blocks'). What
+        that backward added before it raised, if anything, stays: it cannot be told from the rest (a multi-rank
+        job only; DDP's reducer is itself left mid-reduction by such a raise)."""
+        if self._in_place_back is not None:
+            grads = [grad for param, grad, _ in self._in_place if param.grad is grad]
+            if grads:
+                _torch_kernels.mul_(grads, self._in_place_back)
+        self._in_place, self._in_place_back = [], None
 
     def post_backward(self, scaler: LossScaler) -> None:
         """Unscale this backward's grads into the optimizer's parameters and check them for inf/NaN; when the
         step's kernels will read the half grads themselves, only check them (see the module docstring)."""
+        self._unscaled_since_step = True
         models, masters = self._pair_lists()
         model_grads = list(map(_GRAD, models))
         master_grads = list(map(_GRAD, masters))
@@ -428,6 +488,7 @@ class OptimizerGrads:
 
     def before_zero_grad(self, set_to_none: bool) -> None:
         """``zero_grad`` is about to clear the master grads: pending ones are dropped, or made to be zeroed."""
+        self._unscaled_since_step = False
         if set_to_none:
             self._pending = None
         else:
@@ -444,6 +505,7 @@ class OptimizerGrads:
                 acc_src.append(grad)
         _torch_kernels.add_(acc_dst, acc_src)
         self._stash = []
+        self._in_place, self._in_place_back = [], None  # unscaled with this backward's
 
     def _grad_buffer(self, master: torch.Tensor) -> torch.Tensor:
         """Storage for ``master``'s fp32 grad, from ``scale_loss``'s exit to the end of the step.
@@ -503,6 +565,7 @@ class OptimizerGrads:
         ``weights_written``: amp's kernels already wrote the half weights.
         """
         self._pending = None
+        self._unscaled_since_step = False
         models, masters = self._pair_lists()
         if stepped and masters and not weights_written:
             _torch_kernels.copy_(models, masters)
@@ -518,6 +581,15 @@ class OptimizerGrads:
         if grads:
             _torch_kernels.foreach_zero_(grads)
             self._zeroed = {id(p): (p.grad, p.grad._version) for p, _ in self.pairs() if p.grad is not None}
+
+
+def _accumulates_in_place(held: list[torch.Tensor], scaler: LossScaler | None) -> bool:
+    """Whether grads ``held`` from an earlier block stay in ``.grad`` for the next backward: in a multi-rank job
+    (DDP reduces what ``.grad`` holds), plain tensors (FSDP2's sharded grads are reduced by FSDP itself), and a
+    scale whose every value is a power of two (bringing them to it and back is exact)."""
+    if scaler is None or _distributed.world_size() <= 1 or not scaler.powers_of_two:
+        return False
+    return all(type(param.grad) is torch.Tensor for param in held)
 
 
 def _holds_rounding(weight: torch.Tensor, master: torch.Tensor) -> bool:

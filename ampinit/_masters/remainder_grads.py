@@ -40,6 +40,7 @@ from ampinit._masters.grads import OptimizerGrads
 from ampinit._masters.kernel_step import adam_state
 from ampinit._masters.reference import Masters
 from ampinit._masters.update import MasterChunk, own_update, remainder_update
+from ampinit._scaler import LossScaler
 
 #: The largest number of elements joined into fp32 at once in a step (4 MiB of masters, as much of grads).
 CHUNK_ELEMENTS = 1 << 20
@@ -232,9 +233,9 @@ class RemainderGrads(OptimizerGrads):
         self._grad_factor = coefficient if factor is None else factor * coefficient
         return total
 
-    def prepare_backward(self) -> None:
+    def prepare_backward(self, scaler: LossScaler | None = None) -> None:
         self._keep_clip()
-        super().prepare_backward()
+        super().prepare_backward(scaler)
         self._materialised.clear()
         self._grad_factor = None
 
