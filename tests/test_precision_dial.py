@@ -22,7 +22,8 @@ from torch import nn
 import ampinit
 from ampinit import amp
 from ampinit._masters.precision import dynamic_map
-from ampinit.optimizers import FusedAdam
+from ampinit.optimizers import FusedAdam, FusedSGD
+from ampinit._masters.dial_grads import decode_moment
 from tests.test_remainder_masters import tie_away_bf16
 
 MASK = 0xFFFFFFFF
@@ -322,6 +323,46 @@ def test_resume_is_bitwise(masters: Any, state: str, name: str) -> None:
                 assert torch.equal(value, final_state[index][key]), (index, key)
     finally:
         fresh_sess.close()
+
+
+FUSED_OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
+    "FusedAdam": lambda p: FusedAdam(p, lr=1e-2),
+    "FusedSGD": lambda p: FusedSGD(p, lr=0.05, momentum=0.9),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FUSED_OPTIMIZERS))
+@pytest.mark.parametrize(("masters", "state"), [(True, "bf16"), ("remainder", "8bit"), ("stochastic", "bf16")], ids=str)
+def test_ampinit_optimizers_hold_loaded_moments_in_the_dials_format(masters: Any, state: str, name: str) -> None:
+    # FusedOptimizer.load_state_dict widens loaded state to fp32 after torch's load, whose post hooks (the dial's
+    # re-encoding among them) had already run: the state stayed fp32 until the next step, and a state_dict taken
+    # then saved fp32 moments, unlike torch's AdamW/SGD in the same session.
+    net, x, y = make_small_net(6)
+    net, opt, sess = session(net, FUSED_OPTIMIZERS[name](net.parameters()), masters, state)
+    try:
+        amp_step(net, opt, x, y)
+        saved = checkpoint(net, opt, sess)
+        stored = copy.deepcopy(opt.state_dict()["state"])
+        finer = copy.deepcopy(saved["optimizer"])
+        for entry in finer["state"].values():  # the same moments in fp32, another setting's checkpoint
+            for key in ("exp_avg", "exp_avg_sq", "momentum_buffer"):
+                value = decode_moment(key, entry)
+                if value is not None:
+                    entry.pop(key + "_absmax", None)
+                    entry[key] = value * (1 + 2.0**-12)
+        for ckpt, same in ((saved["optimizer"], True), (finer, False)):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                opt.load_state_dict(ckpt)
+            now = opt.state_dict()["state"]
+            for index, entry in stored.items():
+                for key, value in entry.items():
+                    assert now[index][key].dtype == value.dtype, (index, key)
+                    if same:
+                        assert torch.equal(now[index][key], value), (index, key)
+        amp_step(net, opt, x, y)
+    finally:
+        sess.close()
 
 
 def decoded_moments(opt: torch.optim.Optimizer) -> list[dict[str, torch.Tensor]]:

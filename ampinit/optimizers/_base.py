@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -96,8 +97,17 @@ class FusedOptimizer(torch.optim.Optimizer):
 
         torch casts loaded state to the dtype of its parameter, which would round fp32 moments of half
         parameters to half. The values are taken again from ``state_dict`` so nothing is lost.
+
+        The load's post hooks run last, as torch runs them, so that they see the state this method leaves: amp's
+        precision dial re-encodes loaded moments into its stored format in one (bf16 or 8-bit moments), which the
+        float32 copies would otherwise replace.
         """
-        super().load_state_dict(state_dict)
+        post_hooks = self._optimizer_load_state_dict_post_hooks
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
+        try:
+            super().load_state_dict(state_dict)
+        finally:
+            self._optimizer_load_state_dict_post_hooks = post_hooks
         # torch keeps the saved group dicts' values by reference; per-group tensors (step counters, NovoGrad
         # norms) are updated in place, so they must not be shared with the dict or another optimizer.
         for group in self.param_groups:
@@ -112,6 +122,8 @@ class FusedOptimizer(torch.optim.Optimizer):
             for key, value in state_dict["state"].get(saved_id, {}).items():
                 if isinstance(value, Tensor) and value.is_floating_point() and key != "step":
                     self.state[param][key] = value.to(device=param.device, dtype=torch.float32, copy=True)
+        for post_hook in post_hooks.values():
+            post_hook(self)
 
     def _params_with_grads(self, group: dict[str, Any]) -> list[Tensor]:
         """The group's parameters that have a gradient, after checking sparsity and dtype."""
