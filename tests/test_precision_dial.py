@@ -21,9 +21,9 @@ from torch import nn
 
 import ampinit
 from ampinit import amp
+from ampinit._masters.dial_grads import decode_moment
 from ampinit._masters.precision import dynamic_map
 from ampinit.optimizers import FusedAdam, FusedSGD
-from ampinit._masters.dial_grads import decode_moment
 from tests.test_remainder_masters import tie_away_bf16
 
 MASK = 0xFFFFFFFF
