@@ -219,6 +219,7 @@ def _check_objects(models: list[nn.Module], optimizers: list[torch.optim.Optimiz
         return
     _check_models(models, options.allow_half_model)
     _check_sharding(models, options.properties)
+    _check_sparse(models, options.properties)
     _check_optimizers(optimizers)
     if options.properties.remainder_masters or options.optimizer_state != "fp32":  # optimizers it has no update for
         setting = dial_setting(options.properties.master_weights, options.optimizer_state)
@@ -285,6 +286,21 @@ def _check_sharding(models: list[nn.Module], properties: Properties) -> None:
         "reduce_dtype=torch.float32)): its sharded fp32 parameters are the master copy, the O2/O5 equivalent at "
         "scale. Combine it with opt_level='O0', or 'O1'/'O4' for a cast policy and loss scaling on top."
     )
+
+
+def _check_sparse(models: list[nn.Module], properties: Properties) -> None:
+    """Master weights take dense grads: an embedding with sparse grads is refused at O2/O5, where its fp32 master
+    would be handed a sparse half grad (the levels without masters check and unscale sparse grads' values)."""
+    if not properties.uses_master_weights:
+        return
+    for model in models:
+        for name, module in model.named_modules():
+            if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse and module.weight.requires_grad:
+                raise ValueError(
+                    f"opt_level {properties.opt_level} keeps fp32 master weights, which take dense gradients only: "
+                    f"{name or 'the model'} is {type(module).__name__}(sparse=True), whose gradient is sparse. "
+                    "Construct it with sparse=False, or use O1/O4 (fp32 weights), which take sparse gradients."
+                )
 
 
 def _check_optimizers(optimizers: list[torch.optim.Optimizer]) -> None:

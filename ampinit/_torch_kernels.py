@@ -295,6 +295,18 @@ def to_device(tensor: Tensor, device: torch.device) -> Tensor:
     return tensor.to(device, non_blocking=device.type != "cpu")
 
 
+_IS_SPARSE = operator.attrgetter("is_sparse")
+
+
+def _values_of_sparse(tensors: Sequence[Tensor]) -> Sequence[Tensor]:
+    """``tensors``, each sparse COO one (``nn.Embedding(sparse=True)``'s grad) as its values: what the elementwise
+    checks and multiplies below read and write (``_values()``, coalesced or not, shares the tensor's memory).
+    ``tensors`` itself where none is sparse, with no Python call per tensor."""
+    if not any(map(_IS_SPARSE, tensors)):
+        return tensors
+    return [tensor._values() if tensor.is_sparse else tensor for tensor in tensors]
+
+
 def unscale_and_check_(grads: Sequence[Tensor], found_inf: Tensor, inv_scale: Tensor) -> None:
     """``g *= inv_scale`` for every grad, in place, and set ``found_inf`` to 1.0 if any grad is inf or NaN.
 
@@ -303,7 +315,7 @@ def unscale_and_check_(grads: Sequence[Tensor], found_inf: Tensor, inv_scale: Te
     unscale-and-check path of the package: the loss scalers, Apex's ``amp_C`` ops and the master step all
     come here (and :func:`check_finite_` when there is nothing to multiply).
     """
-    for (device, (dtype,)), (group,) in grouped(grads):
+    for (device, (dtype,)), (group,) in grouped(_values_of_sparse(grads)):
         flag = _flag_on(found_inf, device)
         scale = to_device(inv_scale, device).reshape(1)
         if takes(UNSCALE, device, dtype):
@@ -362,7 +374,7 @@ def check_finite_(
     step that no optimizer would survive, skipped instead. So large bf16 CPU grads are summed, one reduction
     per tensor: from 32768 elements on, the Python call costs under a tenth of what the sum saves.
     """
-    groups = grouped(grads) if key is None else [(key, [list(grads)])]
+    groups = grouped(_values_of_sparse(grads)) if key is None else [(key, [list(grads)])]
     for (device, (dtype,)), (group,) in groups:
         flag = _flag_on(found_inf, device)
         # A key says the caller has checked each grad (plain, contiguous, on the device): not read again.
@@ -428,7 +440,7 @@ def mul_(tensors: Sequence[Tensor], factor: Tensor) -> None:
     kernel). Elsewhere (bf16 on CUDA) the product is taken in float32 (:func:`_mul_in_fp32_`), with no check to
     pay for.
     """
-    for (device, (dtype,)), (group,) in grouped(tensors):
+    for (device, (dtype,)), (group,) in grouped(_values_of_sparse(tensors)):
         scale = to_device(factor, device).reshape(1)
         if takes(UNSCALE, device, dtype):
             scratch = torch.zeros(1, dtype=torch.float32, device=device)
