@@ -13,6 +13,7 @@ from ampinit import _registry
 from ampinit._distributed import is_sharded
 from ampinit._loss_scale import DynamicLossScale
 from ampinit._masters import dial_setting, remainder_update
+from ampinit._model_cast import plan
 from ampinit._opt_levels import Properties
 from ampinit._options import DEFAULT_MAX_LOSS_SCALE, AmpOptions, OptimizerStateName, resolve_options
 from ampinit._session import AmpSession, AmpStats
@@ -221,6 +222,7 @@ def _check_objects(models: list[nn.Module], optimizers: list[torch.optim.Optimiz
     _check_sharding(models, options.properties)
     _check_sparse(models, options.properties)
     _check_optimizers(optimizers)
+    _check_master_params_not_shared(models, optimizers, options.properties)
     if options.properties.remainder_masters or options.optimizer_state != "fp32":  # optimizers it has no update for
         setting = dial_setting(options.properties.master_weights, options.optimizer_state)
         for opt in optimizers:
@@ -311,6 +313,50 @@ def _check_optimizers(optimizers: list[torch.optim.Optimizer]) -> None:
                     raise TypeError(
                         f"Optimizer's parameters must be float32, float16 or bfloat16 tensors. Received {param.type()}"
                     )
+
+
+def _check_master_params_not_shared(
+    models: list[nn.Module], optimizers: list[torch.optim.Optimizer], properties: Properties
+) -> None:
+    """With master weights, refuse a half parameter listed twice in the optimizers (two optimizers, or twice in one).
+
+    Each listing would get its own fp32 master (or the second none), stepped by one optimizer only: the model
+    weight would take one update per step (whichever copy-back came last) where plain torch applies both. fp32
+    parameters (BatchNorm kept fp32, parameters outside the models) have no master and may be shared, as in torch.
+    """
+    if not properties.uses_master_weights:
+        return
+    planned: dict[int, torch.dtype] = {}
+    if properties.model_dtype is not None:
+        for model in models:
+            planned.update(plan(model, properties.model_dtype, bool(properties.keep_batchnorm_fp32)))
+    owner: dict[int, int] = {}  # id(param) -> the index of the first optimizer that lists it
+    for index, opt in enumerate(optimizers):
+        for group in opt.param_groups:
+            for param in group["params"]:
+                if planned.get(id(param), param.dtype) not in HALF_DTYPES:
+                    continue
+                first = owner.setdefault(id(param), -1)
+                if first == -1:
+                    owner[id(param)] = index
+                    continue
+                where = f"twice in optimizer {index}" if first == index else f"in optimizers {first} and {index}"
+                raise RuntimeError(
+                    f"Parameter {_param_name(models, param)} appears {where} ({type(opt).__name__}). With master "
+                    f"weights (opt_level {properties.opt_level}) each listing would get its own fp32 master, stepped "
+                    "by its own optimizer only, so the model would not train as plain torch does (one of the "
+                    "updates would be lost). List each parameter in one optimizer, once (param groups take "
+                    "different hyperparameters)."
+                )
+
+
+def _param_name(models: list[nn.Module], param: torch.Tensor) -> str:
+    """``param``'s name in the models (prefixed by the model's position when there are several), or its shape."""
+    for i, model in enumerate(models):
+        for name, p in model.named_parameters():
+            if p is param:
+                return repr(f"{i}.{name}" if len(models) > 1 else name)
+    return f"of shape {tuple(param.shape)}"
 
 
 def _check_ownership(models: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> None:

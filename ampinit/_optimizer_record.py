@@ -18,6 +18,7 @@ import torch
 from ampinit import _skip, _torch_kernels
 from ampinit._masters import Dial, OptimizerGrads, grads_for
 from ampinit._scaler import LossScaler
+from ampinit._types import HALF_DTYPES
 from ampinit._undo import UndoStack
 
 CLOSURE_MESSAGE = "Currently, Amp does not support closure use with optimizers."
@@ -56,9 +57,12 @@ class OptimizerRecord:
         self._kept_scale: tuple[LossScaler, int, torch.Tensor] | None = None
 
     # -- rebinding --------------------------------------------------------------------------------------------
-    def rebind_grad_methods(self, undo: UndoStack) -> None:
+    def rebind_grad_methods(
+        self, undo: UndoStack, in_other_optimizer: Callable[[torch.Tensor], bool] | None = None
+    ) -> None:
         """Make ``zero_grad`` clear the half model grads too (master weights) and end an unfinished delay_unscale
-        accumulation, and ``add_param_group`` add masters."""
+        accumulation, and ``add_param_group`` add masters. ``in_other_optimizer(param)``: whether another optimizer
+        of the session trains ``param`` (with master weights a half one must not be added here too)."""
         opt, grads = self.optimizer, self.grads
         original_zero_grad = opt.zero_grad
 
@@ -79,6 +83,8 @@ class OptimizerRecord:
         def add_param_group(param_group: dict[str, Any]) -> None:
             original_add(param_group)
             try:
+                if grads.master_weights and in_other_optimizer is not None:
+                    _refuse_shared(opt.param_groups[-1], in_other_optimizer)
                 grads.add_param_group(opt.param_groups[-1])
             except BaseException:
                 opt.param_groups.pop()  # refused: the optimizer is left as it was
@@ -87,21 +93,23 @@ class OptimizerRecord:
         undo.rebind(opt, "add_param_group", add_param_group)
 
     # -- one scale_loss block ---------------------------------------------------------------------------------
-    def begin_backward(self, scaler: LossScaler) -> None:
+    def begin_backward(self, scaler: LossScaler, claimed: set[int] | None = None) -> None:
         """Before a backward scaled by ``scaler`` (materialized): make room for its grads.
 
         Grads kept scaled by delay_unscale are accumulated into; if they carry another scale than ``scaler``'s
         (another loss, or a scale changed since), they are first brought to ``scaler``'s scale, so that the
-        unscale at the end divides every contribution by the scale it was multiplied by.
+        unscale at the end divides every contribution by the scale it was multiplied by. ``claimed``: the ids of
+        the parameters the block's earlier optimizers made room for (one two optimizers train is handled once).
         """
         if self.stage is not Stage.SCALED:
-            self.grads.prepare_backward(scaler)
+            self.grads.prepare_backward(scaler, claimed)
             return
         kept = self._kept_scale
         assert kept is not None
         kept_by, version, scale = kept
         if kept_by is not scaler or version != scaler.version:
-            self.grads.rescale_kept(scaler.scale_tensor / _torch_kernels.to_device(scale, scaler.scale_tensor.device))
+            factor = scaler.scale_tensor / _torch_kernels.to_device(scale, scaler.scale_tensor.device)
+            self.grads.rescale_kept(factor, claimed)
 
     def abort_backward(self) -> None:
         """The block raised: its gradients are dropped, and scaled ones kept by delay_unscale with them."""
@@ -122,8 +130,8 @@ class OptimizerRecord:
         self.stage = Stage.SCALED
         self._kept_scale = (scaler, scaler.version, scaler.scale_tensor.clone())
 
-    def unscale(self, scaler: LossScaler) -> None:
-        self.grads.post_backward(scaler)
+    def unscale(self, scaler: LossScaler, claimed: set[int] | None = None) -> None:
+        self.grads.post_backward(scaler, claimed)
         self.stage = Stage.UNSCALED
         self._kept_scale = None
 
@@ -207,6 +215,19 @@ class OptimizerRecord:
     def step_was_skipped(self) -> bool:
         skipped = self.last_skipped
         return bool(skipped.item()) if isinstance(skipped, torch.Tensor) else skipped
+
+
+def _refuse_shared(group: dict[str, Any], in_other_optimizer: Callable[[torch.Tensor], bool]) -> None:
+    """Refuse a group added with master weights that lists a half parameter another optimizer already trains: each
+    optimizer would step its own master of it, and one of the updates would be lost (see ``initialize``'s check)."""
+    for param in group["params"]:
+        if param.dtype in HALF_DTYPES and in_other_optimizer(param):
+            raise RuntimeError(
+                f"add_param_group: a parameter of shape {tuple(param.shape)} is already trained by another optimizer "
+                "of this amp session. With master weights each optimizer would get its own fp32 master of it, "
+                "stepped by that optimizer only, so one of the updates would be lost. List each parameter in one "
+                "optimizer."
+            )
 
 
 def _closure(args: tuple[Any, ...], kwargs: dict[str, Any]) -> object:

@@ -257,13 +257,17 @@ class AmpSession:
                 yield loss.float()
             return
         scaled = scaler.scale(loss)  # materializes the scaler, whose scale begin_backward may need
+        # A parameter two of the block's optimizers train is made room for, and unscaled, once.
+        claimed: set[int] | None = set() if len(records) > 1 else None
         for record in records:
-            record.begin_backward(scaler)
+            record.begin_backward(scaler, claimed)
         try:
             with self._casts_off():
                 yield scaled
         except BaseException:
-            for record in records:
+            # Last first: a grad set aside by the first optimizer that held it is given back after the others have
+            # cleared what the backward began.
+            for record in reversed(records):
                 record.abort_backward()
             raise
         self._after_backward(scaler, records, delay_unscale, delay_overflow_check)
@@ -284,8 +288,9 @@ class AmpSession:
                 record.keep_scaled(scaler)
             return
         self._overflow.begin_unscale(scaler)
+        claimed: set[int] | None = set() if len(records) > 1 else None  # a shared parameter is unscaled once
         for record in records:
-            record.unscale(scaler)
+            record.unscale(scaler, claimed)
         self._overflow.after_unscale(scaler, records, self.verbosity, defer=delay_overflow_check)
 
     # -- optimizer.step -------------------------------------------------------------------------------------

@@ -57,10 +57,15 @@ def install(
             # The optimizer steps its own parameters: another setting's 8-bit moments load decoded into them.
             undo.push(StateStore(record.optimizer, record.dial, own_step=True).remove)
         undo.rebind(record.optimizer, "step", make_step(record))
-        record.rebind_grad_methods(undo)
+        others = [r for r in records if r is not record]
+        record.rebind_grad_methods(undo, functools.partial(_trained_by_any, others))
     if props.cast_dtype is None:
         return None
     return _activate_cast_policy(models, props.cast_dtype, options, undo)
+
+
+def _trained_by_any(records: Sequence[OptimizerRecord], param: torch.Tensor) -> bool:
+    return any(record.grads.trains(param) for record in records)
 
 
 def _warn_of_a_vanishing_eps(records: Sequence[OptimizerRecord], planned: dict[int, torch.dtype]) -> None:

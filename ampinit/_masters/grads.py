@@ -78,6 +78,7 @@ class OptimizerGrads:
         self._in_place: list[tuple[torch.Tensor, torch.Tensor, int]] = []
         self._in_place_back: torch.Tensor | None = None
         self._warned_masters_accumulate = False
+        self._held_at_entry: set[int] = set()  # ids of the direct parameters with a grad when the block began
         # Whether a scale_loss exit has moved grads into the masters (or left them pending) since the last step or
         # zero_grad: a block that begins then accumulates onto them.
         self._unscaled_since_step = False
@@ -150,6 +151,13 @@ class OptimizerGrads:
             raise ValueError("some parameters appear in more than one parameter group")
         if self.master_weights:
             self._replace_in_group(group, {})
+
+    def trains(self, param: torch.Tensor) -> bool:
+        """Whether the optimizer trains ``param``: listed in its param groups, or through a master (a scan of the
+        groups: for rare calls, such as ``add_param_group``)."""
+        if id(param) in self._master_of:
+            return True
+        return any(p is param for group in self.optimizer.param_groups for p in group["params"])
 
     def master_for(self, param: torch.Tensor) -> torch.Tensor | None:
         """``param``'s master; before the first backward, brought up to date with the weight first (a checkpoint
@@ -255,7 +263,7 @@ class OptimizerGrads:
         self._loaded.clear()
 
     # -- one backward -----------------------------------------------------------------------------------------
-    def prepare_backward(self, scaler: LossScaler | None = None) -> None:
+    def prepare_backward(self, scaler: LossScaler | None = None, claimed: set[int] | None = None) -> None:
         """Make room for a backward scaled by ``scaler`` (materialized; None: a caller that knows no scale).
 
         Grads of the parameters the optimizer trains directly, left by an earlier block of an accumulation, are
@@ -263,6 +271,9 @@ class OptimizerGrads:
         brought to the block's scale (exact: a power of two): DDP's all-reduce of this backward sums what is in
         ``.grad``, so a stashed grad from a block run inside ``no_sync()`` would never be reduced and the ranks
         would step apart (the backward then adds to them, and the exit unscales and checks the sum).
+
+        ``claimed``: ids of the parameters another optimizer of the same block has already made room for (a
+        parameter two optimizers train): a grad it kept in place is not multiplied again. This record's are added.
         """
         if self.following:
             self.follow_model()
@@ -281,6 +292,11 @@ class OptimizerGrads:
         self._stash = []
         self._in_place, self._in_place_back = [], None
         held = list(itertools.compress(direct, map(_IS_NOT_NONE, map(_GRAD, direct))))  # a loop in C
+        self._held_at_entry = set(map(id, held))  # what abort_backward gives back rather than clears
+        if claimed is not None:
+            if claimed:
+                held = [param for param in held if id(param) not in claimed]
+            claimed.update(self._held_at_entry)
         if held and _accumulates_in_place(held, scaler):
             assert scaler is not None
             grads = [_grad(param) for param in held]
@@ -314,19 +330,26 @@ class OptimizerGrads:
         """Forget the grads stashed by :meth:`prepare_backward` (``zero_grad`` cleared them)."""
         self._stash = []
 
-    def rescale_kept(self, factor: torch.Tensor) -> None:
-        """Multiply the grads kept scaled by delay_unscale (model grads, direct grads; not the stash) by ``factor``."""
+    def rescale_kept(self, factor: torch.Tensor, claimed: set[int] | None = None) -> None:
+        """Multiply the grads kept scaled by delay_unscale (model grads, direct grads; not the stash) by ``factor``.
+        ``claimed``: as :meth:`prepare_backward`'s (a direct grad another optimizer of the block rescaled)."""
         kept = [p.grad for p, _ in self.pairs() if p.grad is not None]
-        kept += [p.grad for p in self.direct_params() if p.grad is not None]
+        direct = [p for p in self.direct_params() if p.grad is not None]
+        if claimed is not None:
+            direct = [p for p in direct if id(p) not in claimed]
+            claimed.update(map(id, direct))
+        kept += [_grad(p) for p in direct]
         _torch_kernels.mul_(kept, factor)
 
     def abort_backward(self) -> None:
         """Forget a backward that raised: grads are as they were before ``prepare_backward``."""
         for model_param, _ in self.pairs():
             model_param.grad = None
-        kept = {id(param) for param, _, _ in self._in_place}
+        # Only the grads this backward began: one held at entry is given back below, by the optimizer that set it
+        # aside or kept it (another optimizer training the same parameter leaves it alone).
+        held, self._held_at_entry = self._held_at_entry, set()
         for param in self.direct_params():
-            if id(param) not in kept:
+            if id(param) not in held:
                 param.grad = None
         for param, grad in self._stash:
             param.grad = grad
@@ -343,9 +366,13 @@ class OptimizerGrads:
                 _torch_kernels.mul_(grads, self._in_place_back)
         self._in_place, self._in_place_back = [], None
 
-    def post_backward(self, scaler: LossScaler) -> None:
+    def post_backward(self, scaler: LossScaler, claimed: set[int] | None = None) -> None:
         """Unscale this backward's grads into the optimizer's parameters and check them for inf/NaN; when the
-        step's kernels will read the half grads themselves, only check them (see the module docstring)."""
+        step's kernels will read the half grads themselves, only check them (see the module docstring).
+
+        ``claimed``: ids of the parameters whose own grads another optimizer of the same block has unscaled (a
+        parameter two optimizers train): skipped here, else the grad would be divided by the scale twice. This
+        record's are added to it."""
         self._unscaled_since_step = True
         models, masters = self._pair_lists()
         model_grads = list(map(_GRAD, models))
@@ -366,7 +393,12 @@ class OptimizerGrads:
                 else:
                     acc_src.append(grad)
                     acc_dst.append(master_grad)
-        direct = list(filter(_IS_NOT_NONE, map(_GRAD, self.direct_params())))
+        direct_params = self.direct_params()
+        if claimed is not None:
+            if claimed:
+                direct_params = [p for p in direct_params if id(p) not in claimed]
+            claimed.update(map(id, direct_params))
+        direct = list(filter(_IS_NOT_NONE, map(_GRAD, direct_params)))
         # The usual backward hands the plan the weights' grads just read (every master's, in the pairs' order).
         known = (masters, models, model_grads) if fresh is masters else None
         plan = self._half_grads_plan(known) if fresh and not acc_src else None

@@ -233,9 +233,9 @@ class RemainderGrads(OptimizerGrads):
         self._grad_factor = coefficient if factor is None else factor * coefficient
         return total
 
-    def prepare_backward(self, scaler: LossScaler | None = None) -> None:
+    def prepare_backward(self, scaler: LossScaler | None = None, claimed: set[int] | None = None) -> None:
         self._keep_clip()
-        super().prepare_backward(scaler)
+        super().prepare_backward(scaler, claimed)
         self._materialised.clear()
         self._grad_factor = None
 
