@@ -81,7 +81,7 @@ def test_every_rule_has_a_golden_site() -> None:
         "scaler.unscale_(optimizer)",
         'clip_grad_norm_((p for group in optimizer.param_groups for p in group["params"])',
         "scaler.state_dict()",
-        "with torch.autocast(amp_device, dtype=torch.float16, enabled=args.amp):",
+        "with torch.autocast(amp_device, dtype=torch.float16, enabled=bool(args.amp)):",
         "torch.autocast(amp_device, enabled=False)",
         "# the loss in fp32, as Apex's lists would",
     ]:

@@ -173,7 +173,7 @@ CLOSURE_TORCH = textwrap.dedent(
 
     def train(model, optimizer, data, fp16_run):
         amp_device = next(model.parameters()).device.type
-        scaler = torch.amp.GradScaler(amp_device, enabled=fp16_run)
+        scaler = torch.amp.GradScaler(amp_device, enabled=bool(fp16_run))
 
         def step(x, y):
             optimizer.zero_grad()

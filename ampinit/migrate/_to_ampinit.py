@@ -19,11 +19,20 @@ through ``ampinit.compat.apex``.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import libcst as cst
-from libcst.metadata import MetadataWrapper, ParentNodeProvider, PositionProvider
+from libcst.metadata import (
+    ExpressionContext,
+    ExpressionContextProvider,
+    ImportAssignment,
+    MetadataWrapper,
+    ParentNodeProvider,
+    PositionProvider,
+    ScopeProvider,
+)
 
 from ampinit.migrate import _cst, _rules
 from ampinit.migrate._binding import unbound_calls
@@ -90,6 +99,7 @@ class Binding:
     target: Target | None = None
     imports: set[str] = field(default_factory=set)  # for package bindings: the modules their chains need
     unresolved: set[str] = field(default_factory=set)  # package bindings: chains with no new home (import kept)
+    bare: bool = False  # package bindings: the name itself is used as a value (`getattr(apex, "amp")`)
 
 
 def unresolved_note(qualified: str) -> str:
@@ -174,7 +184,7 @@ class _Collector(cst.CSTVisitor):
 
 
 class _ToAmpinit(cst.CSTTransformer):
-    METADATA_DEPENDENCIES = (ParentNodeProvider, PositionProvider)
+    METADATA_DEPENDENCIES = (ParentNodeProvider, PositionProvider, ExpressionContextProvider, ScopeProvider)
 
     def __init__(
         self,
@@ -238,20 +248,23 @@ class _ToAmpinit(cst.CSTTransformer):
     def leave_SimpleStatementLine(
         self, original_node: cst.SimpleStatementLine, updated_node: cst.SimpleStatementLine
     ) -> Any:
-        replaced = False
-        out: list[cst.SimpleStatementLine] = []
-        kept: list[cst.BaseSmallStatement] = []
-        for small in updated_node.body:
-            new = self._rewrite_import(small, original_node)
-            if new is None:
-                kept.append(small)
-                continue
-            replaced = True
-            out.extend(new)
-        if not replaced:
+        pieces = self._rewrite_smalls(original_node, updated_node.body)
+        if pieces is None:
             return updated_node
-        if kept:
-            out.insert(0, updated_node.with_changes(body=kept))
+        # in the order of the line (`from apex.parallel import DistributedDataParallel as DDP; m = DDP(m)`: the
+        # import must still come before the statement that uses it)
+        out: list[cst.SimpleStatementLine] = []
+        run: list[cst.BaseSmallStatement] = []
+        for piece in pieces:
+            if isinstance(piece, list):
+                if run:
+                    out.append(cst.SimpleStatementLine(body=_semicolons(run)))
+                    run = []
+                out.extend(piece)
+            else:
+                run.append(piece)
+        if run:
+            out.append(cst.SimpleStatementLine(body=_semicolons(run)))
         if not out:
             return cst.RemoveFromParent()
         out[0] = out[0].with_changes(
@@ -259,8 +272,39 @@ class _ToAmpinit(cst.CSTTransformer):
         )  # keeps a trailing comment (a noqa, a type: ignore)
         return cst.FlattenSentinel(out)
 
+    def leave_SimpleStatementSuite(
+        self, original_node: cst.SimpleStatementSuite, updated_node: cst.SimpleStatementSuite
+    ) -> cst.SimpleStatementSuite:
+        """The one-line body of a compound statement (`try: import apex`, `if x: from apex import amp`): its imports
+        are rewritten like a line's, the new ones joined by semicolons in the same place."""
+        pieces = self._rewrite_smalls(original_node, updated_node.body)
+        if pieces is None:
+            return updated_node
+        body: list[cst.BaseSmallStatement] = []
+        for piece in pieces:
+            if isinstance(piece, list):
+                body.extend(small for line in piece for small in line.body)
+            else:
+                body.append(piece)
+        return updated_node.with_changes(body=_semicolons(body or [cst.Pass()]))
+
+    def _rewrite_smalls(
+        self, statement: cst.SimpleStatementLine | cst.SimpleStatementSuite, body: Sequence[cst.BaseSmallStatement]
+    ) -> list[cst.BaseSmallStatement | list[cst.SimpleStatementLine]] | None:
+        """Each small statement of a line, or the import lines it becomes; None when no import is rewritten."""
+        pieces: list[cst.BaseSmallStatement | list[cst.SimpleStatementLine]] = []
+        replaced = False
+        for small in body:
+            new = self._rewrite_import(small, statement)
+            if new is None:
+                pieces.append(small)
+            else:
+                replaced = True
+                pieces.append(new)
+        return pieces if replaced else None
+
     def _rewrite_import(
-        self, small: cst.BaseSmallStatement, statement: cst.SimpleStatementLine
+        self, small: cst.BaseSmallStatement, statement: cst.SimpleStatementLine | cst.SimpleStatementSuite
     ) -> list[cst.SimpleStatementLine] | None:
         if isinstance(small, cst.Import):
             names = [(dotted(a.name) or "", a) for a in small.names]
@@ -306,7 +350,9 @@ class _ToAmpinit(cst.CSTTransformer):
             out.extend(self._binding_imports(binding, statement))
         return _dedupe(out)
 
-    def _binding_imports(self, binding: Binding, statement: cst.SimpleStatementLine) -> list[cst.SimpleStatementLine]:
+    def _binding_imports(
+        self, binding: Binding, statement: cst.SimpleStatementLine | cst.SimpleStatementSuite
+    ) -> list[cst.SimpleStatementLine]:
         if binding.kind == "direct":
             assert binding.target is not None
             new = import_statement(binding.target, binding.local)
@@ -315,11 +361,20 @@ class _ToAmpinit(cst.CSTTransformer):
                 self.sites.append(Site(self._line(statement), f"{binding.qualified}: {binding.target.info}"))
             return [new]
         imports = sorted(binding.imports) if binding.kind == "inline" else sorted(binding.imports) or ["ampinit"]
+        if binding.kind == "package" and binding.bare and not binding.imports:
+            imports = []
         fresh = [m for m in imports if m not in self.imported]
         self.imported.update(fresh)
+        out = [import_statement(Target(m)) for m in fresh]
+        if binding.kind == "package" and binding.bare:
+            # the name itself is read (`getattr(apex, "amp")`, `print(apex)`): it stays bound, to the package's
+            # home in ampinit's Apex layer (what `ampinit run` gives it)
+            home = _rules.COMPAT + binding.qualified[len("apex") :]
+            out.append(import_statement(Target(home), binding.local))
+            imports = [*imports, f"{home} as {binding.local}"]
         if binding.kind == "package":
             self._site(statement, f"import {binding.qualified} -> " + (", ".join(f"import {m}" for m in imports)))
-        return [import_statement(Target(m)) for m in fresh]
+        return out
 
     # -- availability guards ---------------------------------------------------------------------------------------
     def leave_Comparison(self, original_node: cst.Comparison, updated_node: cst.Comparison) -> cst.BaseExpression:
@@ -435,6 +490,8 @@ class _ToAmpinit(cst.CSTTransformer):
             return updated_node  # `x.name`: not a use of the binding
         if isinstance(parent, cst.Arg) and parent.keyword is original_node:
             return updated_node
+        if not _reads_import(self, original_node):
+            return updated_node  # `def to_python_float(t):` (a fallback), a parameter or local of that name
         is_call = isinstance(parent, cst.Call) and parent.func is original_node
         if binding.qualified in _rules.TO_PYTHON_FLOAT_NAMES:
             if is_call:
@@ -458,6 +515,8 @@ class _ToAmpinit(cst.CSTTransformer):
         qualified = self._qualified(original_node.func)
         if qualified is None:
             return updated_node
+        if isinstance(original_node.func, cst.Name) and not _reads_import(self, original_node.func):
+            return updated_node  # a local of the imported name's name (a parameter) is called
         if qualified in _rules.TO_PYTHON_FLOAT_NAMES:
             return self._to_python_float(original_node, updated_node)
         if qualified in _rules.DDP_NAMES:
@@ -547,6 +606,21 @@ class _ToAmpinit(cst.CSTTransformer):
         return updated.with_changes(args=_cst.last_comma_dropped(kept))
 
 
+def _reads_import(transformer: cst.MetadataDependent, node: cst.Name) -> bool:
+    """Whether ``node`` reads a name that an import binds where it is read: not a definition, an assignment target,
+    a ``global`` list or a parameter (those are names, not uses; rewriting them to an expression breaks the file),
+    and not a use that only a local of the same name can reach (a parameter ``to_python_float``)."""
+    if transformer.get_metadata(ExpressionContextProvider, node, None) is not ExpressionContext.LOAD:
+        return False
+    if isinstance(transformer.get_metadata(ParentNodeProvider, node, None), cst.NameItem):
+        return False  # `global name` / `nonlocal name`: libcst calls it a load
+    scope = transformer.get_metadata(ScopeProvider, node, None)
+    if scope is None:
+        return True
+    assignments = scope[node.value]
+    return not assignments or any(isinstance(a, ImportAssignment) for a in assignments)
+
+
 def _is_call_func(transformer: _ToAmpinit, node: cst.CSTNode) -> bool:
     parent = transformer.get_metadata(ParentNodeProvider, node)
     return isinstance(parent, cst.Call) and parent.func is node
@@ -601,6 +675,21 @@ def _chain_name(binding: Binding, name: str, depth: int) -> str:
     """The Apex name a chain's mapped prefix stands for (``apex.normalization.FusedLayerNorm``)."""
     parts = [binding.qualified, *name.split(".")[1:]]
     return ".".join(parts[: len(parts) - depth] if depth else parts)
+
+
+def _semicolons(smalls: Sequence[cst.BaseSmallStatement]) -> list[cst.BaseSmallStatement]:
+    """Small statements to share one line: a semicolon after each but the last."""
+    out = []
+    for index, small in enumerate(smalls):
+        last = index == len(smalls) - 1
+        if last:
+            out.append(small.with_changes(semicolon=cst.MaybeSentinel.DEFAULT))
+        elif not isinstance(small.semicolon, cst.Semicolon):
+            semicolon = cst.Semicolon(cst.SimpleWhitespace(""), cst.SimpleWhitespace(" "))
+            out.append(small.with_changes(semicolon=semicolon))
+        else:
+            out.append(small)
+    return out
 
 
 def _rules_is_apex(name: str) -> bool:
@@ -701,7 +790,7 @@ def classify(module: cst.Module, wrapper: MetadataWrapper) -> tuple[dict[str, Bi
 class _ImportNeeds(cst.CSTVisitor):
     """The modules the rewritten chains of package bindings (``import apex``) and inline uses need."""
 
-    METADATA_DEPENDENCIES = (ParentNodeProvider,)
+    METADATA_DEPENDENCIES = (ParentNodeProvider, ExpressionContextProvider, ScopeProvider)
 
     def __init__(self, bindings: dict[str, Binding]) -> None:
         self.bindings = bindings
@@ -728,6 +817,10 @@ class _ImportNeeds(cst.CSTVisitor):
 
     def visit_Name(self, node: cst.Name) -> None:
         binding = self.bindings.get(node.value)
+        if binding is not None and binding.kind == "package" and not binding.bare:
+            parent = self.get_metadata(ParentNodeProvider, node)
+            chain = isinstance(parent, cst.Attribute) and parent.value is node
+            binding.bare = not chain and _reads_import(self, node)
         if binding is not None and binding.kind == "inline" and binding.qualified in _rules.TO_PYTHON_FLOAT_NAMES:
             parent = self.get_metadata(ParentNodeProvider, node)
             if not isinstance(parent, (cst.Call, cst.ImportAlias)):

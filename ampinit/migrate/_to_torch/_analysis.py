@@ -360,7 +360,7 @@ class Analysis:
         self.level_value = level
         self.level = level if isinstance(level, str) else "O1"
         if "enabled" in args:
-            self.enabled = _cst.code(args["enabled"])
+            self.enabled = _boolean_code(args["enabled"])
         self.optimizer = _cst.code(optimizers)
         self.model = _cst.code(models)
         self.model_list = self._is_a_list(call, self.model)
@@ -495,3 +495,19 @@ def _literal_choices(node: cst.BaseExpression) -> set[Any] | None:
         return None if body is None or orelse is None else body | orelse
     value = literal(node)
     return None if value is NOT_LITERAL else {value}
+
+
+def _boolean_code(node: cst.BaseExpression) -> str:
+    """Apex's ``enabled=`` as a bool: Apex only tested its truth (``if not enabled:``), so real code passes an int
+    (``enabled=args.fp16``), ``None`` or a string, but ``torch.autocast`` takes a bool only (it raises
+    ``TypeError`` on an int), and a GradScaler's ``is_enabled()`` hands the value on as given."""
+    code = _cst.code(node)
+    if isinstance(node, cst.Name) and node.value in ("True", "False"):
+        return code
+    if isinstance(node, cst.Comparison):
+        return code
+    if isinstance(node, cst.UnaryOperation) and isinstance(node.operator, cst.Not):
+        return code
+    if isinstance(node, cst.Call) and isinstance(node.func, cst.Name) and node.func.value == "bool":
+        return code
+    return f"bool({code})"
