@@ -73,9 +73,9 @@ class OptimizerGrads:
         self._model_of: dict[int, torch.Tensor] = {}
         self._grad_buffers: dict[int, torch.Tensor] = {}
         self._stash: list[tuple[torch.Tensor, torch.Tensor]] = []
-        # A multi-rank job's accumulation (see prepare_backward): the grads left in place, each with its version
-        # after it was brought to the block's scale, and the factor that takes them back (None: scale 1).
-        self._in_place: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+        # A multi-rank job's accumulation (see prepare_backward): the parameters whose grads were left in place
+        # (brought to the block's scale) with those grads, and the factor that takes them back (None: scale 1).
+        self._in_place: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._in_place_back: torch.Tensor | None = None
         self._warned_masters_accumulate = False
         self._held_at_entry: set[int] = set()  # ids of the direct parameters with a grad when the block began
@@ -303,7 +303,7 @@ class OptimizerGrads:
             if not scaler.unit:
                 _torch_kernels.mul_(grads, scaler.scale_tensor)
                 self._in_place_back = scaler.inv_scale
-            self._in_place = [(param, grad, grad._version) for param, grad in zip(held, grads)]
+            self._in_place = list(zip(held, grads))
             return
         for param in held:
             self._stash.append((param, _grad(param)))
@@ -323,7 +323,7 @@ class OptimizerGrads:
             "with its own: pass delay_unscale=True to every scale_loss block of an accumulation but the last "
             "(docs/distributed.md).",
             UserWarning,
-            stacklevel=5,
+            stacklevel=6,  # the user's `with amp.scale_loss(...)` (through begin_backward and contextlib)
         )
 
     def drop_stash(self) -> None:
@@ -361,7 +361,7 @@ class OptimizerGrads:
         that backward added before it raised, if anything, stays: it cannot be told from the rest (a multi-rank
         job only; DDP's reducer is itself left mid-reduction by such a raise)."""
         if self._in_place_back is not None:
-            grads = [grad for param, grad, _ in self._in_place if param.grad is grad]
+            grads = [grad for param, grad in self._in_place if param.grad is grad]
             if grads:
                 _torch_kernels.mul_(grads, self._in_place_back)
         self._in_place, self._in_place_back = [], None
