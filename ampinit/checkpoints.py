@@ -125,6 +125,7 @@ def from_megatron(
     param_groups: Sequence[Mapping[str, Any]],
     param_names: Sequence[str],
     remainders: bool,
+    adam_w_mode: bool = True,
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """``(model_state, optimizer_state)`` for an ampinit session, from Megatron-LM distributed-optimizer state.
 
@@ -137,6 +138,9 @@ def from_megatron(
     torch optimizer the result is loaded into (``optimizer.state_dict()["param_groups"]``: Megatron's own groups
     carry its scheduler's keys instead), and ``param_names`` the ``model_state`` keys of that optimizer's
     parameters in the order of those groups; a parameter missing from ``param_state`` gets no optimizer state.
+    ``adam_w_mode`` is Megatron's ``decoupled_weight_decay`` (its default ``True``), which Megatron passes to
+    ``FusedAdam`` as ``adam_w_mode`` and does not save: it becomes the groups' ``decoupled_weight_decay``, as in
+    :func:`from_transformer_engine`.
 
     Raises ``ValueError`` for a key, dtype, shape or remainder value that does not fit, naming it.
     """
@@ -175,7 +179,9 @@ def from_megatron(
     for group in groups:
         group["step"] = step
         group["bias_correction"] = True
-    return from_transformer_engine(model_state, {"state": entries, "param_groups": groups}, list(param_names))
+    return from_transformer_engine(
+        model_state, {"state": entries, "param_groups": groups}, list(param_names), adam_w_mode=adam_w_mode
+    )
 
 
 def _check_mapping(what: str, value: object) -> None:

@@ -242,6 +242,23 @@ def test_megatron_state_converts_like_its_te_state(layout: str) -> None:
         assert same_bits(got, want)
 
 
+@pytest.mark.parametrize("adam_w_mode", [True, False])
+def test_megatron_decoupled_weight_decay_is_passed_on_not_forced(adam_w_mode: bool) -> None:
+    """Megatron gives its ``decoupled_weight_decay`` to FusedAdam as ``adam_w_mode`` and does not save it."""
+    model, optim, names = _te()
+    param_state = {name: {k: v for k, v in optim["state"][i].items()} for i, name in enumerate(names)}
+    for entry in param_state.values():
+        entry["param"] = entry.pop("master_param")
+    groups = [{"params": [0, 1, 2, 3], "lr": LR, "weight_decay": WEIGHT_DECAY}]
+    groups[0]["decoupled_weight_decay"] = not adam_w_mode  # the torch groups' own value does not decide
+    _, optimizer_state = from_megatron(
+        model, param_state, step=1, param_groups=groups, param_names=names, remainders=True, adam_w_mode=adam_w_mode
+    )
+    assert optimizer_state["param_groups"][0]["decoupled_weight_decay"] is adam_w_mode
+    _, default = from_megatron(model, param_state, step=1, param_groups=groups, param_names=names, remainders=True)
+    assert default["param_groups"][0]["decoupled_weight_decay"] is True  # Megatron's default
+
+
 # -- torch's plain AdamW ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("master_weights", ["remainder", True])
 def test_plain_adamw_state_resumes_without_conversion(master_weights: bool | str) -> None:

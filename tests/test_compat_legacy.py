@@ -78,6 +78,24 @@ def test_output_dtypes_follow_apex_fused_input_mixed_weight() -> None:
         assert fused(torch.randn(2, 8)).dtype == torch.bfloat16  # Apex casts its inputs to the autocast dtype
 
 
+@pytest.mark.parametrize("cls", [FusedLayerNorm, FusedRMSNorm, MixedFusedLayerNorm, MixedFusedRMSNorm])
+def test_float64_norms_compute_in_float64_as_apex_kernels_and_torch_do(cls: type[nn.Module]) -> None:
+    """Apex's kernels accumulate in ``acc_type<double>`` = double, and its autocast cast leaves float64 alone."""
+    torch.manual_seed(0)
+    norm = cls(16).double()
+    with torch.no_grad():
+        norm.weight.normal_()  # type: ignore[operator]
+    reference = (nn.LayerNorm if "Layer" in cls.__name__ else nn.RMSNorm)(16, eps=1e-5).double()
+    reference.load_state_dict(norm.state_dict())
+    x = torch.randn(4, 16, dtype=torch.float64, requires_grad=True)
+    out = norm(x)
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, reference(x), rtol=1e-13, atol=1e-13)
+    assert torch.autograd.gradcheck(norm, (x,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert norm(x).dtype == torch.float64
+
+
 def test_mixed_variants_keep_apex_constructor_rules() -> None:
     with pytest.raises(RuntimeError, match="does not support elementwise_affine=False"):
         MixedFusedLayerNorm(8, elementwise_affine=False)

@@ -40,25 +40,33 @@ def _shape(normalized_shape: Shape) -> torch.Size:
 
 
 def _effective_dtype(tensor: torch.Tensor) -> torch.dtype:
-    """The dtype Apex's kernel sees: under autocast, Apex first casts its floating arguments to the autocast dtype."""
-    if tensor.is_floating_point() and torch.is_autocast_enabled(tensor.device.type):
+    """The dtype Apex's kernel sees: under autocast, Apex first casts its floating arguments to the autocast dtype
+    (torch's autocast ``_cast``, which leaves float64 alone)."""
+    if tensor.is_floating_point() and tensor.dtype != torch.float64 and torch.is_autocast_enabled(tensor.device.type):
         return torch.get_autocast_dtype(tensor.device.type)
     return tensor.dtype
+
+
+def _compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
+    """fp32, as Apex's kernels accumulate half and fp32 inputs; float64 where one is float64 (their ``acc_type``)."""
+    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
 def _layer_norm(
     x: torch.Tensor, shape: torch.Size, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
 ) -> torch.Tensor:
+    dtype = _compute_dtype(x, weight, bias)
     with torch.autocast(x.device.type, enabled=False):
-        w = None if weight is None else weight.float()
-        b = None if bias is None else bias.float()
-        return F.layer_norm(x.float(), shape, w, b, eps)
+        w = None if weight is None else weight.to(dtype)
+        b = None if bias is None else bias.to(dtype)
+        return F.layer_norm(x.to(dtype), shape, w, b, eps)
 
 
 def _rms_norm(x: torch.Tensor, shape: torch.Size, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    dtype = _compute_dtype(x, weight)
     with torch.autocast(x.device.type, enabled=False):
-        w = None if weight is None else weight.float()
-        return F.rms_norm(x.float(), shape, w, eps)
+        w = None if weight is None else weight.to(dtype)
+        return F.rms_norm(x.to(dtype), shape, w, eps)
 
 
 class _ApexNorm(torch.nn.Module):
