@@ -7,6 +7,8 @@ already hold it stay valid.
 
 from __future__ import annotations
 
+import collections
+import copy
 import functools
 from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any, cast
@@ -26,23 +28,43 @@ MasterLoader = Callable[[torch.Tensor, torch.Tensor], "torch.Tensor | None"]
 def cast_floating(value: Any, dtype: torch.dtype) -> Any:
     """``value`` with every floating-point tensor in it cast to ``dtype``.
 
-    Recurses into lists, tuples, namedtuples (``PackedSequence`` included) and mappings; anything else passes
-    through. Unlike Apex's applier, a namedtuple keeps its type and a dict subclass is rebuilt as its own type
-    when it can be.
+    Recurses into lists, tuples, namedtuples (``PackedSequence`` included), sets, deques and mappings (as Apex's
+    applier recursed into every iterable); anything else passes through. Unlike Apex's applier, a namedtuple keeps
+    its type and a dict subclass keeps its own type when it can.
     """
     if isinstance(value, torch.Tensor):
         return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
     if isinstance(value, tuple) and hasattr(value, "_fields"):
         return type(value)(*(cast_floating(v, dtype) for v in value))
-    if isinstance(value, (list, tuple)):
+    if isinstance(value, (list, tuple, set, frozenset, collections.deque)):
         return type(value)(cast_floating(v, dtype) for v in value)
     if isinstance(value, Mapping):
-        items = {k: cast_floating(v, dtype) for k, v in value.items()}
-        try:
-            return cast(Any, type(value))(items)
-        except TypeError:
-            return items
+        return _rebuilt_mapping(value, {k: cast_floating(v, dtype) for k, v in value.items()})
     return value
+
+
+def _rebuilt_mapping(value: Mapping[Any, Any], items: dict[Any, Any]) -> Any:
+    """``value``'s type holding ``items``: a shallow copy given the new values where the mapping takes them.
+
+    Calling ``type(value)(items)`` is not a copy for every mapping: a ``defaultdict`` refuses it, a ``UserDict``
+    subclass loses its attributes, and Hugging Face's ``ModelOutput`` (a dataclass over an ``OrderedDict``) reads
+    the dict as its first field, which stays bound to the whole dict when that field was ``None``.
+    """
+    if type(value) is dict:
+        return items
+    if isinstance(value, MutableMapping):
+        try:
+            rebuilt = copy.copy(value)
+            for key, item in items.items():
+                rebuilt[key] = item
+        except Exception:  # a mapping that cannot be copied or written: rebuilt from its items below
+            pass
+        else:
+            return rebuilt
+    try:
+        return cast(Any, type(value))(items)
+    except TypeError:
+        return items
 
 
 def _keeps_fp32(module: nn.Module, keep_batchnorm_fp32: bool) -> bool:
