@@ -13,11 +13,14 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib.util
+import io
 import json
 import math
 import os
+import pkgutil
 import runpy
 import sys
+import types
 import zipfile
 from collections.abc import Sequence
 from typing import Any
@@ -164,24 +167,77 @@ def run_script(script: str, args: Sequence[str]) -> int:
     from ampinit.compat import apex
 
     apex.install()
+    _aliases_in_child_processes()
     sys.argv = [script, *args]
     if os.path.isfile(script) and not zipfile.is_zipfile(script):
+        path = os.path.abspath(script)
         # `python script.py` puts the script's directory first on sys.path.
-        script_dir = os.path.dirname(os.path.abspath(script))
         if sys.path:
-            sys.path[0] = script_dir
+            sys.path[0] = os.path.dirname(path)
         else:
-            sys.path.insert(0, script_dir)
-    elif sys.path:
-        # `python DIR` (or a zip) puts DIR itself first; runpy.run_path inserts it in front of sys.path.
-        del sys.path[0]
-    runpy.run_path(script, run_name="__main__")
+            sys.path.insert(0, os.path.dirname(path))
+        _run_file_as_main(path)
+    else:
+        if sys.path:
+            # `python DIR` (or a zip) puts DIR itself first; runpy.run_path inserts it in front of sys.path.
+            del sys.path[0]
+        runpy.run_path(script, run_name="__main__")
     # What the script left behind (its globals, and any reference cycle) is released now, while the interpreter is
     # whole: a DistributedDataParallel model still alive at interpreter teardown holds its gloo process group, whose
     # destruction then aborts the process now and then ("terminate called without an active exception", torch's
     # own, reproduced with plain torch: 7 of 42 two-rank runs under load, none of 46 with the model released first).
     gc.collect()
     return 0
+
+
+def _run_file_as_main(path: str) -> None:
+    """Run the file at absolute ``path`` as ``__main__`` as ``python path`` does: ``__file__`` is the absolute path
+    (Python 3.9+: a script that changes directory still finds the files beside it), ``sys.argv[0]`` stays as typed
+    (``runpy.run_path`` would set it to the path it runs), and ``sys.modules["__main__"]`` is the script's module
+    while it runs (pickling and multiprocessing find its functions there)."""
+    with io.open_code(path) as file:
+        code = pkgutil.read_code(file)  # a .pyc: `python script.pyc` runs it
+    if code is None:
+        with io.open_code(path) as file:
+            code = compile(file.read(), path, "exec", dont_inherit=True)  # not this module's __future__ imports
+    module = types.ModuleType("__main__")
+    module.__dict__.update(__file__=path, __cached__=None, __loader__=None, __package__=None, __spec__=None)
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = module
+    try:
+        exec(code, module.__dict__)
+    finally:
+        sys.modules["__main__"] = main
+
+
+_CHILD_ALIASES = "ampinit.compat.apex._in_children"
+
+
+def _aliases_in_child_processes() -> None:
+    """Install the aliases in the processes the script starts with the "spawn" or "forkserver" start method (macOS'
+    and Windows' default, torch.multiprocessing.spawn, Python 3.14's default on Linux): each re-imports the script,
+    whose ``import apex`` would otherwise fail there. ``fork`` children inherit them."""
+    import multiprocessing.forkserver
+    import multiprocessing.spawn
+
+    command_line = multiprocessing.spawn.get_command_line
+    if not getattr(command_line, "_ampinit_aliases", False):
+
+        def get_command_line(**kwds: Any) -> list[str]:
+            line: list[str] = command_line(**kwds)
+            if "-c" in line:  # a frozen executable has no program to prefix
+                at = line.index("-c") + 1
+                line[at] = f"import {_CHILD_ALIASES}; {line[at]}"
+            return line
+
+        get_command_line._ampinit_aliases = True  # type: ignore[attr-defined]
+        multiprocessing.spawn.get_command_line = get_command_line
+    server = multiprocessing.forkserver._forkserver
+    preload = list(getattr(server, "_preload_modules", None) or ["__main__"])
+    if _CHILD_ALIASES not in preload:
+        # preloaded in this order: the script (as __mp_main__; its failed `import apex` is ignored there), then the
+        # aliases, which every child forked from the server then has when it imports the script itself
+        multiprocessing.forkserver.set_forkserver_preload([*preload, _CHILD_ALIASES])
 
 
 if __name__ == "__main__":  # pragma: no cover

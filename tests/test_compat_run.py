@@ -157,3 +157,54 @@ def test_run_takes_a_directory_with_main_as_python_does(tmp_path: Path) -> None:
     empty.mkdir()
     result = subprocess.run([*command[:4], str(empty)], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert result.returncode == 2 and f"can't find '__main__' module in {str(empty)!r}" in result.stderr
+
+
+def test_run_gives_main_the_absolute_path_of_the_script_as_python_does(tmp_path: Path) -> None:
+    """``python train.py`` sets ``__file__`` to the script's absolute path (Python 3.9+), and ``sys.argv[0]`` to the
+    path as typed; ``ampinit run train.py`` set ``__file__`` to ``'train.py'``, so a script that changed directory
+    and then opened a file beside itself (``os.path.dirname(os.path.abspath(__file__))``) failed.
+
+    Found by: the audit of the command line.
+    """
+    (tmp_path / "config.txt").write_text("lr=0.1\n", encoding="utf-8")
+    elsewhere = tmp_path / "out"
+    elsewhere.mkdir()
+    (tmp_path / "train.py").write_text(
+        "import os, sys\n"
+        f"os.chdir({str(elsewhere)!r})\n"
+        "here = os.path.dirname(os.path.abspath(__file__))\n"
+        "config = open(os.path.join(here, 'config.txt')).read()\n"
+        "print(sys.argv[0], __file__ == os.path.join(here, 'train.py'), config)\n",
+        encoding="utf-8",
+    )
+    command = [sys.executable, "-m", "ampinit", "run", "train.py"]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, env=ENV, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["train.py", "True", "lr=0.1"]
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_run_aliases_reach_spawned_and_forkserver_children(tmp_path: Path, method: str) -> None:
+    """A process started with the "spawn" start method (macOS' and Windows' default, ``torch.multiprocessing.spawn``,
+    ``DataLoader(multiprocessing_context="spawn")``) or "forkserver" (Python 3.14's default on Linux) is a fresh
+    interpreter that re-imports the script: its ``from apex import amp`` raised ModuleNotFoundError there, since
+    only the parent of ``ampinit run`` had the aliases, and the child exited with status 1.
+
+    Found by: the audit of the command line.
+    """
+    script = tmp_path / "workers.py"
+    script.write_text(
+        "import multiprocessing as mp\nimport sys\nfrom apex import amp\n\n"
+        "def work(queue):\n    queue.put(amp.__name__)\n\n"
+        "if __name__ == '__main__':\n"
+        "    ctx = mp.get_context(sys.argv[1])\n"
+        "    queue = ctx.Queue()\n"
+        "    process = ctx.Process(target=work, args=(queue,))\n"
+        "    process.start()\n    process.join()\n"
+        "    print('exit code', process.exitcode)\n"
+        "    print(queue.get(timeout=60) if process.exitcode == 0 else 'none')\n",
+        encoding="utf-8",
+    )
+    result = ampinit_run(str(script), method, timeout=180)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["exit code 0", "ampinit.compat.apex.amp"], result.stderr
