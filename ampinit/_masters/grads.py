@@ -624,10 +624,23 @@ def _accumulates_in_place(held: list[torch.Tensor], scaler: LossScaler | None) -
     return all(type(param.grad) is torch.Tensor for param in held)
 
 
+#: Elements of a weight compared with its master's rounding at a time (:func:`_holds_rounding`): the comparison runs
+#: at the first ``scale_loss`` entry, where the forward's activations are alive, and a rounded copy of a whole large
+#: weight (GPT-2's 77 MB embedding at O2) would add to the peak; slices keep it at a few MB.
+_ROUNDING_SLICE = 1 << 20
+
+
 def _holds_rounding(weight: torch.Tensor, master: torch.Tensor) -> bool:
-    """Whether half ``weight`` still holds its fp32 ``master`` rounded (as ``initialize`` made it)."""
+    """Whether half ``weight`` still holds its fp32 ``master`` rounded (as ``initialize`` made it), compared slice by
+    slice (once per weight and session; on an accelerator a host read per slice)."""
+    if weight.shape != master.shape:
+        return False
     with torch.no_grad():
-        return torch.equal(weight.detach(), master.to(weight.dtype))
+        weights, masters = weight.detach().reshape(-1), master.detach().reshape(-1)
+        return all(
+            torch.equal(weights[at : at + _ROUNDING_SLICE], masters[at : at + _ROUNDING_SLICE].to(weight.dtype))
+            for at in range(0, weights.numel(), _ROUNDING_SLICE)
+        )
 
 
 def _grad(param: torch.Tensor) -> torch.Tensor:
