@@ -286,7 +286,8 @@ def _check_sharding(models: list[nn.Module], properties: Properties) -> None:
         "which cannot work with parameters sharded by FSDP2 (fully_shard): FSDP owns those shards. Use FSDP2's "
         "own mixed precision instead, fully_shard(module, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, "
         "reduce_dtype=torch.float32)): its sharded fp32 parameters are the master copy, the O2/O5 equivalent at "
-        "scale. Combine it with opt_level='O0', or 'O1'/'O4' for a cast policy and loss scaling on top."
+        "scale. Combine it with opt_level='O1' or 'O4' (a cast policy and loss scaling on top); not with 'O0', which "
+        "casts the model's inputs back to fp32 after FSDP's hook cast them to its param_dtype."
     )
 
 

@@ -253,3 +253,36 @@ def test_the_api_page_gives_initialize_its_real_signature() -> None:
     assert {name: eval(ast.unparse(d), {"__builtins__": {}}) for name, d in defaults.items()} == {
         p.name: p.default for p in real if p.default is not inspect.Parameter.empty
     }
+
+
+def test_distributed_fsdp2_example_runs() -> None:
+    """docs/distributed.md's FSDP2 block, as shown (after a one-rank gloo group, a model and its optimizer), trains a
+    step: the level it names must combine with the ``MixedPrecisionPolicy`` it shows (O0 did not: its fp32 input
+    cast undid FSDP's bf16 one)."""
+    text = (ROOT / "docs" / "distributed.md").read_text(encoding="utf-8")
+    block = re.search(r"```python\n(from torch\.distributed\.fsdp import .*?)```", text, re.S)
+    assert block is not None, "docs/distributed.md lost its FSDP2 block"
+    lines = block.group(1).splitlines(keepends=True)
+    shard = next(i for i, line in enumerate(lines) if line.startswith("fully_shard("))
+    optimizer = "optimizer = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+    snippet = "".join([*lines[: shard + 1], optimizer, *lines[shard + 1 :]])
+    script = (
+        "import os, socket, torch, torch.distributed as dist\n"
+        "from ampinit import amp\n"
+        "s = socket.socket(); s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]; s.close()\n"
+        "os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))\n"
+        "dist.init_process_group('gloo', rank=0, world_size=1)\n"
+        "model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))\n"
+        + snippet
+        + "loss = model(torch.randn(4, 8)).float().sum()\n"
+        "with amp.scale_loss(loss, optimizer) as scaled:\n"
+        "    scaled.backward()\n"
+        "optimizer.step()\n"
+        "print('steps', amp.stats().steps)\n"
+        "amp.deinitialize()\n"
+        "dist.destroy_process_group()\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert result.returncode == 0 and "steps 1" in result.stdout, result.stderr[-2000:]
