@@ -87,7 +87,7 @@ def configure_demo_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentP
         "--out", type=Path, default=Path("ampinit-demo"), help="output directory (default ./ampinit-demo/)"
     )
     parser.add_argument(
-        "--quick", action="store_true", help="small tasks, 60 steps per level: about a minute on a quiet 2-core CPU"
+        "--quick", action="store_true", help="small tasks, 60 steps per level: about 10 seconds on a quiet 2-core CPU"
     )
     parser.add_argument("--steps", type=_positive_int, help="steps per level, the same for every level (default 300)")
     parser.add_argument(
