@@ -301,8 +301,10 @@ class AmpSession:
         self._overflow.before_step(record, self.verbosity)
         skip, flag = record.take_skip(args, kwargs)
         measured = None if self._stuck is None else self._stuck.before_step(record, skip, self.master_for)
+        if self._cast_policy is not None and self._cast_policy.active:
+            args, kwargs = _closure_with_casts(self._cast_policy, args, kwargs)
         try:
-            with self.disable_casts():
+            with self._session_casts_off():
                 result = record.step(original, skip, flag, args, kwargs)
         except BaseException:
             record.give_back_skip()  # the step did not happen: its skip decision waits for the next one
@@ -321,11 +323,19 @@ class AmpSession:
             return contextlib.nullcontext()
         return self._cast_policy.suspended()
 
+    def _session_casts_off(self) -> contextlib.AbstractContextManager[None]:
+        """No casts for the session's own work (the backward inside ``scale_loss``, the optimizer step). Unlike the
+        user's :meth:`disable_casts`, a model forward called inside still casts (its hooks): the recompute of a
+        ``torch.utils.checkpoint`` around the model must cast as the forward did, whichever thread runs it."""
+        if self._cast_policy is None or not self._cast_policy.active:
+            return contextlib.nullcontext()
+        return self._cast_policy.suspended(by_user=False)
+
     @contextlib.contextmanager
     def _casts_off(self) -> Iterator[None]:
         """Casts suspended for a backward; the cast cache is dropped afterwards, also when the body raises."""
         try:
-            with self.disable_casts():
+            with self._session_casts_off():
                 yield
         finally:
             self.clear_cast_cache()
@@ -434,3 +444,15 @@ class AmpSession:
 def _master_format(master_weights: MasterWeights) -> MasterFormat:
     """The dial's name for a ``master_weights`` setting (``True``, and no masters, keep fp32 values)."""
     return master_weights if isinstance(master_weights, str) else "fp32"
+
+
+def _closure_with_casts(
+    policy: CastPolicy, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``step``'s arguments with its closure (the user's forward and backward, which the step runs inside its cast
+    suspension) run with the casts of the step's caller, as the same code outside a closure does."""
+    if kwargs.get("closure") is not None:
+        return args, {**kwargs, "closure": policy.casts_as_now(kwargs["closure"])}
+    if args and callable(args[0]):
+        return (policy.casts_as_now(args[0]), *args[1:]), kwargs
+    return args, kwargs

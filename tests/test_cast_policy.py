@@ -495,3 +495,130 @@ def test_checkpoint_recompute_in_another_thread_casts_like_the_forward(checkpoin
     assert len(grads) == len(reference) == 6
     for grad, expected in zip(grads, reference):
         assert torch.equal(grad, expected)
+
+
+def _grads_of_whole_model_checkpoint(checkpoint: str | None) -> list[torch.Tensor]:
+    """The model passed to initialize, checkpointed as a whole, trained in a thread other than initialize's."""
+    model = _Checkpointed(None)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O4", verbosity=0)
+    try:
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        grads: list[torch.Tensor] = []
+        errors: list[BaseException] = []
+
+        def train() -> None:
+            try:
+                if checkpoint is None:
+                    out = model(x)
+                else:
+                    out = torch.utils.checkpoint.checkpoint(model, x, use_reentrant=checkpoint == "reentrant")
+                assert out.dtype == torch.bfloat16
+                with amp.scale_loss(out.float().pow(2).sum(), optimizer) as scaled:
+                    scaled.backward()
+                grads.extend(p.grad.clone() for p in model.parameters())
+            except BaseException as error:  # re-raised in the test's thread
+                errors.append(error)
+
+        thread = threading.Thread(target=train)
+        thread.start()
+        thread.join()
+        if errors:
+            raise errors[0]
+        return grads
+    finally:
+        amp.deinitialize()
+
+
+@pytest.mark.parametrize("checkpoint", ["reentrant", "non-reentrant"])
+def test_checkpoint_around_the_model_in_another_thread_recomputes_with_its_casts(checkpoint: str) -> None:
+    # In a thread other than initialize's only the model's forward hooks cast; the recompute runs them again inside
+    # scale_loss's backward, whose cast suspension must not leave that forward uncast (non-reentrant: a
+    # CheckpointError, saved bf16 and recomputed fp32; reentrant: other gradients).
+    reference = _grads_of_whole_model_checkpoint(None)
+    grads = _grads_of_whole_model_checkpoint(checkpoint)
+    assert len(grads) == len(reference) == 6
+    for grad, expected in zip(grads, reference):
+        assert torch.equal(grad, expected)
+
+
+def test_a_forward_inside_disable_casts_stays_uncast_in_any_thread() -> None:
+    model = nn.Linear(8, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O4", verbosity=0)
+    try:
+        x = torch.randn(2, 8)
+        with amp.disable_casts():
+            assert model(x).dtype == torch.float32
+        assert model(x).dtype == torch.bfloat16
+    finally:
+        amp.deinitialize()
+
+
+@pytest.mark.parametrize("checkpoint", ["reentrant", "non-reentrant"])
+def test_checkpoint_around_the_model_inside_disable_casts_recomputes_uncast(checkpoint: str) -> None:
+    # The forward ran inside the user's disable_casts(), the backward outside it: the recompute stays uncast too.
+    model = _Checkpointed(None)
+    reference = [p.detach().clone() for p in model.parameters()]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O4", verbosity=0)
+    try:
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        with amp.disable_casts():
+            out = torch.utils.checkpoint.checkpoint(model, x, use_reentrant=checkpoint == "reentrant")
+        assert out.dtype == torch.float32
+        with amp.scale_loss(out.pow(2).sum(), optimizer) as scaled:
+            scaled.backward()
+        fp32 = _Checkpointed(None)
+        with torch.no_grad():
+            for p, value in zip(fp32.parameters(), reference):
+                p.copy_(value)
+        with amp.disable_casts():  # the fp32 reference, in the initializing thread
+            fp32(x).pow(2).sum().backward()
+        for p, expected in zip(model.parameters(), fp32.parameters()):
+            assert torch.equal(p.grad, expected.grad)
+    finally:
+        amp.deinitialize()
+
+
+@pytest.mark.parametrize("other_thread", [False, True], ids=["initializing-thread", "other-thread"])
+def test_a_step_closure_runs_its_forward_with_the_casts(other_thread: bool) -> None:
+    # The optimizer step runs without casts, but its closure is the user's forward and backward.
+    model = nn.Linear(8, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = amp.initialize(model, optimizer, opt_level="O4", verbosity=0)
+    try:
+        x = torch.randn(2, 8)
+        seen: list[tuple[torch.dtype, torch.dtype]] = []
+        errors: list[BaseException] = []
+
+        def closure() -> torch.Tensor:
+            optimizer.zero_grad()
+            out = model(x)
+            seen.append((out.dtype, torch.mm(x, x.t()).dtype))
+            loss = out.float().pow(2).mean()
+            with amp.scale_loss(loss, optimizer) as scaled:
+                scaled.backward()
+            return loss
+
+        def train() -> None:
+            try:
+                optimizer.step(closure)
+                seen.append((model(x).dtype, torch.mm(x, x.t()).dtype))
+            except BaseException as error:  # re-raised in the test's thread
+                errors.append(error)
+
+        if other_thread:
+            thread = threading.Thread(target=train)
+            thread.start()
+            thread.join()
+        else:
+            train()
+        if errors:
+            raise errors[0]
+        # As the same code outside a closure: the model's forward cast in any thread, other torch calls in the
+        # initializing thread only.
+        outside = torch.float32 if other_thread else torch.bfloat16
+        assert seen == [(torch.bfloat16, outside), (torch.bfloat16, outside)]
+    finally:
+        amp.deinitialize()

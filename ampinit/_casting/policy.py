@@ -213,11 +213,18 @@ class CastPolicy:
             KERNELS.release(self._acquired.pop())
 
     @contextlib.contextmanager
-    def suspended(self) -> Iterator[None]:
-        """No casting inside; the previous state comes back on exit, also when the body raises."""
+    def suspended(self, *, by_user: bool = True) -> Iterator[None]:
+        """No casting inside; the previous state comes back on exit, also when the body raises.
+
+        ``by_user``: the user's ``disable_casts()``, inside which a model forward stays uncast too. The session's own
+        suspensions (the backward inside ``scale_loss``, the optimizer step) pass False: a model forward run there
+        is the recompute of a ``torch.utils.checkpoint`` around the model, which must cast as the original forward
+        did (:meth:`install_forward_hooks`).
+        """
         # Flipping the thread's autocast flags directly: a ``torch.autocast`` object per device costs tens of
         # microseconds, and this runs at least twice per training step (backward and optimizer step).
-        self._local.suspended = getattr(self._local, "suspended", 0) + 1
+        counter = "suspended" if by_user else "session_suspended"
+        setattr(self._local, counter, getattr(self._local, counter, 0) + 1)
         saved = [(device, torch.is_autocast_enabled(device)) for device in self.device_types]
         try:
             for device, _ in saved:
@@ -226,7 +233,46 @@ class CastPolicy:
         finally:
             for device, enabled in saved:
                 torch.set_autocast_enabled(device, enabled)
-            self._local.suspended -= 1
+            setattr(self._local, counter, getattr(self._local, counter) - 1)
+
+    def casts_as_now(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` (a step's closure: the user's forward and backward), to run with the casts of the calling thread
+        as they are now, also when it is called inside a suspension (the optimizer step), in this thread."""
+        thread = threading.get_ident()
+        enabled = [(device, torch.is_autocast_enabled(device)) for device in self.device_types]
+        user, session = getattr(self._local, "suspended", 0), getattr(self._local, "session_suspended", 0)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if threading.get_ident() != thread:
+                return fn(*args, **kwargs)
+            inside = [(device, torch.is_autocast_enabled(device)) for device in self.device_types]
+            counts = getattr(self._local, "suspended", 0), getattr(self._local, "session_suspended", 0)
+            self._local.suspended, self._local.session_suspended = user, session
+            for device, on in enabled:
+                torch.set_autocast_enabled(device, on)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                for device, on in inside:
+                    torch.set_autocast_enabled(device, on)
+                self._local.suspended, self._local.session_suspended = counts
+
+        return call
+
+    def _forward_uncast(self) -> bool:
+        """Whether a model forward entered now stays uncast.
+
+        Inside the user's ``disable_casts()``, yes. Inside the session's own suspension (the backward of
+        ``scale_loss``), a model forward is the recompute of a ``torch.utils.checkpoint`` around the model, which
+        restored the autocast state found where the checkpoint was called: in the activating thread that state
+        says whether the original forward was cast (casts are on there except inside ``disable_casts()``); in any
+        other thread casts are off outside model forwards, and the forward cast by its hooks, as the recompute does.
+        """
+        if getattr(self._local, "suspended", 0):
+            return True
+        if getattr(self._local, "session_suspended", 0) and threading.get_ident() == self._thread:
+            return not any(torch.is_autocast_enabled(device) for device in self.device_types)
+        return False
 
     def clear_cache(self) -> None:
         """Forget cached weight casts (weights change at every optimizer step)."""
@@ -242,7 +288,7 @@ class CastPolicy:
                 # Weights may have changed since the last forward outside the optimizer (``load_state_dict``
                 # between eval forwards, a manual update): casts live for one outermost forward at most.
                 self.clear_cache()
-            if getattr(self._local, "suspended", 0):  # a forward inside disable_casts() stays uncast
+            if self._forward_uncast():  # a forward inside disable_casts() stays uncast
                 stack.append((id(module), None))
                 return
             saved = [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in self.device_types]
