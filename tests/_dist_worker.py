@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -151,19 +152,27 @@ def resume(rank: int, world: int, out: Path) -> None:
     torch.save({"uninterrupted": uninterrupted, "resumed": resumed}, out / f"resume.{rank}.pt")
 
 
+def two_halves_first_in_no_sync(
+    ddp: DDP, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, delay_unscale: bool
+) -> None:
+    """One accumulation of two halves of the rank's batch: the first inside ``no_sync()`` (``delay_unscale`` as
+    given), the second outside it, whose backward all-reduces."""
+    halves = list(zip(x.chunk(2), y.chunk(2)))
+    with ddp.no_sync():
+        loss = (ddp(halves[0][0]).float() - halves[0][1]).pow(2).mean() / 2
+        with amp.scale_loss(loss, opt, delay_unscale=delay_unscale) as scaled:
+            scaled.backward()
+    loss = (ddp(halves[1][0]).float() - halves[1][1]).pow(2).mean() / 2
+    with amp.scale_loss(loss, opt) as scaled:
+        scaled.backward()
+
+
 def accumulate_with_no_sync(rank: int, world: int, out: Path) -> None:
     x, y = shard(rank, world)
     model, opt = build("O2", loss_scale=256.0)
     ddp = DDP(model)
     opt.zero_grad()
-    halves = list(zip(x.chunk(2), y.chunk(2)))
-    with ddp.no_sync():
-        loss = (ddp(halves[0][0]).float() - halves[0][1]).pow(2).mean() / 2
-        with amp.scale_loss(loss, opt, delay_unscale=True) as scaled:
-            scaled.backward()
-    loss = (ddp(halves[1][0]).float() - halves[1][1]).pow(2).mean() / 2
-    with amp.scale_loss(loss, opt) as scaled:
-        scaled.backward()
+    two_halves_first_in_no_sync(ddp, opt, x, y, delay_unscale=True)
     grads = [p.grad.clone() for p in amp.master_params(opt)]
     opt.step()
     torch.save({"grads": grads, "params": params(model)}, out / f"no_sync.{rank}.pt")
@@ -380,23 +389,14 @@ def accumulate_with_no_sync_without_delay_unscale(rank: int, world: int, out: Pa
     """The native-AMP habit: the first micro-batch inside ``no_sync()``, no ``delay_unscale``. amp moved the first
     block's grads out of ``.grad`` for the second backward, whose all-reduce then carried the second's alone: each
     rank stepped with its own first half (found by the twentieth session's distributed audit)."""
-    import warnings
-
     x, y = shard(rank, world)
     for level in [*NO_SYNC_LEVELS, "O2"]:
         model, opt = build(level)
         ddp = DDP(model)
         opt.zero_grad()
-        halves = list(zip(x.chunk(2), y.chunk(2)))
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            with ddp.no_sync():
-                loss = (ddp(halves[0][0]).float() - halves[0][1]).pow(2).mean() / 2
-                with amp.scale_loss(loss, opt) as scaled:
-                    scaled.backward()
-            loss = (ddp(halves[1][0]).float() - halves[1][1]).pow(2).mean() / 2
-            with amp.scale_loss(loss, opt) as scaled:
-                scaled.backward()
+            two_halves_first_in_no_sync(ddp, opt, x, y, delay_unscale=False)
         grads = [p.grad.clone() for p in amp.master_params(opt)]
         opt.step()
         warned = any("delay_unscale=True" in str(w.message) for w in caught)

@@ -585,17 +585,16 @@ def test_fused_adam_in_the_kernels_counts_a_step_of_a_group_without_grads(
 
 
 @pytest.mark.parametrize(
-    "options",
+    ("options", "on_kernels"),
     [
-        dict(master_weights="remainder"),
-        dict(master_weights="remainder8"),
-        dict(master_weights="stochastic"),
-        dict(optimizer_state="8bit"),
-        dict(master_weights="remainder", optimizer_state="bf16"),
+        (dict(master_weights="remainder"), False),
+        (dict(master_weights="remainder"), True),
+        (dict(master_weights="stochastic"), True),  # the dial's step (remainder8 takes the same one)
+        (dict(optimizer_state="8bit"), False),  # the compressed state's step, fp32 masters
+        (dict(master_weights="remainder", optimizer_state="bf16"), True),
     ],
-    ids=["remainder", "remainder8", "stochastic", "8bit-state", "remainder-bf16-state"],
+    ids=["remainder-chunked", "remainder-kernels", "stochastic-kernels", "8bit-state-chunked", "remainder-bf16"],
 )
-@pytest.mark.parametrize("on_kernels", [False, True], ids=["chunked", "kernels"])
 def test_fused_adam_under_the_dial_counts_a_step_of_a_group_without_grads(
     triton_interpreter: ModuleType, options: dict[str, Any], on_kernels: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -14,6 +14,7 @@ rule holds across it: one overflow halves the scale once and skips only the opti
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 import torch
@@ -201,6 +202,17 @@ def test_deferred_then_plain_block_backs_off_once_for_one_overflow(inf_in: int) 
     amp.deinitialize()
 
 
+def _two_models_at_o2() -> tuple[nn.Module, nn.Module, torch.optim.Optimizer, torch.optim.Optimizer, Any, Any]:
+    """Two models (eval: no BatchNorm statistics move), an SGD optimizer each, one O2 session over both."""
+    (model_a, x, y), (model_b, _, _) = make_problem(0), make_problem(1)
+    model_a.eval()
+    model_b.eval()
+    opt_a = torch.optim.SGD(model_a.parameters(), 0.1)
+    opt_b = torch.optim.SGD(model_b.parameters(), 0.1)
+    amp.initialize([model_a, model_b], [opt_a, opt_b], opt_level="O2", verbosity=0)
+    return model_a, model_b, opt_a, opt_b, x, y
+
+
 def test_deferred_overflow_of_one_optimizer_does_not_skip_another_optimizers_clean_block() -> None:
     """A clean plain block must not be skipped because of another block's deferred overflow.
 
@@ -211,12 +223,7 @@ def test_deferred_overflow_of_one_optimizer_does_not_skip_another_optimizers_cle
 
     Found by: the review of the loss-scaling and overflow machinery.
     """
-    (model_a, x, y), (model_b, _, _) = make_problem(0), make_problem(1)
-    model_a.eval()
-    model_b.eval()
-    opt_a = torch.optim.SGD(model_a.parameters(), 0.1)
-    opt_b = torch.optim.SGD(model_b.parameters(), 0.1)
-    amp.initialize([model_a, model_b], [opt_a, opt_b], opt_level="O2", verbosity=0)
+    model_a, model_b, opt_a, opt_b, x, y = _two_models_at_o2()
     scale_loss_block(model_a, opt_a, x, y, inf=True, defer=True)
     scale_loss_block(model_b, opt_b, x, y, inf=False, defer=False)
     b_before = [p.detach().clone() for p in model_b.parameters()]
@@ -238,12 +245,7 @@ def test_deferred_blocks_of_one_loss_are_decided_block_by_block() -> None:
 
     Found by: the loss-scaling audit.
     """
-    (model_a, x, y), (model_b, _, _) = make_problem(0), make_problem(1)
-    model_a.eval()
-    model_b.eval()
-    opt_a = torch.optim.SGD(model_a.parameters(), 0.1)
-    opt_b = torch.optim.SGD(model_b.parameters(), 0.1)
-    amp.initialize([model_a, model_b], [opt_a, opt_b], opt_level="O2", verbosity=0)
+    model_a, model_b, opt_a, opt_b, x, y = _two_models_at_o2()
     scale_loss_block(model_a, opt_a, x, y, inf=True, defer=True)
     scale_loss_block(model_b, opt_b, x, y, inf=False, defer=True)
     b_before = [p.detach().clone() for p in model_b.parameters()]
