@@ -337,8 +337,8 @@ def _check_master_params_not_shared(
             for param in group["params"]:
                 if planned.get(id(param), param.dtype) not in HALF_DTYPES:
                     continue
-                first = owner.setdefault(id(param), -1)
-                if first == -1:
+                first = owner.get(id(param))
+                if first is None:
                     owner[id(param)] = index
                     continue
                 where = f"twice in optimizer {index}" if first == index else f"in optimizers {first} and {index}"
