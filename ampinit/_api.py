@@ -13,10 +13,10 @@ from ampinit import _registry
 from ampinit._distributed import is_sharded
 from ampinit._loss_scale import DynamicLossScale
 from ampinit._masters import dial_setting, remainder_update
-from ampinit._model_cast import plan
 from ampinit._opt_levels import Properties
 from ampinit._options import DEFAULT_MAX_LOSS_SCALE, AmpOptions, OptimizerStateName, resolve_options
 from ampinit._session import AmpSession, AmpStats
+from ampinit._setup import planned_dtypes
 from ampinit._types import HALF_DTYPES, MODEL_DTYPES, CastPolicyName, Optimizers, OptLevel
 
 # What initialize returns has the shape it was given: a model or a list of models, and so for optimizers.
@@ -327,10 +327,7 @@ def _check_master_params_not_shared(
     """
     if not properties.uses_master_weights:
         return
-    planned: dict[int, torch.dtype] = {}
-    if properties.model_dtype is not None:
-        for model in models:
-            planned.update(plan(model, properties.model_dtype, bool(properties.keep_batchnorm_fp32)))
+    planned = planned_dtypes(models, properties)
     owner: dict[int, int] = {}  # id(param) -> the index of the first optimizer that lists it
     for index, opt in enumerate(optimizers):
         for group in opt.param_groups:

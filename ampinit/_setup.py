@@ -35,7 +35,7 @@ def install(
 ) -> CastPolicy | None:
     """Cast the models, give the optimizers their masters and amp's ``step``; return the O1/O4 cast policy."""
     props = options.properties
-    planned = _planned_dtypes(models, props)
+    planned = planned_dtypes(models, props)
     if not props.uses_master_weights:
         # Warned before anything changes: where warnings are errors (``-W error``, pytest's filterwarnings), the
         # raise must not leave weights cast and cast back without masters, which rounds them to fp16.
@@ -89,7 +89,7 @@ def _warn_of_a_vanishing_eps(records: Sequence[OptimizerRecord], planned: dict[i
                 break
 
 
-def _planned_dtypes(models: Sequence[nn.Module], props: Properties) -> dict[int, torch.dtype]:
+def planned_dtypes(models: Sequence[nn.Module], props: Properties) -> dict[int, torch.dtype]:
     """The dtype each parameter and buffer (by ``id``) that the model cast converts will have."""
     planned: dict[int, torch.dtype] = {}
     if props.model_dtype is not None:

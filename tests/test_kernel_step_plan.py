@@ -233,6 +233,14 @@ def _refused_then_retried(refuse: bool, overflow: bool, device_decides: bool) ->
         amp.deinitialize()
 
 
+def _retry_is_the_step(run: Callable[..., list[torch.Tensor]], *args: Any) -> list[torch.Tensor]:
+    """``run(True, *args)`` (a step refused, the state put back, the step retried) against ``run(False, *args)`` (the
+    same steps never refused), every tensor bit for bit; returns the refused run's tensors."""
+    got, want = run(True, *args), run(False, *args)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    return got
+
+
 @pytest.mark.parametrize(
     ("overflow", "device_decides"),
     # An overflow decided on the host skips the step before anything reads the moments: nothing to refuse.
@@ -248,9 +256,7 @@ def test_a_refused_step_changes_nothing_and_its_retry_is_the_step(
     # one ahead moves every later bias correction), and the step's skip decision must wait for the retried step
     # (taken as clean, an inf grad reaches every master). The retry, the moments put back, must then be the step
     # that was never refused, in every bit.
-    got = _refused_then_retried(True, overflow, device_decides)
-    want = _refused_then_retried(False, overflow, device_decides)
-    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    got = _retry_is_the_step(_refused_then_retried, overflow, device_decides)
     if overflow:
         assert all(torch.isfinite(t).all() for t in got)
 
@@ -295,9 +301,7 @@ def test_a_refused_sgd_step_starts_no_momentum_buffer_and_its_retry_is_the_step(
     # takes the grad as the buffer). The refusable launch, over buffers found in opt.state, goes first: a refusal
     # once came after the starting launch, whose weights had stepped and whose buffers stayed, so the retry stepped
     # them twice and took the started buffer as a later one (momentum * buffer + (1 - dampening) * grad).
-    got = _sgd_refused_then_retried(True)
-    want = _sgd_refused_then_retried(False)
-    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    _retry_is_the_step(_sgd_refused_then_retried)
 
 
 def _two_groups_refused_then_retried(refuse: bool, optimizer: str, device_decides: bool) -> list[torch.Tensor]:
@@ -346,9 +350,7 @@ def test_a_step_of_several_launches_refused_at_a_later_one_changes_nothing(
     # Each param group is a launch of its own. The second group's state is refused when its tables are made, which
     # happened at its own launch, after the first group's had stepped its weights (and advanced its counts): the
     # retry stepped them twice. A step of several launches now makes every launch's tables before the first.
-    got = _two_groups_refused_then_retried(True, optimizer, device_decides)
-    want = _two_groups_refused_then_retried(False, optimizer, device_decides)
-    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    _retry_is_the_step(_two_groups_refused_then_retried, optimizer, device_decides)
 
 
 def test_an_optimizer_state_of_other_sizes_is_refused(kernels_on_cpu: ModuleType) -> None:
